@@ -1,0 +1,86 @@
+"""The rollout policy's knobs, as documented pydantic models.
+
+A wrong value is refused with an error naming the field (``pydantic.ValidationError``); a field
+name that does not exist is refused too, so a renamed field fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["sync", "april", "async"]
+OverBoundPolicy = Literal["restart", "drop"]
+
+
+class SamplingConfig(BaseModel):
+    """Sampling settings sent with every generate lease."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; 1 disables it."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens; 0 disables it."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response (finish reason ``stop``)."""
+
+
+class RolloutConfig(BaseModel):
+    """The broker's policy: APRIL's three knobs, the batch shape and the lease timing.
+
+    Modes: ``sync`` is the baseline (r = 1, no early termination, η = 0, training between rollout
+    steps); ``april`` over-provisions (r > 1), aborts what is left in flight once ``B`` groups are
+    complete and recycles it as partials, and trains between rollout steps; ``async`` generates
+    continuously, updates weights in flight and bounds the off-policy lag by η.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = "april"
+    """``sync`` | ``april`` | ``async``."""
+    batch_groups: int = Field(8, ge=1)
+    """B: whole groups per learner batch."""
+    group_size: int = Field(4, ge=1)
+    """n: samples per prompt (a group); advantages are normalised within it."""
+    over_provision: float = Field(2.0, ge=1.0, le=16.0)
+    """r: keep up to ceil(r·B) groups leased at once (× n samples)."""
+    staleness_bound: int = Field(1, ge=0)
+    """η: a sample whose oldest token came from version v is delivered at learner version V only if V − v ≤ η."""
+    over_bound: OverBoundPolicy = "restart"
+    """What happens to a held sample that would break η: ``restart`` drops its tokens (counted) and
+    regenerates it; ``drop`` retires its whole group (counted)."""
+    max_response_tokens: int = Field(256, ge=1)
+    """Budget of one response; a resumed partial gets what is left of it."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Prompts longer than this are refused at admission."""
+    lease_timeout_s: float = Field(30.0, gt=0.0)
+    """A lease whose generator is silent this long is reclaimed as a partial."""
+    score_timeout_s: float = Field(60.0, gt=0.0)
+    """A score request unanswered this long is offered to another scorer."""
+    async_max_ready_batches: int = Field(2, ge=1)
+    """``async`` only: stop starting new groups while this many batches are ready and unpulled."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings for every lease."""
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> RolloutConfig:
+        if self.mode == "sync":
+            if self.over_provision != 1.0:
+                raise ValueError(f"mode 'sync' needs over_provision = 1, got {self.over_provision}")
+            if self.staleness_bound != 0:
+                raise ValueError(f"mode 'sync' needs staleness_bound = 0, got {self.staleness_bound}")
+        return self
+
+    @property
+    def max_inflight_groups(self) -> int:
+        """ceil(r·B): the most groups with a leased sample at once."""
+        return math.ceil(self.over_provision * self.batch_groups - 1e-9)
+
+    @property
+    def max_inflight_samples(self) -> int:
+        return self.max_inflight_groups * self.group_size

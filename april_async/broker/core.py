@@ -1,0 +1,771 @@
+"""The broker's APRIL policy as a pure state machine: plain data, no I/O, no clock reads.
+
+Every sample of every admitted group is in exactly one *place*::
+
+    queued ──lease──► leased ──finish(stop|length)──► finished ──scored──► scored ──pull──► delivered
+                        │  ▲                                                  (whole groups of n,
+       abort / expiry   │  │ lease (recycled first)                             B groups a batch)
+                        ▼  │
+                      partial ◄──── restart (η broken: tokens dropped, counted)
+    any held place ──── drop (η broken) / score error ────► retired (whole group, reason counted)
+
+Time is an argument (``now``, seconds on the caller's clock). Methods that must make the outside
+world do something (abort a lease) return ``AbortLease`` effects; the service sends them.
+Reports are idempotent: a report on an unknown or ended lease, a chunk already applied, a score
+for a sample not awaiting one, an old version — each is a counted no-op, so redelivery is safe.
+
+``to_bytes``/``from_bytes`` snapshot the whole state; the derived indexes are rebuilt on restore.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import msgpack
+
+from april_async.broker.config import RolloutConfig
+
+SNAPSHOT_FORMAT = 1
+
+
+class Place(enum.StrEnum):
+    QUEUED = "queued"  # never leased
+    LEASED = "leased"  # a generator works on it
+    PARTIAL = "partial"  # waits to be resumed (aborted, reclaimed or restarted); keeps its tokens
+    FINISHED = "finished"  # generation ended (stop/length); awaits its reward
+    SCORED = "scored"  # rewarded; its group may not be complete yet
+    DELIVERED = "delivered"  # handed to the learner in a batch
+    RETIRED = "retired"  # its group was retired, with a counted reason
+
+
+HELD_PLACES = (Place.PARTIAL, Place.FINISHED, Place.SCORED)
+
+
+class BrokerError(ValueError):
+    """A request the broker refuses (the message names the offending value)."""
+
+
+@dataclass
+class Sample:
+    sample_id: int
+    group_id: int
+    index: int  # 0 .. n-1 within its group
+    place: Place = Place.QUEUED
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list[int]] = field(default_factory=list)  # [[version, count], ...] run-length
+    attempts: int = 0  # leases issued for it
+    lease_id: int | None = None
+    finish_reason: str | None = None
+    reward: float | None = None
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min(v for v, _ in self.spans) if self.spans else None
+
+
+@dataclass
+class Group:
+    group_id: int
+    prompt_id: str
+    prompt: list[int]
+    task: str
+    meta: dict
+    sample_ids: list[int]
+    admitted_at: float
+    state: str = "open"  # open | delivered | retired
+    retire_reason: str | None = None
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    sample_id: int
+    generator: str
+    deadline: float
+    aborting: bool = False
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """What a generator needs to work on one sample (becomes a ``generate`` message)."""
+
+    lease_id: int
+    sample_id: int
+    group_id: int
+    prompt: list[int]
+    resume: list[int]
+    max_new_tokens: int
+    min_policy_version: int
+
+
+@dataclass(frozen=True)
+class ScoreTask:
+    """What a scorer needs to reward one sample (becomes a ``score_request``)."""
+
+    sample_id: int
+    group_id: int
+    prompt: list[int]
+    response: list[int]
+    finish_reason: str
+    task: str
+    meta: dict
+
+
+@dataclass(frozen=True)
+class AbortLease:
+    """Effect: tell ``generator`` to stop ``lease_id`` and report what it has."""
+
+    generator: str
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class BatchSampleOut:
+    sample_id: int
+    reward: float
+    finish_reason: str
+    tokens: list[int]
+    logprobs: list[float]
+    spans: list[list[int]]
+
+
+@dataclass(frozen=True)
+class BatchGroupOut:
+    group_id: int
+    prompt_id: str
+    prompt: list[int]
+    task: str
+    meta: dict
+    samples: list[BatchSampleOut]
+
+
+@dataclass(frozen=True)
+class BatchOut:
+    batch_id: int
+    policy_version: int
+    groups: list[BatchGroupOut]
+
+
+@dataclass
+class Counters:
+    """Everything a user will plot. Plain ints, or dicts of ints keyed by a reason or a lag."""
+
+    groups_admitted: int = 0
+    duplicate_prompts: int = 0
+    leases_issued: int = 0
+    leases_expired: int = 0
+    aborts_sent: int = 0
+    early_terminations: int = 0
+    partials_created: int = 0  # abort reports and reclaimed leases that kept their tokens
+    partials_recycled: int = 0  # resumes of a sample that already had tokens
+    tokens_resumed: int = 0  # tokens carried into those resumes (not regenerated)
+    tokens_generated: int = 0  # tokens accepted from generators
+    tokens_duplicate: int = 0  # tokens re-sent and ignored
+    tokens_over_budget: int = 0  # tokens past max_response_tokens, ignored
+    chunk_gaps: int = 0  # chunks that started beyond what the broker held, ignored
+    stale_reports: int = 0  # reports on unknown or ended leases, ignored
+    samples_finished: int = 0
+    restarts: int = 0  # samples restarted for breaking η
+    tokens_discarded: int = 0  # tokens dropped by those restarts
+    groups_retired: dict = field(default_factory=dict)  # reason -> groups
+    tokens_retired: int = 0
+    scores_ok: int = 0
+    score_errors: int = 0
+    score_timeouts: int = 0
+    stale_scores: int = 0
+    batches_delivered: int = 0
+    groups_delivered: int = 0
+    samples_delivered: int = 0
+    tokens_delivered: int = 0
+    off_policy_tokens: int = 0  # delivered tokens made by a version older than the learner's
+    staleness_tokens: dict = field(default_factory=dict)  # lag V - v -> delivered tokens
+    staleness_samples: dict = field(default_factory=dict)  # lag V - oldest -> delivered samples
+    version_updates: int = 0
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _bump(d: dict, key, by: int = 1) -> None:
+    d[key] = d.get(key, 0) + by
+
+
+class BrokerCore:
+    """The rollout ledger and the APRIL policy. See the module docstring."""
+
+    def __init__(self, config: RolloutConfig):
+        self.config = config
+        self.version = 0  # the newest policy version published
+        self.samples: dict[int, Sample] = {}
+        self.groups: dict[int, Group] = {}
+        self.leases: dict[int, Lease] = {}
+        self.scoring: dict[int, tuple[str, float]] = {}  # sample_id -> (scorer, deadline)
+        self.counters = Counters()
+        self.prompt_ids: set[str] = set()
+        self.step_groups: set[int] = set()  # sync/april: groups leased in this rollout step
+        self.awaiting_version: int | None = None  # sync/april: a batch went out at this version
+        self._next = {"group": 0, "sample": 0, "lease": 1, "batch": 0}
+        self._rebuild_indexes()
+
+    # ------------------------------------------------------------------ indexes (derived state)
+
+    def _rebuild_indexes(self) -> None:
+        # Ordered sets (dicts): the queue of each place, in arrival order.
+        self._fresh: dict[int, None] = {}
+        self._recycle: dict[int, None] = {}
+        self._unscored: dict[int, None] = {}  # finished, not out for scoring
+        self._done: dict[int, None] = {}  # open groups whose n samples are finished or scored
+        self._ready: dict[int, None] = {}  # open groups whose n samples are scored
+        self._live: dict[int, None] = {}  # samples not delivered or retired
+        self._place_counts: Counter[Place] = Counter()
+        self._n_leased: Counter[int] = Counter()  # group -> leased samples
+        self._n_done: Counter[int] = Counter()
+        self._n_scored: Counter[int] = Counter()
+        self._gen_leases: dict[str, set[int]] = {}
+        for s in self.samples.values():
+            self._index_add(s)
+        for lease in self.leases.values():
+            self._gen_leases.setdefault(lease.generator, set()).add(lease.lease_id)
+
+    def _index_add(self, s: Sample) -> None:
+        self._place_counts[s.place] += 1
+        gid = s.group_id
+        if s.place not in (Place.DELIVERED, Place.RETIRED):
+            self._live[s.sample_id] = None
+        if s.place is Place.QUEUED:
+            self._fresh[s.sample_id] = None
+        elif s.place is Place.PARTIAL:
+            self._recycle[s.sample_id] = None
+        elif s.place is Place.LEASED:
+            self._n_leased[gid] += 1
+        elif s.place is Place.FINISHED and s.sample_id not in self.scoring:
+            self._unscored[s.sample_id] = None
+        if s.place in (Place.FINISHED, Place.SCORED):
+            self._n_done[gid] += 1
+            if self._n_done[gid] == self.config.group_size:
+                self._done[gid] = None
+        if s.place is Place.SCORED:
+            self._n_scored[gid] += 1
+            if self._n_scored[gid] == self.config.group_size:
+                self._ready[gid] = None
+
+    def _index_remove(self, s: Sample) -> None:
+        self._place_counts[s.place] -= 1
+        gid = s.group_id
+        self._live.pop(s.sample_id, None)
+        self._fresh.pop(s.sample_id, None)
+        self._recycle.pop(s.sample_id, None)
+        self._unscored.pop(s.sample_id, None)
+        if s.place is Place.LEASED:
+            self._n_leased[gid] -= 1
+            if not self._n_leased[gid]:
+                del self._n_leased[gid]
+        if s.place in (Place.FINISHED, Place.SCORED):
+            self._n_done[gid] -= 1
+            self._done.pop(gid, None)
+        if s.place is Place.SCORED:
+            self._n_scored[gid] -= 1
+            self._ready.pop(gid, None)
+
+    def _move(self, s: Sample, place: Place) -> None:
+        """The one way a sample changes place: keeps every index in step."""
+        self._index_remove(s)
+        if s.place is Place.FINISHED:
+            self.scoring.pop(s.sample_id, None)
+        s.place = place
+        self._index_add(s)
+
+    # ------------------------------------------------------------------ views
+
+    def place_counts(self) -> dict[str, int]:
+        return {p.value: self._place_counts[p] for p in Place}
+
+    def samples_in(self, place: Place) -> list[int]:
+        return [sid for sid, s in self.samples.items() if s.place is place]
+
+    def leased_groups(self) -> int:
+        return len(self._n_leased)
+
+    def leases_of(self, generator: str) -> list[int]:
+        return sorted(self._gen_leases.get(generator, ()))
+
+    def recycle_queue(self) -> list[int]:
+        return list(self._recycle)
+
+    def fresh_queue(self) -> list[int]:
+        return list(self._fresh)
+
+    def done_groups(self) -> list[int]:
+        return list(self._done)
+
+    def ready_groups(self) -> list[int]:
+        return list(self._ready)
+
+    def is_stale(self, s: Sample, version: int | None = None) -> bool:
+        """True when ``s`` holds a token older than the staleness bound allows at ``version``."""
+        oldest = s.oldest_version
+        v = self.version if version is None else version
+        return oldest is not None and v - oldest > self.config.staleness_bound
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, prompt_id: str, prompt: Sequence[int], now: float, *, task: str = "", meta: dict | None = None) -> int | None:
+        """Admit a prompt as a group of n queued samples. A prompt id seen before is a no-op (None)."""
+        if prompt_id in self.prompt_ids:
+            self.counters.duplicate_prompts += 1
+            return None
+        if not prompt:
+            raise BrokerError(f"prompt {prompt_id!r} is empty")
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise BrokerError(
+                f"prompt {prompt_id!r} has {len(prompt)} tokens, over max_prompt_tokens={self.config.max_prompt_tokens}"
+            )
+        gid = self._take("group")
+        ids = [self._take("sample") for _ in range(self.config.group_size)]
+        self.groups[gid] = Group(gid, prompt_id, [int(t) for t in prompt], task, dict(meta or {}), ids, now)
+        self.prompt_ids.add(prompt_id)
+        for k, sid in enumerate(ids):
+            s = Sample(sid, gid, k)
+            self.samples[sid] = s
+            self._index_add(s)
+        self.counters.groups_admitted += 1
+        return gid
+
+    def _take(self, kind: str) -> int:
+        value = self._next[kind]
+        self._next[kind] = value + 1
+        return value
+
+    # ------------------------------------------------------------------ leasing
+
+    def _leasing_open(self) -> bool:
+        if self.config.mode == "async":
+            return True
+        return self.awaiting_version is None and len(self._done) < self.config.batch_groups
+
+    def _group_admissible(self, gid: int) -> bool:
+        cfg = self.config
+        if self._n_leased[gid]:
+            return True
+        if len(self._n_leased) >= cfg.max_inflight_groups:
+            return False
+        if cfg.mode == "async":
+            return len(self._done) < cfg.async_max_ready_batches * cfg.batch_groups
+        return gid in self.step_groups or len(self.step_groups) < cfg.max_inflight_groups
+
+    def lease(self, generator: str, max_leases: int, now: float) -> list[LeaseGrant]:
+        """Up to ``max_leases`` leases for ``generator``: recycled partials strictly first.
+
+        While any partial waits, no fresh sample is leased: if the oldest partial may not start
+        now (the in-flight bound), nothing is leased.
+        """
+        grants: list[LeaseGrant] = []
+        while len(grants) < max_leases and self._leasing_open():
+            queue = self._recycle or self._fresh
+            if not queue:
+                break
+            s = self.samples[next(iter(queue))]
+            if not self._group_admissible(s.group_id):
+                break
+            grants.append(self._grant(s, generator, now))
+        return grants
+
+    def _grant(self, s: Sample, generator: str, now: float) -> LeaseGrant:
+        lid = self._take("lease")
+        self.leases[lid] = Lease(lid, s.sample_id, generator, now + self.config.lease_timeout_s)
+        self._gen_leases.setdefault(generator, set()).add(lid)
+        if s.tokens:
+            self.counters.partials_recycled += 1
+            self.counters.tokens_resumed += len(s.tokens)
+        s.attempts += 1
+        s.lease_id = lid
+        self._move(s, Place.LEASED)
+        if self.config.mode != "async":
+            self.step_groups.add(s.group_id)
+        self.counters.leases_issued += 1
+        g = self.groups[s.group_id]
+        return LeaseGrant(
+            lease_id=lid,
+            sample_id=s.sample_id,
+            group_id=s.group_id,
+            prompt=list(g.prompt),
+            resume=list(s.tokens),
+            max_new_tokens=self.config.max_response_tokens - len(s.tokens),
+            min_policy_version=self.version,
+        )
+
+    def _end_lease(self, lease: Lease) -> Sample:
+        del self.leases[lease.lease_id]
+        owned = self._gen_leases.get(lease.generator)
+        if owned is not None:
+            owned.discard(lease.lease_id)
+            if not owned:
+                del self._gen_leases[lease.generator]
+        s = self.samples[lease.sample_id]
+        s.lease_id = None
+        return s
+
+    # ------------------------------------------------------------------ generator reports
+
+    def chunk(
+        self,
+        lease_id: int,
+        offset: int,
+        tokens: Sequence[int],
+        logprobs: Sequence[float],
+        spans: Sequence[Sequence[int]],
+        now: float,
+    ) -> bool:
+        """Apply a token chunk. Returns False when it was a no-op (unknown lease, duplicate, gap)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            self.counters.stale_reports += 1
+            return False
+        return self._accept(self.samples[lease.sample_id], offset, tokens, logprobs, spans) is not None
+
+    def _accept(self, s, offset, tokens, logprobs, spans) -> int | None:
+        """Append the part of a chunk the broker does not hold yet; None on a gap."""
+        covered = sum(count for _, count in spans)
+        if not len(tokens) == len(logprobs) == covered:
+            raise BrokerError(
+                f"chunk for sample {s.sample_id}: {len(tokens)} tokens, {len(logprobs)} log-probs, spans cover {covered}"
+            )
+        held = len(s.tokens)
+        if offset > held:
+            self.counters.chunk_gaps += 1
+            return None
+        skip = held - offset
+        if skip >= len(tokens):
+            self.counters.tokens_duplicate += len(tokens)
+            return 0
+        self.counters.tokens_duplicate += skip
+        room = self.config.max_response_tokens - held
+        take = min(len(tokens) - skip, room)
+        self.counters.tokens_over_budget += len(tokens) - skip - take
+        if take <= 0:
+            return 0
+        s.tokens.extend(int(t) for t in tokens[skip : skip + take])
+        s.logprobs.extend(float(x) for x in logprobs[skip : skip + take])
+        # Slice the run-length version spans to [skip, skip + take).
+        pos, lo, hi = 0, skip, skip + take
+        for version, count in spans:
+            a, b = max(pos, lo), min(pos + count, hi)
+            if a < b:
+                if s.spans and s.spans[-1][0] == version:
+                    s.spans[-1][1] += b - a
+                else:
+                    s.spans.append([int(version), b - a])
+            pos += count
+        self.counters.tokens_generated += take
+        return take
+
+    def finish(
+        self,
+        lease_id: int,
+        offset: int,
+        tokens: Sequence[int],
+        logprobs: Sequence[float],
+        spans: Sequence[Sequence[int]],
+        reason: str,
+        now: float,
+    ) -> list[AbortLease]:
+        """The last chunk of a lease. ``stop``/``length``: finished; ``abort``: a partial."""
+        if reason not in ("stop", "length", "abort"):
+            raise BrokerError(f"unknown finish reason {reason!r}")
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            self.counters.stale_reports += 1
+            return []
+        s = self.samples[lease.sample_id]
+        accepted = self._accept(s, offset, tokens, logprobs, spans)
+        self._end_lease(lease)
+        if len(s.tokens) >= self.config.max_response_tokens:
+            reason = "length"
+        elif accepted is None:
+            reason = "abort"  # the end of the response never reached us: resume from what we hold
+        if reason == "abort":
+            self._move(s, Place.PARTIAL)
+            self.counters.partials_created += 1
+        else:
+            s.finish_reason = reason
+            self._move(s, Place.FINISHED)
+            self.counters.samples_finished += 1
+        effects = self._enforce_bound(s)
+        return effects + self._maybe_terminate_early()
+
+    def touch(self, peer: str, now: float) -> None:
+        """Any message from ``peer`` is a heartbeat: push its lease and scoring deadlines out."""
+        deadline = now + self.config.lease_timeout_s
+        for lid in self._gen_leases.get(peer, ()):
+            self.leases[lid].deadline = deadline
+        score_deadline = now + self.config.score_timeout_s
+        for sid, (scorer, _) in self.scoring.items():
+            if scorer == peer:
+                self.scoring[sid] = (scorer, score_deadline)
+
+    def expire(self, now: float) -> list[AbortLease]:
+        """Reclaim leases and score requests whose deadline has passed (silent peers)."""
+        effects: list[AbortLease] = []
+        for lid in [lid for lid, lease in self.leases.items() if lease.deadline < now]:
+            if lid in self.leases:  # a drop-policy retirement may have ended it meanwhile
+                effects += self._reclaim(self.leases[lid])
+        for sid in [sid for sid, (_, deadline) in self.scoring.items() if deadline < now]:
+            self._return_to_scoring(sid)
+        return effects
+
+    def peer_gone(self, peer: str, now: float) -> list[AbortLease]:
+        """``peer`` said bye or was found dead: reclaim all its leases and score requests now."""
+        effects: list[AbortLease] = []
+        for lid in self.leases_of(peer):
+            if lid in self.leases:
+                effects += self._reclaim(self.leases[lid])
+        for sid in [sid for sid, (scorer, _) in self.scoring.items() if scorer == peer]:
+            self._return_to_scoring(sid)
+        return effects
+
+    def _reclaim(self, lease: Lease) -> list[AbortLease]:
+        s = self._end_lease(lease)
+        self.counters.leases_expired += 1
+        self._move(s, Place.PARTIAL)
+        if s.tokens:
+            self.counters.partials_created += 1
+        return self._enforce_bound(s)
+
+    # ------------------------------------------------------------------ scoring
+
+    def score_lease(self, scorer: str, max_tasks: int, now: float) -> list[ScoreTask]:
+        """Up to ``max_tasks`` finished samples for ``scorer``, oldest first."""
+        tasks = []
+        for sid in list(self._unscored)[:max_tasks]:
+            s = self.samples[sid]
+            g = self.groups[s.group_id]
+            del self._unscored[sid]
+            self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
+            tasks.append(ScoreTask(sid, s.group_id, list(g.prompt), list(s.tokens), s.finish_reason, g.task, dict(g.meta)))
+        return tasks
+
+    def _return_to_scoring(self, sid: int) -> None:
+        del self.scoring[sid]
+        self._unscored[sid] = None
+        self.counters.score_timeouts += 1
+
+    def scored(self, sample_id: int, reward: float, now: float) -> list[AbortLease]:
+        """Record a reward. A sample not awaiting one (duplicate, retired, restarted) is a no-op."""
+        s = self.samples.get(sample_id)
+        if s is None or s.place is not Place.FINISHED:
+            self.counters.stale_scores += 1
+            return []
+        if not math.isfinite(reward):
+            return self.score_failed(sample_id, f"non-finite reward {reward!r}", now)
+        s.reward = float(reward)
+        self._move(s, Place.SCORED)
+        self.counters.scores_ok += 1
+        return []
+
+    def score_failed(self, sample_id: int, reason: str, now: float) -> list[AbortLease]:
+        """A reward function raised or timed out: the sample's whole group is retired, counted."""
+        s = self.samples.get(sample_id)
+        if s is None or s.place is not Place.FINISHED:
+            self.counters.stale_scores += 1
+            return []
+        self.counters.score_errors += 1
+        return self.retire_group(s.group_id, "score_error")
+
+    # ------------------------------------------------------------------ staleness and retirement
+
+    def _enforce_bound(self, s: Sample) -> list[AbortLease]:
+        """Apply the over-bound policy to a held sample that breaks η at the current version."""
+        if s.place not in HELD_PLACES or not self.is_stale(s):
+            return []
+        if self.config.over_bound == "drop":
+            return self.retire_group(s.group_id, "stale")
+        self.counters.restarts += 1
+        self.counters.tokens_discarded += len(s.tokens)
+        s.tokens, s.logprobs, s.spans = [], [], []
+        s.finish_reason, s.reward = None, None
+        self._move(s, Place.PARTIAL)
+        return []
+
+    def retire_group(self, group_id: int, reason: str) -> list[AbortLease]:
+        """Retire a whole group (its leased samples are aborted); counted under ``reason``."""
+        g = self.groups.get(group_id)
+        if g is None or g.state != "open":
+            return []
+        effects = []
+        for sid in g.sample_ids:
+            s = self.samples[sid]
+            if s.place is Place.LEASED:
+                lease = self.leases[s.lease_id]
+                effects.append(AbortLease(lease.generator, lease.lease_id))
+                self._end_lease(lease)
+            self.counters.tokens_retired += len(s.tokens)
+            self._move(s, Place.RETIRED)
+        g.state, g.retire_reason = "retired", reason
+        self.step_groups.discard(group_id)
+        _bump(self.counters.groups_retired, reason)
+        self.counters.aborts_sent += len(effects)
+        return effects
+
+    def _maybe_terminate_early(self) -> list[AbortLease]:
+        """``april``: once B groups are complete, abort everything still in flight."""
+        if self.config.mode != "april" or len(self._done) < self.config.batch_groups:
+            return []
+        effects = [AbortLease(lease.generator, lid) for lid, lease in self.leases.items() if not lease.aborting]
+        if effects:
+            for e in effects:
+                self.leases[e.lease_id].aborting = True
+            self.counters.early_terminations += 1
+            self.counters.aborts_sent += len(effects)
+        return effects
+
+    # ------------------------------------------------------------------ versions and batches
+
+    def publish_version(self, version: int, now: float) -> list[AbortLease]:
+        """Policy ``version`` is out. Older or equal versions are no-ops.
+
+        Held samples that now break η get the over-bound policy; leases whose tokens already
+        break it are aborted (they come back as partials and get the policy then). In sync/april
+        a version newer than the last batch's opens the next rollout step.
+        """
+        if version <= self.version:
+            return []
+        self.version = version
+        self.counters.version_updates += 1
+        if self.awaiting_version is not None and version > self.awaiting_version:
+            self.awaiting_version = None
+            self.step_groups = {gid for gid in self._n_leased}
+        effects: list[AbortLease] = []
+        for sid in list(self._live):
+            s = self.samples[sid]
+            if s.place in HELD_PLACES:
+                effects += self._enforce_bound(s)
+            elif s.place is Place.LEASED and self.is_stale(s):
+                lease = self.leases[s.lease_id]
+                if not lease.aborting:
+                    lease.aborting = True
+                    self.counters.aborts_sent += 1
+                    effects.append(AbortLease(lease.generator, lease.lease_id))
+        return effects
+
+    def pull_batch(self, now: float) -> BatchOut | None:
+        """B whole, scored, in-bound groups for the learner, oldest first; None until there are B."""
+        B = self.config.batch_groups
+        if len(self._ready) < B:
+            return None
+        chosen = list(self._ready)[:B]
+        V = self.version
+        out_groups = []
+        for gid in chosen:
+            g = self.groups[gid]
+            samples = [self.samples[sid] for sid in g.sample_ids]
+            out_groups.append(
+                BatchGroupOut(
+                    gid,
+                    g.prompt_id,
+                    list(g.prompt),
+                    g.task,
+                    dict(g.meta),
+                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.tokens, s.logprobs, s.spans) for s in samples],
+                )
+            )
+            for s in samples:
+                self._account_delivery(s, V)
+                self._move(s, Place.DELIVERED)
+                # The tokens left with the batch; keep only the ledger entry.
+                s.tokens, s.logprobs, s.spans = [], [], [[v, c] for v, c in s.spans]
+            g.state = "delivered"
+            self.step_groups.discard(gid)
+        c = self.counters
+        c.batches_delivered += 1
+        c.groups_delivered += B
+        if self.config.mode != "async":
+            self.awaiting_version = V
+        return BatchOut(self._take("batch"), V, out_groups)
+
+    def _account_delivery(self, s: Sample, V: int) -> None:
+        c = self.counters
+        c.samples_delivered += 1
+        c.tokens_delivered += len(s.tokens)
+        for version, count in s.spans:
+            lag = V - version
+            _bump(c.staleness_tokens, lag, count)
+            if lag > 0:
+                c.off_policy_tokens += count
+        if s.spans:
+            _bump(c.staleness_samples, V - s.oldest_version)
+
+    # ------------------------------------------------------------------ snapshot
+
+    def to_bytes(self) -> bytes:
+        """The whole state as MessagePack (queue order included; derived indexes are not)."""
+        state = {
+            "format": SNAPSHOT_FORMAT,
+            "config": self.config.model_dump(mode="json"),
+            "version": self.version,
+            "next": self._next,
+            "counters": self.counters.as_dict(),
+            "prompt_ids": sorted(self.prompt_ids),
+            "step_groups": sorted(self.step_groups),
+            "awaiting_version": self.awaiting_version,
+            "groups": [
+                [g.group_id, g.prompt_id, g.prompt, g.task, g.meta, g.sample_ids, g.admitted_at, g.state, g.retire_reason]
+                for g in self.groups.values()
+            ],
+            "samples": [
+                [s.sample_id, s.group_id, s.index, s.place.value, s.tokens, s.logprobs, s.spans, s.attempts,
+                 s.lease_id, s.finish_reason, s.reward]
+                for s in self.samples.values()
+            ],
+            "leases": [[x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting] for x in self.leases.values()],
+            "scoring": [[sid, scorer, deadline] for sid, (scorer, deadline) in self.scoring.items()],
+            "order": {"fresh": list(self._fresh), "recycle": list(self._recycle), "unscored": list(self._unscored),
+                      "done": list(self._done), "ready": list(self._ready)},
+        }
+        return msgpack.packb(state, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, config: RolloutConfig | None = None) -> BrokerCore:
+        """Rebuild a core from ``to_bytes``. ``config`` overrides the stored one (same shape only)."""
+        state = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if state.get("format") != SNAPSHOT_FORMAT:
+            raise BrokerError(f"snapshot format {state.get('format')!r} is not {SNAPSHOT_FORMAT}")
+        stored = RolloutConfig.model_validate(state["config"])
+        if config is not None and config.group_size != stored.group_size:
+            raise BrokerError(f"snapshot has group_size={stored.group_size}, config says {config.group_size}")
+        core = cls(config or stored)
+        core.version = state["version"]
+        core._next = dict(state["next"])
+        core.counters = Counters(**state["counters"])
+        core.prompt_ids = set(state["prompt_ids"])
+        core.step_groups = set(state["step_groups"])
+        core.awaiting_version = state["awaiting_version"]
+        for gid, pid, prompt, task, meta, sids, at, gstate, why in state["groups"]:
+            core.groups[gid] = Group(gid, pid, prompt, task, meta, sids, at, gstate, why)
+        for sid, gid, idx, place, toks, lps, spans, attempts, lid, reason, reward in state["samples"]:
+            core.samples[sid] = Sample(sid, gid, idx, Place(place), toks, lps, spans, attempts, lid, reason, reward)
+        for lid, sid, gen, deadline, aborting in state["leases"]:
+            core.leases[lid] = Lease(lid, sid, gen, deadline, aborting)
+        for sid, scorer, deadline in state["scoring"]:
+            core.scoring[sid] = (scorer, deadline)
+        core._rebuild_indexes()
+        # Queue order is part of the policy (FIFO fairness): the indexes rebuilt from the samples
+        # must hold what the snapshot lists, in the snapshot's order.
+        for name, ids in state["order"].items():
+            attr = "_" + name
+            if set(getattr(core, attr)) != set(ids):
+                raise BrokerError(f"snapshot is inconsistent: queue {name!r} does not match the samples' places")
+            setattr(core, attr, dict.fromkeys(ids))
+        return core
+
+    def rebase_deadlines(self, now: float) -> None:
+        """After a restart the old clock's deadlines mean nothing: give every peer a full timeout."""
+        for lease in self.leases.values():
+            lease.deadline = now + self.config.lease_timeout_s
+        for sid, (scorer, _) in self.scoring.items():
+            self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
+

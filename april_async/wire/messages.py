@@ -1,0 +1,340 @@
+"""Every message of the april-async protocol, as typed structs.
+
+This module builds messages and opens no sockets. Each body struct carries a one-line comment
+"producer → consumer". Bulk arrays (token ids, log-probs) are ``numpy`` arrays in Python and
+travel as separate zero-copy frames; the header holds a small reference to each (see
+``codec.py`` and ``proto/SPEC.md`` §Frames). Optional fields default to ``None``; a peer MUST
+ignore fields it does not know (that is how a minor version adds fields).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgspec
+import numpy as np
+
+
+# Dtypes of bulk arrays on the wire: little-endian, fixed width.
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+Role = Literal["broker", "generator", "scorer", "learner", "broadcaster"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Base of all message bodies. ``msg_type`` is the value in the envelope."""
+
+    msg_type: ClassVar[str]
+    # Field name -> required dtype of each bulk-array field of this message.
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {}
+
+    def __post_init__(self) -> None:
+        for name, dtype in self.bulk_fields.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise TypeError(f"field `{name}` must be a numpy array, got {type(arr).__name__}")
+            if arr.ndim != 1:
+                raise ValueError(f"field `{name}` must be 1-D, got shape {arr.shape}")
+            if arr.dtype.kind != dtype.kind or arr.dtype.itemsize != dtype.itemsize:
+                raise ValueError(f"field `{name}` must have dtype {dtype.str}, got {arr.dtype.str}")
+
+
+def _check_same_length(body: Body, *names: str) -> None:
+    lengths = {n: len(getattr(body, n)) for n in names}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"arrays must have equal lengths, got {lengths}")
+
+
+class VersionSpan(msgspec.Struct, array_like=True, frozen=True):
+    """``count`` consecutive tokens produced by policy ``version``; on the wire ``[version, count]``."""
+
+    version: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.version < 0 or self.count < 1:
+            raise ValueError(f"version span needs version >= 0 and count >= 1, got {self}")
+
+
+def _check_spans(spans: list[VersionSpan], n_tokens: int) -> None:
+    total = sum(s.count for s in spans)
+    if total != n_tokens:
+        raise ValueError(f"version spans cover {total} tokens but the chunk has {n_tokens}")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """Per-request sampling settings, carried inside a ``generate`` lease."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+class InflightLease(msgspec.Struct, array_like=True, frozen=True):
+    """A lease the sender still works on, re-reported in ``hello`` after a reconnect."""
+
+    lease_id: int
+    sample_id: int
+    tokens_done: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Session messages
+
+
+class Hello(Body):
+    """any actor → broker: register (or re-register after a reconnect)."""
+
+    msg_type: ClassVar[str] = "hello"
+    role: Role
+    instance: str
+    capacity: int = 0  # generator: decode slots; scorer: concurrent requests
+    engine: str | None = None
+    policy_version: int | None = None  # the version whose weights the sender holds
+    inflight: list[InflightLease] = []
+
+
+class Welcome(Body):
+    """broker → any actor: reply to ``hello``; states the timing every peer uses."""
+
+    msg_type: ClassVar[str] = "welcome"
+    broker_epoch: str  # changes at every broker start; a peer seeing a new one re-reports
+    policy_version: int
+    heartbeat_interval_s: float
+    peer_timeout_s: float
+    max_message_bytes: int
+
+
+class Heartbeat(Body):
+    """any actor ↔ broker: liveness when there is nothing else to send."""
+
+    msg_type: ClassVar[str] = "heartbeat"
+    free_slots: int | None = None
+    policy_version: int | None = None
+
+
+class Bye(Body):
+    """any actor → broker: clean shutdown; the broker reclaims the sender's leases at once."""
+
+    msg_type: ClassVar[str] = "bye"
+    reason: str = ""
+
+
+class Error(Body):
+    """any → any: a message was refused. ``parent_id`` in the envelope names it."""
+
+    msg_type: ClassVar[str] = "error"
+    code: str  # malformed | unknown_type | version_mismatch | too_large | bad_bulk | refused
+    message: str
+    field: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout messages
+
+
+class Generate(Body):
+    """broker → generator: a lease on one sample: prompt plus resumed tokens, and the budget left."""
+
+    msg_type: ClassVar[str] = "generate"
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {"prompt": TOKEN_DTYPE, "resume": TOKEN_DTYPE}
+    lease_id: int
+    sample_id: int
+    group_id: int
+    prompt: np.ndarray
+    resume: np.ndarray  # tokens generated earlier for this sample (recycled partial), may be empty
+    max_new_tokens: int  # max_response_tokens minus len(resume)
+    sampling: SamplingParams = SamplingParams()
+    min_policy_version: int = 0  # the generator MUST hold at least this version before decoding
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class TokenChunk(Body):
+    """generator → broker: tokens of a lease from position ``offset`` of the response."""
+
+    msg_type: ClassVar[str] = "token_chunk"
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {"tokens": TOKEN_DTYPE, "logprobs": LOGPROB_DTYPE}
+    lease_id: int
+    sample_id: int
+    offset: int  # index in the whole response (resumed tokens included) of tokens[0]
+    versions: list[VersionSpan]
+    tokens: np.ndarray
+    logprobs: np.ndarray  # behaviour log-prob of each token
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_same_length(self, "tokens", "logprobs")
+        _check_spans(self.versions, len(self.tokens))
+        if self.offset < 0:
+            raise ValueError(f"offset must be >= 0, got {self.offset}")
+
+
+class Finished(TokenChunk):
+    """generator → broker: the last chunk of a lease and why it ended (``abort``: a partial)."""
+
+    msg_type: ClassVar[str] = "finished"
+    reason: FinishReason
+
+
+class Abort(Body):
+    """broker → generator: stop these leases now and report each as ``finished`` with ``abort``."""
+
+    msg_type: ClassVar[str] = "abort"
+    lease_ids: list[int] = []
+    all: bool = False  # every lease the generator holds
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring messages
+
+
+class ScoreRequest(Body):
+    """broker → scorer: reward one finished sample."""
+
+    msg_type: ClassVar[str] = "score_request"
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {"prompt": TOKEN_DTYPE, "response": TOKEN_DTYPE}
+    sample_id: int
+    group_id: int
+    prompt: np.ndarray
+    response: np.ndarray
+    finish_reason: FinishReason
+    task: str
+    meta: dict[str, Any] = {}  # task data: the reference answer, a test case, ...
+
+
+class Scored(Body):
+    """scorer → broker: the reward of a sample, or why it could not be scored."""
+
+    msg_type: ClassVar[str] = "scored"
+    sample_id: int
+    reward: float | None = None
+    error: str | None = None  # set: the sample's group is retired with this reason
+
+    def __post_init__(self) -> None:
+        if (self.reward is None) == (self.error is None):
+            raise ValueError("exactly one of `reward` and `error` must be set")
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner and weight messages
+
+
+class BatchRequest(Body):
+    """learner → broker: ask for the next batch; the broker answers when one is ready."""
+
+    msg_type: ClassVar[str] = "batch_request"
+    policy_version: int  # the version the learner will train from
+
+
+class BatchSample(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sample of a ``batch``; its response is ``response_len`` tokens from ``response_offset``."""
+
+    sample_id: int
+    reward: float
+    finish_reason: FinishReason
+    response_offset: int
+    response_len: int
+    versions: list[VersionSpan]
+
+
+class BatchGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One whole group of a ``batch``: ``n`` samples of one prompt."""
+
+    group_id: int
+    prompt_id: str
+    prompt_offset: int
+    prompt_len: int
+    samples: list[BatchSample]
+    task: str = ""
+    meta: dict[str, Any] = {}
+
+
+class Batch(Body):
+    """broker → learner: ``B`` whole groups; token arrays of all samples concatenated."""
+
+    msg_type: ClassVar[str] = "batch"
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {
+        "prompt_tokens": TOKEN_DTYPE,
+        "response_tokens": TOKEN_DTYPE,
+        "logprobs": LOGPROB_DTYPE,
+    }
+    batch_id: int
+    policy_version: int  # the learner version the batch was checked against for staleness
+    groups: list[BatchGroup]
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    logprobs: np.ndarray  # behaviour log-probs, aligned with response_tokens
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_same_length(self, "response_tokens", "logprobs")
+        for g in self.groups:
+            if g.prompt_offset + g.prompt_len > len(self.prompt_tokens):
+                raise ValueError(f"group {g.group_id}: prompt slice beyond prompt_tokens")
+            for s in g.samples:
+                if s.response_offset + s.response_len > len(self.response_tokens):
+                    raise ValueError(f"sample {s.sample_id}: response slice beyond response_tokens")
+                _check_spans(s.versions, s.response_len)
+
+
+class WeightsPublished(Body):
+    """broadcaster → broker (and learner → broadcaster): policy ``version`` is out."""
+
+    msg_type: ClassVar[str] = "weights_published"
+    version: int
+    num_bytes: int = 0
+    source: str | None = None  # a checkpoint directory, when the weights are also on disk
+
+
+# ---------------------------------------------------------------------------------------------
+# The envelope
+
+
+class Envelope(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The header every message carries (frame 0 of every multipart message)."""
+
+    msg_id: str
+    msg_type: str
+    sender: str
+    seq: int  # per-sender, starts at 1, +1 per message; the broker drops repeats
+    proto_version: str  # "MAJOR.MINOR", always present
+    sent_at: float  # sender's clock, seconds since the epoch
+    parent_id: str | None = None
+    body: Any = None
+
+
+MESSAGE_TYPES: dict[str, type[Body]] = {
+    cls.msg_type: cls
+    for cls in (
+        Hello,
+        Welcome,
+        Heartbeat,
+        Bye,
+        Error,
+        Generate,
+        TokenChunk,
+        Finished,
+        Abort,
+        ScoreRequest,
+        Scored,
+        BatchRequest,
+        Batch,
+        WeightsPublished,
+    )
+}
