@@ -62,6 +62,7 @@ class Sample:
     lease_id: int | None = None
     finish_reason: str | None = None
     reward: float | None = None
+    finished_by: int | None = None  # the lease that finished it; scores must name it
 
     @property
     def oldest_version(self) -> int | None:
@@ -105,9 +106,14 @@ class LeaseGrant:
 
 @dataclass(frozen=True)
 class ScoreTask:
-    """What a scorer needs to reward one sample (becomes a ``score_request``)."""
+    """What a scorer needs to reward one sample (becomes a ``score_request``).
+
+    ``lease_id`` names the lease that finished the sample: a score is applied only to that very
+    response, so a redelivered score cannot land on a later response of a restarted sample.
+    """
 
     sample_id: int
+    lease_id: int
     group_id: int
     prompt: list[int]
     response: list[int]
@@ -492,7 +498,7 @@ class BrokerCore:
             self._move(s, Place.PARTIAL)
             self.counters.partials_created += 1
         else:
-            s.finish_reason = reason
+            s.finish_reason, s.finished_by = reason, lease.lease_id
             self._move(s, Place.FINISHED)
             self.counters.samples_finished += 1
         effects = self._enforce_bound(s)
@@ -546,7 +552,7 @@ class BrokerCore:
             g = self.groups[s.group_id]
             del self._unscored[sid]
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
-            tasks.append(ScoreTask(sid, s.group_id, list(g.prompt), list(s.tokens), s.finish_reason, g.task, dict(g.meta)))
+            tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), list(s.tokens), s.finish_reason, g.task, dict(g.meta)))
         return tasks
 
     def _return_to_scoring(self, sid: int) -> None:
@@ -554,27 +560,36 @@ class BrokerCore:
         self._unscored[sid] = None
         self.counters.score_timeouts += 1
 
-    def scored(self, sample_id: int, reward: float, now: float) -> list[AbortLease]:
-        """Record a reward. A sample not awaiting one (duplicate, retired, restarted) is a no-op."""
+    def _awaiting_score(self, sample_id: int, lease_id: int) -> Sample | None:
         s = self.samples.get(sample_id)
-        if s is None or s.place is not Place.FINISHED:
+        if s is None or s.place is not Place.FINISHED or s.finished_by != lease_id:
             self.counters.stale_scores += 1
+            return None
+        return s
+
+    def scored(self, sample_id: int, lease_id: int, reward: float, now: float) -> list[AbortLease]:
+        """Record a reward for the response that ``lease_id`` finished.
+
+        A sample not awaiting that score (duplicate, retired, restarted since) is a no-op.
+        """
+        s = self._awaiting_score(sample_id, lease_id)
+        if s is None:
             return []
         if not math.isfinite(reward):
-            return self.score_failed(sample_id, f"non-finite reward {reward!r}", now)
+            return self._fail_score(s, "score_error")
         s.reward = float(reward)
         self._move(s, Place.SCORED)
         self.counters.scores_ok += 1
         return []
 
-    def score_failed(self, sample_id: int, reason: str, now: float) -> list[AbortLease]:
+    def score_failed(self, sample_id: int, lease_id: int, now: float) -> list[AbortLease]:
         """A reward function raised or timed out: the sample's whole group is retired, counted."""
-        s = self.samples.get(sample_id)
-        if s is None or s.place is not Place.FINISHED:
-            self.counters.stale_scores += 1
-            return []
+        s = self._awaiting_score(sample_id, lease_id)
+        return [] if s is None else self._fail_score(s, "score_error")
+
+    def _fail_score(self, s: Sample, reason: str) -> list[AbortLease]:
         self.counters.score_errors += 1
-        return self.retire_group(s.group_id, "score_error")
+        return self.retire_group(s.group_id, reason)
 
     # ------------------------------------------------------------------ staleness and retirement
 
@@ -587,7 +602,7 @@ class BrokerCore:
         self.counters.restarts += 1
         self.counters.tokens_discarded += len(s.tokens)
         s.tokens, s.logprobs, s.spans = [], [], []
-        s.finish_reason, s.reward = None, None
+        s.finish_reason, s.reward, s.finished_by = None, None, None
         self._move(s, Place.PARTIAL)
         return []
 
@@ -601,7 +616,8 @@ class BrokerCore:
             s = self.samples[sid]
             if s.place is Place.LEASED:
                 lease = self.leases[s.lease_id]
-                effects.append(AbortLease(lease.generator, lease.lease_id))
+                if not lease.aborting:  # one abort per lease is enough
+                    effects.append(AbortLease(lease.generator, lease.lease_id))
                 self._end_lease(lease)
             self.counters.tokens_retired += len(s.tokens)
             self._move(s, Place.RETIRED)
@@ -718,7 +734,7 @@ class BrokerCore:
             ],
             "samples": [
                 [s.sample_id, s.group_id, s.index, s.place.value, s.tokens, s.logprobs, s.spans, s.attempts,
-                 s.lease_id, s.finish_reason, s.reward]
+                 s.lease_id, s.finish_reason, s.reward, s.finished_by]
                 for s in self.samples.values()
             ],
             "leases": [[x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting] for x in self.leases.values()],
@@ -746,8 +762,8 @@ class BrokerCore:
         core.awaiting_version = state["awaiting_version"]
         for gid, pid, prompt, task, meta, sids, at, gstate, why in state["groups"]:
             core.groups[gid] = Group(gid, pid, prompt, task, meta, sids, at, gstate, why)
-        for sid, gid, idx, place, toks, lps, spans, attempts, lid, reason, reward in state["samples"]:
-            core.samples[sid] = Sample(sid, gid, idx, Place(place), toks, lps, spans, attempts, lid, reason, reward)
+        for sid, gid, idx, place, toks, lps, spans, attempts, lid, reason, reward, by in state["samples"]:
+            core.samples[sid] = Sample(sid, gid, idx, Place(place), toks, lps, spans, attempts, lid, reason, reward, by)
         for lid, sid, gen, deadline, aborting in state["leases"]:
             core.leases[lid] = Lease(lid, sid, gen, deadline, aborting)
         for sid, scorer, deadline in state["scoring"]:

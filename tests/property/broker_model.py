@@ -1,0 +1,587 @@
+"""A hypothesis state machine that drives the real broker core beside a plain-Python model.
+
+The model predicts where every sample is and which tokens it holds; it does not predict the
+core's *choices* (which sample a lease goes to, which ready groups form a batch) but checks
+that each choice is allowed. After every step the seven invariants of DESIGN.md are checked,
+each by its own function, in an order that lets a single planted bug be named by the
+invariant it breaks; agreement with the model is checked last.
+
+``make_machine(core_cls)`` builds the machine for any core class, so that
+``test_planted.py`` can run the very same machine against deliberately broken cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgpack
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from april_async.broker.config import RolloutConfig
+from april_async.broker.core import BrokerCore, Place
+
+GENERATORS = ("gen-a", "gen-b", "gen-c")
+SCORERS = ("scorer-a", "scorer-b")
+HELD = (Place.PARTIAL, Place.FINISHED, Place.SCORED)
+
+
+class InvariantViolation(AssertionError):
+    """One of DESIGN.md's seven invariants does not hold; ``invariant`` is its number."""
+
+    def __init__(self, invariant: int, message: str):
+        super().__init__(f"invariant {invariant} ({NAMES[invariant]}) violated: {message}")
+        self.invariant = invariant
+
+
+class ModelDisagreement(AssertionError):
+    """The core and the plain model disagree (a bug in one of them)."""
+
+
+NAMES = {
+    1: "conservation",
+    2: "exactly-once delivery",
+    3: "bounded in-flight",
+    4: "staleness",
+    5: "no starvation",
+    6: "group integrity",
+    7: "durability",
+}
+
+
+def require(invariant: int, ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantViolation(invariant, message)
+
+
+def configs(modes: tuple[str, ...]):
+    return st.builds(
+    dict,
+    mode=st.sampled_from(modes),
+    batch_groups=st.integers(1, 3),
+    group_size=st.integers(1, 3),
+    over_provision=st.sampled_from([1.0, 1.5, 2.0]),
+    staleness_bound=st.integers(0, 2),
+    over_bound=st.sampled_from(["restart", "drop"]),
+    max_response_tokens=st.integers(2, 6),
+    )
+
+
+def make_config(raw: dict) -> RolloutConfig:
+    if raw["mode"] == "sync":
+        raw = {**raw, "over_provision": 1.0, "staleness_bound": 0}
+    return RolloutConfig(lease_timeout_s=10.0, score_timeout_s=10.0, **raw)
+
+
+@dataclass
+class MSample:
+    """The model's view of one sample."""
+
+    group_id: int
+    place: Place = Place.QUEUED
+    tokens: list = field(default_factory=list)  # [(token, logprob, version), ...]
+    finished_by: int | None = None
+    reward: float | None = None
+
+
+@dataclass
+class MLease:
+    sample_id: int
+    generator: str
+    deadline: float
+    aborting: bool = False
+
+
+def core_state_without_counters(core: BrokerCore) -> dict:
+    state = msgpack.unpackb(core.to_bytes(), raw=False, strict_map_key=False)
+    state.pop("counters")
+    return state
+
+
+def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "april", "async")) -> type[RuleBasedStateMachine]:
+    class BrokerMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.core: BrokerCore | None = None
+            self.now = 0.0
+            self.V = 0
+            self.samples: dict[int, MSample] = {}
+            self.groups: dict[int, list[int]] = {}
+            self.group_state: dict[int, str] = {}
+            self.prompts: dict[str, list[int]] = {}
+            self.leases: dict[int, MLease] = {}
+            self.issued_leases: list[int] = []
+            self.scoring: dict[int, tuple[str, float]] = {}
+            self.gen_version = dict.fromkeys(GENERATORS, 0)
+            self.delivered: set[int] = set()
+            self.replayable: list[tuple] = []
+            self.steps = 0
+            self.disagreements: list[str] = []
+
+        # ---------------------------------------------------------------- model helpers
+
+        def agree(self, ok: bool, message: str) -> None:
+            """Note a disagreement with the model; it is raised after the invariant checks, so a
+            bug that breaks an invariant is reported as that invariant."""
+            if not ok:
+                self.disagreements.append(message)
+
+        @property
+        def cfg(self) -> RolloutConfig:
+            return self.core.config
+
+        def done_groups(self) -> list[int]:
+            return [
+                g
+                for g, sids in self.groups.items()
+                if self.group_state[g] == "open"
+                and all(self.samples[s].place in (Place.FINISHED, Place.SCORED) for s in sids)
+            ]
+
+        def ready_groups(self) -> list[int]:
+            return [
+                g
+                for g, sids in self.groups.items()
+                if self.group_state[g] == "open" and all(self.samples[s].place is Place.SCORED for s in sids)
+            ]
+
+        def stale(self, m: MSample) -> bool:
+            return bool(m.tokens) and self.V - min(v for _, _, v in m.tokens) > self.cfg.staleness_bound
+
+        def m_retire(self, gid: int) -> set[int]:
+            aborted = set()
+            if self.group_state[gid] != "open":
+                return aborted
+            for sid in self.groups[gid]:
+                m = self.samples[sid]
+                if m.place is Place.LEASED:
+                    lid = next(lid for lid, x in self.leases.items() if x.sample_id == sid)
+                    if not self.leases.pop(lid).aborting:  # one abort per lease
+                        aborted.add(lid)
+                self.scoring.pop(sid, None)
+                m.place = Place.RETIRED
+            self.group_state[gid] = "retired"
+            return aborted
+
+        def m_enforce(self, sid: int) -> set[int]:
+            m = self.samples[sid]
+            if m.place not in HELD or not self.stale(m):
+                return set()
+            if self.cfg.over_bound == "drop":
+                return self.m_retire(m.group_id)
+            self.scoring.pop(sid, None)
+            m.tokens, m.place, m.finished_by, m.reward = [], Place.PARTIAL, None, None
+            return set()
+
+        def m_accept(self, sid: int, offset: int, toks: list) -> int | None:
+            m = self.samples[sid]
+            held = len(m.tokens)
+            if offset > held:
+                return None
+            skip = held - offset
+            take = max(0, min(len(toks) - skip, self.cfg.max_response_tokens - held))
+            m.tokens.extend(toks[skip : skip + take])
+            return take
+
+        def m_early_termination(self) -> set[int]:
+            if self.cfg.mode != "april" or len(self.done_groups()) < self.cfg.batch_groups:
+                return set()
+            out = {lid for lid, x in self.leases.items() if not x.aborting}
+            for lid in out:
+                self.leases[lid].aborting = True
+            return out
+
+        def m_reclaim(self, lid: int) -> set[int]:
+            sid = self.leases.pop(lid).sample_id
+            self.samples[sid].place = Place.PARTIAL
+            return self.m_enforce(sid)
+
+        def make_tokens(self, lid: int, start: int, k: int) -> list:
+            x = self.leases.get(lid)
+            version = self.gen_version[x.generator] if x else 0
+            return [((lid * 7 + start + i) % 97, -0.25 * ((start + i) % 5), version) for i in range(k)]
+
+        @staticmethod
+        def wire(toks: list):
+            spans: list[list[int]] = []
+            for _, _, v in toks:
+                if spans and spans[-1][0] == v:
+                    spans[-1][1] += 1
+                else:
+                    spans.append([v, 1])
+            return [t for t, _, _ in toks], [lp for _, lp, _ in toks], spans
+
+        # ---------------------------------------------------------------- rules
+
+        @initialize(raw=configs(modes), prompts=st.integers(0, 6))
+        def setup(self, raw, prompts=0):
+            self.core = core_cls(make_config(raw))
+            if prompts:
+                self.admit(prompts, 2)
+
+        @rule(k=st.integers(1, 3), length=st.integers(1, 4))
+        def admit(self, k, length):
+            for _ in range(k):
+                pid = f"p{len(self.prompts)}"
+                prompt = [(len(self.prompts) + i) % 50 + 1 for i in range(length)]
+                gid = self.core.admit(pid, prompt, self.now)
+                self.agree(gid is not None and gid not in self.groups, f"admit of new prompt {pid} gave group {gid}")
+                sids = [s for s, x in self.core.samples.items() if x.group_id == gid]
+                self.agree(len(sids) == self.cfg.group_size, f"group {gid} has {len(sids)} samples")
+                self.prompts[pid] = prompt
+                self.groups[gid] = sids
+                self.group_state[gid] = "open"
+                for sid in sids:
+                    self.agree(sid not in self.samples, f"sample id {sid} reused")
+                    self.samples[sid] = MSample(gid)
+                self.replayable.append(("admit", pid, prompt))
+
+        @rule(gen=st.sampled_from(GENERATORS), max_leases=st.integers(1, 5))
+        def lease(self, gen, max_leases):
+            waiting = [sid for sid in self.core.recycle_queue()]
+            before = {sid: s.place for sid, s in self.core.samples.items()}
+            grants = self.core.lease(gen, max_leases, self.now)
+            self.agree(len(grants) <= max_leases, f"{len(grants)} leases for a request of {max_leases}")
+            leased_now: set[int] = set()
+            for g in grants:
+                m = self.samples[g.sample_id]
+                if before[g.sample_id] is Place.QUEUED:
+                    unserved = [sid for sid in waiting if sid not in leased_now]
+                    require(5, not unserved, f"fresh sample {g.sample_id} leased while partials {unserved} wait")
+                leased_now.add(g.sample_id)
+                self.agree(m.place in (Place.QUEUED, Place.PARTIAL), f"leased sample {g.sample_id} was {m.place}")
+                held = [t for t, _, _ in m.tokens]
+                require(1, g.resume == held, f"lease of {g.sample_id} resumes {g.resume}, broker held {held}")
+                self.agree(
+                    g.max_new_tokens == self.cfg.max_response_tokens - len(held),
+                    f"lease budget {g.max_new_tokens} with {len(held)} tokens held",
+                )
+                self.agree(g.min_policy_version == self.V, "lease names an old policy version")
+                m.place = Place.LEASED
+                self.leases[g.lease_id] = MLease(g.sample_id, gen, self.now + self.cfg.lease_timeout_s)
+                # The protocol: a generator holds at least min_policy_version before decoding.
+                self.gen_version[gen] = max(self.gen_version[gen], g.min_policy_version)
+                self.issued_leases.append(g.lease_id)
+            self.check_bounded()
+
+        def pick_lease(self, data) -> int:
+            live = sorted(self.leases)
+            if live and data.draw(st.integers(0, 9), label="live?") > 0:
+                return data.draw(st.sampled_from(live), label="lease")
+            return data.draw(st.sampled_from(self.issued_leases), label="ended lease")
+
+        @precondition(lambda self: self.issued_leases)
+        @rule(data=st.data(), k=st.integers(1, 3), how=st.sampled_from(["next", "next", "overlap", "gap"]))
+        def chunk(self, data, k, how):
+            lid = self.pick_lease(data)
+            x = self.leases.get(lid)
+            held = len(self.samples[x.sample_id].tokens) if x else 0
+            offset = {"next": held, "overlap": max(0, held - 1), "gap": held + 1}[how]
+            toks = self.make_tokens(lid, offset, k)
+            if x and offset > 0 and how == "overlap":
+                toks[0] = self.samples[x.sample_id].tokens[offset]
+            t, lp, sp = self.wire(toks)
+            applied = self.core.chunk(lid, offset, t, lp, sp, self.now)
+            if x is None:
+                self.agree(not applied, f"chunk on ended lease {lid} was applied")
+                return
+            taken = self.m_accept(x.sample_id, offset, toks)
+            self.agree(applied == (taken is not None), f"chunk at offset {offset} applied={applied}")
+            if taken is not None:
+                self.replayable.append(("chunk", lid, offset, t, lp, sp))
+
+        @precondition(lambda self: self.issued_leases)
+        @rule(
+            data=st.data(),
+            k=st.integers(0, 2),
+            reason=st.sampled_from(["stop", "length", "abort"]),
+            gap=st.booleans(),
+        )
+        def finish(self, data, k, reason, gap):
+            lid = self.pick_lease(data)
+            x = self.leases.get(lid)
+            held = len(self.samples[x.sample_id].tokens) if x else 0
+            offset = held + (1 if gap and data.draw(st.integers(0, 4)) == 0 else 0)
+            self.do_finish(lid, offset, k, reason)
+
+        @precondition(lambda self: self.leases)
+        @rule(data=st.data(), k=st.integers(1, 3), reason=st.sampled_from(["stop", "stop", "length"]))
+        def generator_finishes_all(self, data, k, reason):
+            """A generator completes every lease it holds (the common case, in one step)."""
+            gen = data.draw(st.sampled_from(sorted({x.generator for x in self.leases.values()})), label="gen")
+            for lid in sorted(lid for lid, x in self.leases.items() if x.generator == gen):
+                if lid in self.leases:
+                    self.do_finish(lid, len(self.samples[self.leases[lid].sample_id].tokens), k, reason)
+
+        def do_finish(self, lid, offset, k, reason):
+            x = self.leases.get(lid)
+            toks = self.make_tokens(lid, offset, k)
+            t, lp, sp = self.wire(toks)
+            effects = self.core.finish(lid, offset, t, lp, sp, reason, self.now)
+            self.replayable.append(("finish", lid, offset, t, lp, sp, reason))
+            if x is None:
+                self.agree(not effects, f"finish on ended lease {lid} had effects {effects}")
+                return
+            sid = x.sample_id
+            taken = self.m_accept(sid, offset, toks)
+            del self.leases[lid]
+            m = self.samples[sid]
+            if len(m.tokens) >= self.cfg.max_response_tokens:
+                reason = "length"
+            elif taken is None:
+                reason = "abort"
+            if reason == "abort":
+                m.place = Place.PARTIAL
+            else:
+                m.place, m.finished_by = Place.FINISHED, lid
+            expected = self.m_enforce(sid) | self.m_early_termination()
+            self.agree({e.lease_id for e in effects} == expected, f"finish effects {effects}, model expected {expected}")
+
+        @rule(dt=st.sampled_from([0.5, 3.0, 11.0]))
+        def tick_and_expire(self, dt):
+            self.now += dt
+            effects = self.core.expire(self.now)
+            expected: set[int] = set()
+            for lid in sorted(self.leases):
+                if lid in self.leases and self.leases[lid].deadline < self.now:
+                    expected |= self.m_reclaim(lid)
+            for sid in [sid for sid, (_, d) in self.scoring.items() if d < self.now]:
+                del self.scoring[sid]
+            self.agree({e.lease_id for e in effects} == expected, f"expire effects {effects}, model expected {expected}")
+
+        @rule(peer=st.sampled_from(GENERATORS + SCORERS))
+        def heartbeat(self, peer):
+            self.core.touch(peer, self.now)
+            for x in self.leases.values():
+                if x.generator == peer:
+                    x.deadline = self.now + self.cfg.lease_timeout_s
+            for sid, (scorer, _) in list(self.scoring.items()):
+                if scorer == peer:
+                    self.scoring[sid] = (scorer, self.now + self.cfg.score_timeout_s)
+
+        @rule(peer=st.sampled_from(GENERATORS + SCORERS))
+        def peer_gone(self, peer):
+            self.core.peer_gone(peer, self.now)
+            for lid in sorted(lid for lid, x in self.leases.items() if x.generator == peer):
+                if lid in self.leases:
+                    self.m_reclaim(lid)
+            for sid in [sid for sid, (scorer, _) in self.scoring.items() if scorer == peer]:
+                del self.scoring[sid]
+
+        @rule(gen=st.sampled_from(GENERATORS))
+        def generator_loads_latest(self, gen):
+            self.gen_version[gen] = self.V
+
+        @rule(scorer=st.sampled_from(SCORERS), max_tasks=st.integers(1, 4))
+        def score_lease(self, scorer, max_tasks):
+            tasks = self.core.score_lease(scorer, max_tasks, self.now)
+            waiting = [s for s, m in self.samples.items() if m.place is Place.FINISHED and s not in self.scoring]
+            self.agree(len(tasks) == min(max_tasks, len(waiting)), f"{len(tasks)} score tasks, {len(waiting)} waiting")
+            for t in tasks:
+                m = self.samples[t.sample_id]
+                self.agree(t.sample_id in waiting, f"score task for sample {t.sample_id} not awaiting a score")
+                require(1, t.response == [x for x, _, _ in m.tokens], f"score task {t.sample_id} has other tokens")
+                self.agree(t.lease_id == m.finished_by, "score task names another lease")
+                self.scoring[t.sample_id] = (scorer, self.now + self.cfg.score_timeout_s)
+
+        @precondition(lambda self: any(m.finished_by is not None for m in self.samples.values()))
+        @rule(data=st.data(), reward=st.floats(-1, 1, allow_nan=False), fail=st.booleans())
+        def score(self, data, reward, fail):
+            candidates = sorted(s for s, m in self.samples.items() if m.finished_by is not None)
+            sid = data.draw(st.sampled_from(candidates), label="sample")
+            fail = fail and data.draw(st.integers(0, 3)) == 0
+            self.do_score(sid, reward, fail)
+
+        @rule(scorer=st.sampled_from(SCORERS), reward=st.sampled_from([0.0, 0.5, 1.0]))
+        def scorer_scores_all(self, scorer, reward):
+            """A scorer takes every finished sample and rewards it (the common case, in one step)."""
+            self.score_lease(scorer, 1000)
+            for sid in sorted(sid for sid, (who, _) in self.scoring.items() if who == scorer):
+                self.do_score(sid, reward, False)
+
+        @rule(k=st.integers(1, 3), reward=st.sampled_from([0.0, 1.0]))
+        def healthy_round(self, k, reward):
+            """One round of a healthy cluster: every generator fills its slots and finishes them,
+            the scorers score everything, the learner pulls — each step checked as if alone."""
+            for gen in GENERATORS:
+                self.lease(gen, 4)
+            for gen in GENERATORS:
+                for lid in sorted(lid for lid, x in self.leases.items() if x.generator == gen):
+                    if lid in self.leases:  # a drop may have retired its group meanwhile
+                        self.do_finish(lid, len(self.samples[self.leases[lid].sample_id].tokens), k, "stop")
+            for scorer in SCORERS:
+                self.scorer_scores_all(scorer, reward)
+            self.pull_batch()
+
+        def do_score(self, sid, reward, fail):
+            lid = self.samples[sid].finished_by
+            if fail:
+                effects = self.core.score_failed(sid, lid, self.now)
+                self.replayable.append(("score_failed", sid, lid))
+            else:
+                effects = self.core.scored(sid, lid, reward, self.now)
+                self.replayable.append(("scored", sid, lid, reward))
+            m = self.samples[sid]
+            if m.place is not Place.FINISHED:
+                self.agree(not effects, f"score of sample {sid} in {m.place} had effects")
+                return
+            self.scoring.pop(sid, None)
+            if fail:
+                expected = self.m_retire(m.group_id)
+                self.agree({e.lease_id for e in effects} == expected, f"score failure effects {effects}")
+            else:
+                m.place, m.reward = Place.SCORED, reward
+
+        @rule(step=st.sampled_from([1, 1, 1, 0, -1]))
+        def publish_version(self, step):
+            version = self.V + step
+            effects = self.core.publish_version(version, self.now)
+            self.replayable.append(("publish", version))
+            if step <= 0:
+                self.agree(not effects, f"old version {version} had effects")
+                return
+            self.V = version
+            expected: set[int] = set()
+            for sid in sorted(self.samples):
+                m = self.samples[sid]
+                if m.place in HELD:
+                    expected |= self.m_enforce(sid)
+            for lid, x in self.leases.items():
+                if not x.aborting and self.stale(self.samples[x.sample_id]):
+                    x.aborting = True
+                    expected.add(lid)
+            got = {e.lease_id for e in effects}
+            # A drop may end a lease that was also flagged stale: compare the sets of lease ids.
+            self.agree(got == expected, f"version {version} effects {sorted(got)}, model expected {sorted(expected)}")
+
+        @rule()
+        def pull_batch(self):
+            ready = self.ready_groups()
+            batch = self.core.pull_batch(self.now)
+            B, n = self.cfg.batch_groups, self.cfg.group_size
+            if batch is None:
+                self.agree(len(ready) < B, f"no batch although {len(ready)} groups are ready")
+                return
+            require(6, len(batch.groups) == B, f"batch has {len(batch.groups)} groups, B={B}")
+            self.agree(batch.policy_version == self.V, "batch checked against another version")
+            seen: set[int] = set()
+            for g in batch.groups:
+                ids = [s.sample_id for s in g.samples]
+                require(6, sorted(ids) == sorted(self.groups[g.group_id]), f"group {g.group_id} holds {ids}")
+                require(6, len(ids) == n, f"group {g.group_id} has {len(ids)} samples, n={n}")
+                for s in g.samples:
+                    m = self.samples[s.sample_id]
+                    require(2, s.sample_id not in self.delivered and s.sample_id not in seen,
+                            f"sample {s.sample_id} delivered twice")
+                    seen.add(s.sample_id)
+                    require(6, m.place is Place.SCORED, f"sample {s.sample_id} delivered while {m.place}")
+                    require(1, s.tokens == [t for t, _, _ in m.tokens], f"sample {s.sample_id} lost tokens")
+                    oldest = min((v for v, _ in s.spans), default=None)
+                    require(4, oldest is None or self.V - oldest <= self.cfg.staleness_bound,
+                            f"sample {s.sample_id} from version {oldest} delivered at {self.V}")
+                    self.agree(s.reward == m.reward, f"sample {s.sample_id} reward {s.reward} != {m.reward}")
+            for g in batch.groups:
+                self.group_state[g.group_id] = "delivered"
+                for s in g.samples:
+                    self.samples[s.sample_id].place = Place.DELIVERED
+                    self.delivered.add(s.sample_id)
+
+        @rule()
+        def restart_from_snapshot(self):
+            blob = self.core.to_bytes()
+            restored = type(self.core).from_bytes(blob)
+            check_durable(self.core, restored)
+            self.core = restored
+
+        @precondition(lambda self: self.replayable)
+        @rule(data=st.data())
+        def redeliver(self, data):
+            """Send an earlier message again: it must change nothing but the counters."""
+            msg = data.draw(st.sampled_from(self.replayable), label="replay")
+            before = core_state_without_counters(self.core)
+            kind, *args = msg
+            if kind == "admit":
+                self.core.admit(args[0], args[1], self.now)
+            elif kind == "chunk":
+                self.core.chunk(*args, self.now)
+            elif kind == "finish":
+                self.core.finish(*args, self.now)
+            elif kind == "scored":
+                self.core.scored(*args, self.now)
+            elif kind == "score_failed":
+                self.core.score_failed(*args, self.now)
+            elif kind == "publish":
+                self.core.publish_version(args[0], self.now)
+            require(2, core_state_without_counters(self.core) == before, f"redelivered {kind} changed the state")
+
+        # ---------------------------------------------------------------- invariants
+
+        def check_bounded(self):
+            G = self.cfg.max_inflight_groups
+            groups = {self.core.samples[x.sample_id].group_id for x in self.core.leases.values()}
+            require(3, len(groups) <= G, f"{len(groups)} groups leased, bound ceil(r*B)={G}")
+            require(3, len(self.core.leases) <= G * self.cfg.group_size, f"{len(self.core.leases)} leases")
+
+        @invariant()
+        def invariants_hold(self):
+            if self.core is None:
+                return
+            self.steps += 1
+            core = self.core
+            # 2: exactly-once — a delivered sample never comes back to a deliverable place.
+            for sid in self.delivered:
+                require(2, core.samples[sid].place is Place.DELIVERED,
+                        f"delivered sample {sid} is {core.samples[sid].place} again")
+            # 3: bounded in-flight.
+            self.check_bounded()
+            # 4: staleness — no held sample breaks η at the current version.
+            for sid, s in core.samples.items():
+                if s.place in HELD and s.spans:
+                    oldest = min(v for v, _ in s.spans)
+                    require(4, core.version - oldest <= self.cfg.staleness_bound,
+                            f"sample {sid} in {s.place} holds version {oldest} at {core.version}")
+            # 6: group integrity — a group is delivered whole or not at all.
+            for gid, sids in self.groups.items():
+                delivered = [core.samples[s].place is Place.DELIVERED for s in sids]
+                require(6, all(delivered) or not any(delivered), f"group {gid} partly delivered")
+            # 1: conservation — samples partitioned into the seven places; tokens accounted for.
+            require(1, set(core.samples) == set(self.samples), "the broker's samples differ from those admitted")
+            counts = core.place_counts()
+            actual = {p.value: 0 for p in Place}
+            for s in core.samples.values():
+                actual[s.place.value] += 1
+            require(1, counts == actual, f"place counts {counts} but samples say {actual}")
+            require(1, sum(counts.values()) == len(self.samples), "place counts do not add up")
+            c = core.counters
+            live = sum(len(s.tokens) for s in core.samples.values() if s.place not in (Place.DELIVERED, Place.RETIRED))
+            require(1, c.tokens_generated == live + c.tokens_delivered + c.tokens_discarded + c.tokens_retired,
+                    f"tokens: {c.tokens_generated} accepted != {live} held + {c.tokens_delivered} delivered"
+                    f" + {c.tokens_discarded} discarded + {c.tokens_retired} retired")
+            for sid, m in self.samples.items():
+                if m.place in HELD or m.place is Place.LEASED:
+                    require(1, core.samples[sid].tokens == [t for t, _, _ in m.tokens],
+                            f"sample {sid} holds {core.samples[sid].tokens}, was sent {[t for t, _, _ in m.tokens]}")
+            # The model.
+            for sid, m in self.samples.items():
+                self.agree(core.samples[sid].place is m.place, f"sample {sid}: core {core.samples[sid].place}, model {m.place}")
+            self.agree(set(core.leases) == set(self.leases), f"leases {sorted(core.leases)} vs {sorted(self.leases)}")
+            self.agree(set(core.scoring) == set(self.scoring), "score requests out differ")
+            self.agree(core.version == self.V, "versions differ")
+            if self.disagreements:
+                raise ModelDisagreement("; ".join(self.disagreements))
+
+    BrokerMachine.__name__ = f"BrokerMachine[{core_cls.__name__}]"
+    return BrokerMachine
+
+
+def check_durable(before: BrokerCore, after: BrokerCore) -> None:
+    """Invariant 7: a core rebuilt from its snapshot is the same core."""
+    require(7, after.to_bytes() == before.to_bytes(), "the restored broker's snapshot differs")
+    for sid, s in before.samples.items():
+        r = after.samples.get(sid)
+        require(7, r is not None and (r.place, r.tokens, r.spans) == (s.place, s.tokens, s.spans),
+                f"sample {sid} differs after restart")
+    for name in ("recycle_queue", "fresh_queue", "done_groups", "ready_groups", "place_counts"):
+        require(7, getattr(after, name)() == getattr(before, name)(), f"{name} differs after restart")
+    require(7, math.isclose(after.version, before.version), "version differs after restart")

@@ -1,0 +1,280 @@
+"""Scenario tests of the broker core: each reads as one behaviour of the APRIL policy."""
+
+import pytest
+from pydantic import ValidationError
+
+from april_async.broker.config import RolloutConfig
+from april_async.broker.core import AbortLease, BrokerCore, BrokerError, Place
+
+
+def make(**kw) -> BrokerCore:
+    base = dict(mode="april", batch_groups=2, group_size=2, over_provision=2.0, staleness_bound=1,
+                max_response_tokens=8, lease_timeout_s=10.0, score_timeout_s=10.0)
+    return BrokerCore(RolloutConfig(**{**base, **kw}))
+
+
+def admit(core, k, start=0):
+    return [core.admit(f"p{start + i}", [1, 2, 3], 0.0) for i in range(k)]
+
+
+def finish(core, grant, n_tokens=2, reason="stop", version=0, offset=None):
+    toks = [7] * n_tokens
+    off = len(grant.resume) if offset is None else offset
+    return core.finish(grant.lease_id, off, toks, [-0.5] * n_tokens, [[version, n_tokens]] if n_tokens else [], reason, 1.0)
+
+
+def score_all(core, reward=1.0):
+    for t in core.score_lease("scorer", 1000, 1.0):
+        core.scored(t.sample_id, t.lease_id, reward, 1.0)
+
+
+def test_april_terminates_early_and_recycles_partials_first_with_the_remaining_budget():
+    core = make()
+    admit(core, 6)
+    grants = core.lease("gen", 100, 0.0)
+    # ceil(r·B) = 4 groups × n = 2 samples in flight, no more.
+    assert len(grants) == 8 and core.leased_groups() == 4
+    by_group = {}
+    for g in grants:
+        by_group.setdefault(g.group_id, []).append(g)
+    g0, g1, g2, g3 = (by_group[k] for k in sorted(by_group))
+    core.chunk(g2[0].lease_id, 0, [5, 5, 5], [-1.0] * 3, [[0, 3]], 1.0)
+    assert finish(core, g0[0]) == [] and finish(core, g0[1]) == []
+    finish(core, g1[0])
+    effects = finish(core, g1[1])
+    # B = 2 groups complete: everything still in flight is aborted.
+    assert {e.lease_id for e in effects} == {g.lease_id for g in g2 + g3}
+    assert core.counters.early_terminations == 1
+    assert core.lease("gen", 10, 1.0) == []  # the step is over until the learner publishes
+    for g in g2 + g3:
+        finish(core, g, n_tokens=0, reason="abort")
+    assert core.samples[g2[0].sample_id].place is Place.PARTIAL
+    assert core.samples[g2[0].sample_id].tokens == [5, 5, 5]  # a partial keeps its tokens
+    score_all(core)
+    batch = core.pull_batch(2.0)
+    assert [g.group_id for g in batch.groups] == [g0[0].group_id, g1[0].group_id]
+    core.publish_version(1, 3.0)
+    resumed = core.lease("gen", 100, 3.0)
+    # Partials first, in the order they came back, then fresh groups.
+    assert [r.sample_id for r in resumed[:4]] == [g.sample_id for g in g2 + g3]
+    assert resumed[0].resume == [5, 5, 5] and resumed[0].max_new_tokens == 8 - 3
+    assert core.counters.partials_recycled == 1 and core.counters.tokens_resumed == 3
+
+
+def test_sync_mode_runs_exactly_B_groups_per_step_and_waits_for_the_learner():
+    core = make(mode="sync", over_provision=1.0, staleness_bound=0, batch_groups=2)
+    admit(core, 5)
+    grants = core.lease("gen", 100, 0.0)
+    assert len(grants) == 4 and core.leased_groups() == 2
+    for g in grants[:3]:
+        assert finish(core, g) == []  # no early termination in sync
+    assert core.lease("gen", 100, 1.0) == []  # no over-provisioning while one group runs
+    finish(core, grants[3])
+    score_all(core)
+    assert core.pull_batch(1.0) is not None
+    assert core.lease("gen", 100, 1.0) == []  # trains between rollout steps
+    core.publish_version(1, 2.0)
+    assert len(core.lease("gen", 100, 2.0)) == 4
+
+
+def test_async_keeps_generating_and_bounds_inflight_groups():
+    core = make(mode="async", over_provision=1.5, batch_groups=2)
+    admit(core, 10)
+    grants = core.lease("gen", 100, 0.0)
+    assert core.leased_groups() == 3 and len(grants) == 6
+    finish(core, grants[0]), finish(core, grants[1])  # one group done: no abort in async
+    assert len(core.leases) == 4
+    more = core.lease("gen", 100, 1.0)
+    assert len(more) == 2 and core.leased_groups() == 3
+
+
+def test_staleness_restart_drops_tokens_counts_them_and_regenerates():
+    core = make(staleness_bound=1, over_bound="restart")
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    finish(core, g, n_tokens=3, version=0)
+    core.publish_version(1, 1.0)  # lag 1 = η: still fine
+    assert core.samples[g.sample_id].place is Place.FINISHED
+    core.publish_version(2, 1.0)  # lag 2 > η
+    s = core.samples[g.sample_id]
+    assert s.place is Place.PARTIAL and s.tokens == [] and s.finished_by is None
+    assert core.counters.restarts == 1 and core.counters.tokens_discarded == 3
+    again = core.lease("gen", 1, 2.0)[0]
+    assert again.sample_id == g.sample_id and again.resume == [] and again.max_new_tokens == 8
+
+
+def test_staleness_drop_retires_the_whole_group_and_aborts_its_leases():
+    core = make(staleness_bound=0, over_bound="drop")
+    admit(core, 1)
+    a, b = core.lease("gen", 2, 0.0)
+    finish(core, a, version=0)
+    core.chunk(b.lease_id, 0, [1], [-1.0], [[0, 1]], 0.5)
+    effects = core.publish_version(1, 1.0)
+    assert effects == [AbortLease("gen", b.lease_id)]
+    assert core.place_counts()["retired"] == 2 and core.counters.groups_retired == {"stale": 1}
+    assert core.finish(b.lease_id, 1, [], [], [], "abort", 2.0) == []  # late report: a no-op
+    assert core.counters.stale_reports == 1
+
+
+def test_leased_sample_whose_tokens_break_the_bound_is_aborted_at_the_version_bump():
+    core = make(mode="async", staleness_bound=0)
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    core.chunk(g.lease_id, 0, [1, 2], [-1.0, -1.0], [[0, 2]], 0.5)
+    assert core.publish_version(1, 1.0) == [AbortLease("gen", g.lease_id)]
+    assert core.publish_version(1, 1.0) == []  # the same version again: a no-op
+    finish(core, g, n_tokens=1, reason="abort", version=1)
+    s = core.samples[g.sample_id]
+    assert s.place is Place.PARTIAL and s.tokens == []  # restarted: version-0 tokens were over η
+
+
+def test_silent_generator_loses_its_leases_as_partials_heartbeats_keep_them():
+    core = make(lease_timeout_s=5.0)
+    admit(core, 1)
+    a, b = core.lease("gen-a", 1, 0.0) + core.lease("gen-b", 1, 0.0)
+    core.chunk(a.lease_id, 0, [4, 4], [-1.0, -1.0], [[0, 2]], 1.0)
+    core.touch("gen-b", 4.0)
+    core.expire(6.0)
+    assert core.samples[a.sample_id].place is Place.PARTIAL
+    assert core.samples[a.sample_id].tokens == [4, 4]
+    assert core.samples[b.sample_id].place is Place.LEASED
+    assert core.counters.leases_expired == 1
+    assert core.chunk(a.lease_id, 2, [9], [-1.0], [[0, 1]], 6.5) is False  # the old lease is over
+
+
+def test_chunks_are_idempotent_by_offset_and_a_gap_is_ignored():
+    core = make()
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    assert core.chunk(g.lease_id, 0, [1, 2], [-1.0, -2.0], [[0, 2]], 0.1)
+    assert core.chunk(g.lease_id, 0, [1, 2], [-1.0, -2.0], [[0, 2]], 0.2)  # duplicate: nothing new
+    assert core.chunk(g.lease_id, 1, [2, 3], [-2.0, -3.0], [[0, 1], [1, 1]], 0.3)  # overlap: tail
+    assert not core.chunk(g.lease_id, 5, [9], [-1.0], [[1, 1]], 0.4)  # gap
+    s = core.samples[g.sample_id]
+    assert s.tokens == [1, 2, 3] and s.logprobs == [-1.0, -2.0, -3.0] and s.spans == [[0, 2], [1, 1]]
+    assert core.counters.tokens_duplicate == 3 and core.counters.chunk_gaps == 1
+    # A finish whose start never arrived: the sample is resumed from what the broker holds.
+    core.finish(g.lease_id, 7, [1], [-1.0], [[1, 1]], "stop", 0.5)
+    assert s.place is Place.PARTIAL and s.tokens == [1, 2, 3]
+
+
+def test_tokens_past_the_budget_are_ignored_and_the_sample_ends_by_length():
+    core = make(max_response_tokens=3)
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    core.finish(g.lease_id, 0, [1, 2, 3, 4], [-1.0] * 4, [[0, 4]], "abort", 0.5)
+    s = core.samples[g.sample_id]
+    assert s.place is Place.FINISHED and s.finish_reason == "length" and s.tokens == [1, 2, 3]
+    assert core.counters.tokens_over_budget == 1
+
+
+def test_score_is_tied_to_the_response_it_was_asked_for():
+    core = make(staleness_bound=0)
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    finish(core, g)
+    (task,) = core.score_lease("scorer", 10, 1.0)
+    core.publish_version(1, 1.0)  # the response is restarted before its score arrives
+    assert core.scored(task.sample_id, task.lease_id, 1.0, 2.0) == []
+    assert core.samples[g.sample_id].place is Place.PARTIAL and core.counters.stale_scores == 1
+
+
+def test_a_failing_reward_retires_the_group_with_a_counted_reason():
+    core = make(group_size=2)
+    admit(core, 1)
+    a, b = core.lease("gen", 2, 0.0)
+    finish(core, a)
+    (task,) = core.score_lease("scorer", 10, 1.0)
+    effects = core.score_failed(task.sample_id, task.lease_id, 1.0)
+    assert effects == [AbortLease("gen", b.lease_id)]
+    assert core.counters.groups_retired == {"score_error": 1} and core.counters.score_errors == 1
+    assert core.place_counts()["retired"] == 2
+
+
+def test_unanswered_score_requests_are_offered_again():
+    core = make(score_timeout_s=5.0)
+    admit(core, 1)
+    finish(core, core.lease("gen", 1, 0.0)[0])
+    assert len(core.score_lease("scorer-a", 10, 1.0)) == 1
+    assert core.score_lease("scorer-b", 10, 2.0) == []
+    core.expire(7.0)
+    assert len(core.score_lease("scorer-b", 10, 7.0)) == 1 and core.counters.score_timeouts == 1
+
+
+def test_batch_accounts_staleness_and_off_policy_tokens():
+    core = make(mode="async", batch_groups=1, group_size=1, staleness_bound=2)
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    core.chunk(g.lease_id, 0, [1, 2], [-1.0, -1.0], [[0, 2]], 0.1)
+    core.publish_version(1, 0.2)
+    core.finish(g.lease_id, 2, [3], [-1.0], [[1, 1]], "stop", 0.3)
+    score_all(core)
+    batch = core.pull_batch(0.4)
+    (sample,) = batch.groups[0].samples
+    assert sample.tokens == [1, 2, 3] and sample.spans == [[0, 2], [1, 1]]
+    c = core.counters
+    assert c.off_policy_tokens == 2 and c.staleness_tokens == {1: 2, 0: 1} and c.staleness_samples == {1: 1}
+    assert core.pull_batch(0.5) is None
+
+
+def test_duplicate_prompt_is_a_noop_and_bad_prompts_are_refused():
+    core = make(max_prompt_tokens=4)
+    assert core.admit("p", [1], 0.0) == 0
+    assert core.admit("p", [1], 0.0) is None and core.counters.duplicate_prompts == 1
+    with pytest.raises(BrokerError, match="'q' has 5 tokens, over max_prompt_tokens=4"):
+        core.admit("q", [1] * 5, 0.0)
+    with pytest.raises(BrokerError, match="'r' is empty"):
+        core.admit("r", [], 0.0)
+
+
+def test_snapshot_round_trip_keeps_queue_order_leases_and_counters():
+    core = make()
+    admit(core, 3)
+    grants = core.lease("gen", 3, 0.0)
+    finish(core, grants[0], reason="abort")
+    restored = BrokerCore.from_bytes(core.to_bytes())
+    assert restored.to_bytes() == core.to_bytes()
+    assert restored.recycle_queue() == core.recycle_queue() and restored.fresh_queue() == core.fresh_queue()
+    assert restored.leases_of("gen") == core.leases_of("gen")
+    restored.rebase_deadlines(100.0)
+    assert all(lease.deadline == 110.0 for lease in restored.leases.values())
+
+
+def test_corrupt_or_foreign_snapshot_is_refused():
+    core = make()
+    admit(core, 1)
+    import msgpack
+
+    state = msgpack.unpackb(core.to_bytes(), strict_map_key=False)
+    state["order"]["fresh"] = []
+    with pytest.raises(BrokerError, match="queue 'fresh' does not match"):
+        BrokerCore.from_bytes(msgpack.packb(state))
+    state["format"] = 99
+    with pytest.raises(BrokerError, match="snapshot format 99"):
+        BrokerCore.from_bytes(msgpack.packb(state))
+    with pytest.raises(BrokerError, match="group_size=2, config says 3"):
+        BrokerCore.from_bytes(core.to_bytes(), RolloutConfig(group_size=3))
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        (dict(batch_groups=0), "batch_groups"),
+        (dict(over_provision=0.5), "over_provision"),
+        (dict(staleness_bound=-1), "staleness_bound"),
+        (dict(over_bound="keep"), "over_bound"),
+        (dict(mode="fast"), "mode"),
+        (dict(mode="sync", over_provision=2.0, staleness_bound=0), "over_provision = 1"),
+        (dict(mode="sync", over_provision=1.0, staleness_bound=1), "staleness_bound = 0"),
+        (dict(batch_size=8), "batch_size"),  # a field that does not exist fails loudly
+    ],
+)
+def test_bad_config_values_are_refused_naming_the_field(kw, field):
+    with pytest.raises(ValidationError, match=field):
+        RolloutConfig(**kw)
+
+
+def test_inflight_bound_is_ceil_of_r_times_B():
+    assert RolloutConfig(batch_groups=3, over_provision=1.5).max_inflight_groups == 5
+    assert RolloutConfig(batch_groups=4, over_provision=1.5, group_size=3).max_inflight_samples == 18
+    assert RolloutConfig(batch_groups=4, over_provision=1.0).max_inflight_groups == 4
