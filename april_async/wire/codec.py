@@ -10,6 +10,7 @@ arrays come back as read-only ``numpy`` views of the received frames (no copy).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 BULK_DTYPES = frozenset({"<i4", "<f4"})
 
+_MISSING_FIELD = re.compile(r"Object missing required field `([^`]+)`")
+
 Frame = bytes | memoryview
 
 
@@ -47,6 +50,18 @@ class BulkRef(msgspec.Struct, forbid_unknown_fields=True):
 
 class _WireEnvelope(Envelope, kw_only=True):
     body: msgspec.Raw = msgspec.Raw(b"\xc0")  # nil
+
+
+class _EnvelopeProbe(msgspec.Struct):
+    """The fields read from an envelope that failed to decode: its version comes first."""
+
+    proto_version: Any = None
+    msg_id: Any = None
+    sender: Any = None
+
+
+class _BadBulk(ValueError):
+    """A bulk reference that cannot be resolved; ``decode`` reports it as ``BulkFrameError``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,23 +99,33 @@ def _enc_hook(obj: Any) -> Any:
 def _dec_hook(typ: type, obj: Any) -> Any:
     if typ is not np.ndarray:
         raise NotImplementedError(f"no decoder for {typ}")
-    ref = msgspec.convert(obj, BulkRef)
+    try:
+        ref = msgspec.convert(obj, BulkRef)
+    except msgspec.ValidationError as e:
+        text, _, inner = str(e).partition(" - at `")  # inner: the key of the reference, "$.frame`"
+        where = f" (in {inner.rstrip('`')})" if inner else ""
+        raise _BadBulk(f"bad bulk reference: {text}{where}") from None
     frames: Sequence[Frame] = _local.in_frames
     if not 1 <= ref.frame < len(frames):
-        raise ValueError(f"bulk frame {ref.frame} does not exist ({len(frames)} frames)")
+        raise _BadBulk(f"bulk frame {ref.frame} does not exist ({len(frames)} frames)")
+    if ref.frame in _local.used:
+        raise _BadBulk(f"bulk frame {ref.frame} is referenced twice")
     if ref.dtype not in BULK_DTYPES:
-        raise ValueError(f"bulk dtype {ref.dtype!r} is not one of {sorted(BULK_DTYPES)}")
+        raise _BadBulk(f"bulk dtype {ref.dtype!r} is not one of {sorted(BULK_DTYPES)}")
     dtype = np.dtype(ref.dtype)
     buf = frames[ref.frame]
     nbytes = memoryview(buf).nbytes
     if nbytes != ref.len * dtype.itemsize:
-        raise ValueError(f"bulk frame {ref.frame} has {nbytes} bytes, expected {ref.len} x {dtype.itemsize}")
+        raise _BadBulk(f"bulk frame {ref.frame} has {nbytes} bytes, expected {ref.len} x {dtype.itemsize}")
     _local.used.add(ref.frame)
-    return np.frombuffer(buf, dtype=dtype)
+    arr = np.frombuffer(buf, dtype=dtype)
+    arr.flags.writeable = False  # a writable frame (bytearray, the sender's own array) stays untouched
+    return arr
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _envelope_decoder = msgspec.msgpack.Decoder(_WireEnvelope)
+_probe_decoder = msgspec.msgpack.Decoder(_EnvelopeProbe)
 _body_decoders = {name: msgspec.msgpack.Decoder(cls, dec_hook=_dec_hook) for name, cls in MESSAGE_TYPES.items()}
 
 
@@ -114,7 +139,7 @@ def encode(
     sent_at: float | None = None,
 ) -> list[Frame]:
     """Frames of one message: the envelope, then one frame per bulk array (zero-copy views)."""
-    if type(body).msg_type not in MESSAGE_TYPES:
+    if MESSAGE_TYPES.get(getattr(type(body), "msg_type", None)) is not type(body):
         raise TypeError(f"{type(body).__name__} is not a message of this protocol")
     envelope = Envelope(
         msg_id=msg_id or new_msg_id(),
@@ -145,16 +170,15 @@ def decode(frames: Sequence[Frame], *, max_message_bytes: int = MAX_MESSAGE_BYTE
     try:
         env = _envelope_decoder.decode(frames[0])
     except msgspec.ValidationError as e:
-        raise MalformedFrame(f"bad envelope: {e}", field=_path_of(e)) from None
-    except msgspec.DecodeError as e:
+        # Another major version may shape its envelope differently: say so before "malformed".
+        probe = _probe_envelope(frames[0])
+        msg_id = probe.msg_id if isinstance(probe.msg_id, str) else None
+        if isinstance(probe.proto_version, str):
+            _check_major(probe.proto_version, probe.sender, msg_id)
+        raise MalformedFrame(f"bad envelope: {e}", field=_path_of(e), msg_id=msg_id) from None
+    except (msgspec.DecodeError, RecursionError) as e:
         raise MalformedFrame(f"frame 0 is not a MessagePack envelope: {e}") from None
-    major = env.proto_version.split(".", 1)[0]
-    if major != str(PROTO_MAJOR):
-        raise ProtocolVersionMismatch(
-            f"protocol {env.proto_version!r} from {env.sender!r}, this peer speaks {PROTO_VERSION}",
-            field="$.proto_version",
-            msg_id=env.msg_id,
-        )
+    _check_major(env.proto_version, env.sender, env.msg_id)
     decoder = _body_decoders.get(env.msg_type)
     if decoder is None:
         raise UnknownMessageType(
@@ -168,10 +192,11 @@ def decode(frames: Sequence[Frame], *, max_message_bytes: int = MAX_MESSAGE_BYTE
             unused = sorted(set(range(1, len(frames))) - _local.used)
             raise BulkFrameError(f"frames {unused} are referenced by no field", msg_id=env.msg_id)
     except msgspec.ValidationError as e:
-        cls = BulkFrameError if "bulk" in str(e) else MalformedFrame
+        cls = BulkFrameError if isinstance(e.__cause__, _BadBulk) else MalformedFrame
         raise cls(f"bad {env.msg_type} body: {e}", field=_body_path(e), msg_id=env.msg_id) from None
-    except (msgspec.DecodeError, ValueError, TypeError) as e:
-        # __post_init__ checks (lengths, spans, ranges) raise ValueError/TypeError.
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as e:
+        # __post_init__ checks (lengths, spans, ranges) raise ValueError/TypeError; msgspec raises
+        # RecursionError on values nested too deep (in a ``meta`` map, say).
         raise MalformedFrame(f"bad {env.msg_type} body: {e}", field="$.body", msg_id=env.msg_id) from None
     finally:
         _local.in_frames = None
@@ -187,9 +212,29 @@ def decode(frames: Sequence[Frame], *, max_message_bytes: int = MAX_MESSAGE_BYTE
     )
 
 
+def _check_major(proto_version: str, sender: Any, msg_id: str | None) -> None:
+    if proto_version.split(".", 1)[0] != str(PROTO_MAJOR):
+        raise ProtocolVersionMismatch(
+            f"protocol {proto_version!r} from {sender!r}, this peer speaks {PROTO_VERSION}",
+            field="$.proto_version",
+            msg_id=msg_id,
+        )
+
+
+def _probe_envelope(frame: Frame) -> _EnvelopeProbe:
+    try:
+        return _probe_decoder.decode(frame)
+    except (msgspec.DecodeError, RecursionError):
+        return _EnvelopeProbe()
+
+
 def _path_of(err: msgspec.ValidationError) -> str | None:
     text = str(err)
-    return text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else None
+    path = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else None
+    if path is not None and "` in `" in path:  # a bad map key: "key` in `$.meta" -> "$.meta"
+        path = path.rsplit("` in `", 1)[1]
+    missing = _MISSING_FIELD.match(text)  # msgspec names a missing field but leaves it out of the path
+    return f"{path or '$'}.{missing.group(1)}" if missing else path
 
 
 def _body_path(err: msgspec.ValidationError) -> str:

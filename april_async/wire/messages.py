@@ -210,6 +210,7 @@ class ScoreRequest(Body):
     msg_type: ClassVar[str] = "score_request"
     bulk_fields: ClassVar[dict[str, np.dtype]] = {"prompt": TOKEN_DTYPE, "response": TOKEN_DTYPE}
     sample_id: int
+    lease_id: int  # the lease that finished this response; ``scored`` MUST echo it
     group_id: int
     prompt: np.ndarray
     response: np.ndarray
@@ -223,6 +224,7 @@ class Scored(Body):
 
     msg_type: ClassVar[str] = "scored"
     sample_id: int
+    lease_id: int  # as in the score_request: a score for an older response is ignored
     reward: float | None = None
     error: str | None = None  # set: the sample's group is retired with this reason
 
