@@ -1,0 +1,1 @@
+"""Simulated clusters around the real broker core."""
