@@ -8,19 +8,11 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci",
-    max_examples=400,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    print_blob=True,
-)
-settings.register_profile(
-    "dev",
-    max_examples=60,
+COMMON = dict(
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+settings.register_profile("ci", max_examples=400, print_blob=True, **COMMON)
+settings.register_profile("dev", max_examples=60, **COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

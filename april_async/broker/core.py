@@ -164,7 +164,7 @@ class Counters:
     groups_admitted: int = 0
     duplicate_prompts: int = 0
     leases_issued: int = 0
-    leases_expired: int = 0
+    leases_expired: int = 0  # leases reclaimed from silent or departed generators
     aborts_sent: int = 0
     early_terminations: int = 0
     partials_created: int = 0  # abort reports and reclaimed leases that kept their tokens
@@ -372,7 +372,7 @@ class BrokerCore:
         """
         grants: list[LeaseGrant] = []
         while len(grants) < max_leases and self._leasing_open():
-            queue = self._recycle or self._fresh
+            queue = self._lease_queue()
             if not queue:
                 break
             s = self.samples[next(iter(queue))]
@@ -380,6 +380,10 @@ class BrokerCore:
                 break
             grants.append(self._grant(s, generator, now))
         return grants
+
+    def _lease_queue(self) -> dict[int, None]:
+        """Where the next lease comes from: recycled partials while any wait, else fresh samples."""
+        return self._recycle or self._fresh
 
     def _grant(self, s: Sample, generator: str, now: float) -> LeaseGrant:
         lid = self._take("lease")
@@ -686,14 +690,15 @@ class BrokerCore:
                     list(g.prompt),
                     g.task,
                     dict(g.meta),
-                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.tokens, s.logprobs, s.spans) for s in samples],
+                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.tokens, s.logprobs,
+                                    [list(span) for span in s.spans]) for s in samples],
                 )
             )
             for s in samples:
                 self._account_delivery(s, V)
                 self._move(s, Place.DELIVERED)
-                # The tokens left with the batch; keep only the ledger entry.
-                s.tokens, s.logprobs, s.spans = [], [], [[v, c] for v, c in s.spans]
+                # The tokens left with the batch; the ledger keeps the sample's version spans.
+                s.tokens, s.logprobs = [], []
             g.state = "delivered"
             self.step_groups.discard(gid)
         c = self.counters

@@ -47,17 +47,8 @@ class IgnoresStaleness(BrokerCore):
 class FreshBeforePartials(BrokerCore):
     """5 no starvation: fresh prompts are leased before recycled partials."""
 
-    def lease(self, generator, max_leases, now):
-        grants = []
-        while len(grants) < max_leases and self._leasing_open():
-            queue = self._fresh or self._recycle
-            if not queue:
-                break
-            s = self.samples[next(iter(queue))]
-            if not self._group_admissible(s.group_id):
-                break
-            grants.append(self._grant(s, generator, now))
-        return grants
+    def _lease_queue(self):
+        return self._fresh or self._recycle
 
 
 class DeliversUnscoredGroups(BrokerCore):
