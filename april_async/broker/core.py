@@ -215,6 +215,9 @@ class BrokerCore:
         self.prompt_ids: set[str] = set()
         self.step_groups: set[int] = set()  # sync/april: groups leased in this rollout step
         self.awaiting_version: int | None = None  # sync/april: a batch went out at this version
+        # Batches sent but not yet acknowledged by the learner, kept whole so that a batch lost
+        # on the way (a broker crash right after ``pull_batch``) can be sent again.
+        self.unacked_batches: dict[int, BatchOut] = {}
         self._next = {"group": 0, "sample": 0, "lease": 1, "batch": 0}
         self._rebuild_indexes()
 
@@ -320,7 +323,7 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, prompt_id: str, prompt: Sequence[int], now: float, *, task: str = "", meta: dict | None = None) -> int | None:
+    def admit(self, prompt_id: str, prompt: Sequence[int], now: float, task: str = "", meta: dict | None = None) -> int | None:
         """Admit a prompt as a group of n queued samples. A prompt id seen before is a no-op (None)."""
         if prompt_id in self.prompt_ids:
             self.counters.duplicate_prompts += 1
@@ -518,22 +521,41 @@ class BrokerCore:
             if scorer == peer:
                 self.scoring[sid] = (scorer, score_deadline)
 
+    def expired(self, now: float) -> tuple[list[int], list[int]]:
+        """The leases and score requests whose deadline has passed (a query: nothing changes).
+
+        The service journals what it then does about them (``reclaim``, ``requeue_score``), so a
+        replay does not depend on deadlines, which heartbeats move and the journal does not record.
+        """
+        leases = [lid for lid, lease in self.leases.items() if lease.deadline < now]
+        scores = [sid for sid, (_, deadline) in self.scoring.items() if deadline < now]
+        return leases, scores
+
     def expire(self, now: float) -> list[AbortLease]:
         """Reclaim leases and score requests whose deadline has passed (silent peers)."""
+        leases, scores = self.expired(now)
         effects: list[AbortLease] = []
-        for lid in [lid for lid, lease in self.leases.items() if lease.deadline < now]:
-            if lid in self.leases:  # a drop-policy retirement may have ended it meanwhile
-                effects += self._reclaim(self.leases[lid])
-        for sid in [sid for sid, (_, deadline) in self.scoring.items() if deadline < now]:
-            self._return_to_scoring(sid)
+        for lid in leases:
+            effects += self.reclaim(lid)
+        for sid in scores:
+            self.requeue_score(sid)
         return effects
+
+    def reclaim(self, lease_id: int) -> list[AbortLease]:
+        """End a lease whose generator is gone; its sample becomes a partial. Unknown: a no-op."""
+        lease = self.leases.get(lease_id)
+        return [] if lease is None else self._reclaim(lease)
+
+    def requeue_score(self, sample_id: int) -> None:
+        """Offer an unanswered score request to another scorer. Not out for scoring: a no-op."""
+        if sample_id in self.scoring:
+            self._return_to_scoring(sample_id)
 
     def peer_gone(self, peer: str, now: float) -> list[AbortLease]:
         """``peer`` said bye or was found dead: reclaim all its leases and score requests now."""
         effects: list[AbortLease] = []
         for lid in self.leases_of(peer):
-            if lid in self.leases:
-                effects += self._reclaim(self.leases[lid])
+            effects += self.reclaim(lid)
         for sid in [sid for sid, (scorer, _) in self.scoring.items() if scorer == peer]:
             self._return_to_scoring(sid)
         return effects
@@ -706,7 +728,23 @@ class BrokerCore:
         c.groups_delivered += B
         if self.config.mode != "async":
             self.awaiting_version = V
-        return BatchOut(self._take("batch"), V, out_groups)
+        batch = BatchOut(self._take("batch"), V, out_groups)
+        self.unacked_batches[batch.batch_id] = batch
+        return batch
+
+    def ack_batches(self, upto_batch_id: int) -> bool:
+        """The learner holds every batch up to ``upto_batch_id``: forget them. True if any was."""
+        done = [bid for bid in self.unacked_batches if bid <= upto_batch_id]
+        for bid in done:
+            del self.unacked_batches[bid]
+        return bool(done)
+
+    def unacked_batch_after(self, batch_id: int | None) -> BatchOut | None:
+        """The oldest sent batch the learner has not acknowledged (``batch_id``: its newest)."""
+        for bid, batch in self.unacked_batches.items():
+            if batch_id is None or bid > batch_id:
+                return batch
+        return None
 
     def _account_delivery(self, s: Sample, V: int) -> None:
         c = self.counters
@@ -744,6 +782,7 @@ class BrokerCore:
             ],
             "leases": [[x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting] for x in self.leases.values()],
             "scoring": [[sid, scorer, deadline] for sid, (scorer, deadline) in self.scoring.items()],
+            "unacked_batches": [_batch_to_plain(b) for b in self.unacked_batches.values()],
             "order": {"fresh": list(self._fresh), "recycle": list(self._recycle), "unscored": list(self._unscored),
                       "done": list(self._done), "ready": list(self._ready)},
         }
@@ -773,6 +812,9 @@ class BrokerCore:
             core.leases[lid] = Lease(lid, sid, gen, deadline, aborting)
         for sid, scorer, deadline in state["scoring"]:
             core.scoring[sid] = (scorer, deadline)
+        for plain in state["unacked_batches"]:
+            batch = _batch_from_plain(plain)
+            core.unacked_batches[batch.batch_id] = batch
         core._rebuild_indexes()
         # Queue order is part of the policy (FIFO fairness): the indexes rebuilt from the samples
         # must hold what the snapshot lists, in the snapshot's order.
@@ -790,3 +832,17 @@ class BrokerCore:
         for sid, (scorer, _) in self.scoring.items():
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
 
+
+
+def _batch_to_plain(b: BatchOut) -> list:
+    return [b.batch_id, b.policy_version, [
+        [g.group_id, g.prompt_id, g.prompt, g.task, g.meta,
+         [[x.sample_id, x.reward, x.finish_reason, x.tokens, x.logprobs, x.spans] for x in g.samples]]
+        for g in b.groups]]
+
+
+def _batch_from_plain(plain: list) -> BatchOut:
+    bid, version, groups = plain
+    return BatchOut(bid, version, [
+        BatchGroupOut(gid, pid, prompt, task, meta, [BatchSampleOut(*x) for x in samples])
+        for gid, pid, prompt, task, meta, samples in groups])

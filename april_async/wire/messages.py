@@ -123,6 +123,7 @@ class Heartbeat(Body):
     msg_type: ClassVar[str] = "heartbeat"
     free_slots: int | None = None
     policy_version: int | None = None
+    ack_seq: int | None = None  # broker → actor: your highest seq the broker has journaled
 
 
 class Bye(Body):
@@ -242,6 +243,7 @@ class BatchRequest(Body):
 
     msg_type: ClassVar[str] = "batch_request"
     policy_version: int  # the version the learner will train from
+    acked_batch_id: int | None = None  # the newest batch the learner holds; older ones are not re-sent
 
 
 class BatchSample(msgspec.Struct, kw_only=True, omit_defaults=True):
