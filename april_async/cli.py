@@ -1,13 +1,19 @@
-"""The ``april`` command. One sub-command per job; heavy imports happen inside each.
+"""The ``april`` command. One sub-command per actor or job; heavy imports happen inside each.
 
-    april simulate            the real broker core in sync, april and async modes, side by side
-    april simulate --help     its knobs
+    april broker    [--config run.toml] [--set rollout.batch_groups=4 ...] [--dry-run]
+    april generator [--config run.toml] [--set name=gen-1 ...] [--dry-run]
+    april scorer    [--config run.toml] [--set reward=pkg.mod:fn ...] [--dry-run]
+    april simulate  the real broker core in sync, april and async modes, side by side
+
+An actor reads the section of its name from the TOML file (``[broker]``, ``[generator]``, ...);
+``--set`` flags override it with dotted keys; ``--dry-run`` prints the resolved config and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from april_async import __version__
 
@@ -46,10 +52,96 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _actor_config(args: argparse.Namespace, model):
+    from april_async.config import ConfigError, dump, resolve
+
+    try:
+        cfg = resolve(model, file=args.config, section=args.command, overrides=args.set)
+    except ConfigError as e:
+        print(f"april {args.command}: {e}", file=sys.stderr)
+        return None
+    if args.dry_run:
+        print(dump(cfg))
+    return cfg
+
+
+def _peer_factory(cfg):
+    from april_async.transport.peer import Peer
+
+    def make(on_connect):
+        return Peer(cfg.link.broker, cfg.name, link=cfg.link, on_connect=on_connect)
+
+    return make
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from april_async.broker.service import BrokerServiceConfig
+
+    cfg = _actor_config(args, BrokerServiceConfig)
+    if cfg is None or args.dry_run:
+        return 2 if cfg is None else 0
+    from april_async.broker.service import BrokerService
+    from april_async.logs import configure
+    from april_async.transport.hub import Hub
+
+    configure(json=cfg.log.json_lines, level=cfg.log.level)
+    hub = Hub(cfg.bind, link=cfg.link)
+    try:
+        BrokerService(cfg, hub).run(args.stop)
+    finally:
+        hub.close()
+    return 0
+
+
+def _generator(args: argparse.Namespace) -> int:
+    from april_async.generator.actor import GeneratorConfig
+
+    cfg = _actor_config(args, GeneratorConfig)
+    if cfg is None or args.dry_run:
+        return 2 if cfg is None else 0
+    from april_async.generator.actor import GeneratorActor
+    from april_async.generator.scripted import ScriptedEngine
+    from april_async.logs import configure
+
+    configure(json=cfg.log.json_lines, level=cfg.log.level)
+    GeneratorActor(cfg, ScriptedEngine(cfg.scripted), _peer_factory(cfg)).run(args.stop)
+    return 0
+
+
+def _scorer(args: argparse.Namespace) -> int:
+    from april_async.scorer.actor import ScorerConfig
+
+    cfg = _actor_config(args, ScorerConfig)
+    if cfg is None or args.dry_run:
+        return 2 if cfg is None else 0
+    from april_async.logs import configure
+    from april_async.scorer.actor import ScorerActor
+
+    configure(json=cfg.log.json_lines, level=cfg.log.level)
+    try:
+        actor = ScorerActor(cfg, _peer_factory(cfg))
+    except ValueError as e:  # a reward path that does not resolve
+        print(f"april scorer: {e}", file=sys.stderr)
+        return 2
+    actor.run(args.stop)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="april", description="Active Partial Rollouts (APRIL), fully asynchronous.")
     p.add_argument("--version", action="version", version=f"april-async {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    for name, func, text in [
+        ("broker", _broker, "the rollout broker (ROUTER; the source of truth)"),
+        ("generator", _generator, "a generator: takes leases and runs them on an engine"),
+        ("scorer", _scorer, "a scorer: rewards finished samples"),
+    ]:
+        a = sub.add_parser(name, help=text)
+        a.add_argument("--config", type=Path, help=f"TOML file; its [{name}] section is read")
+        a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one setting (dotted keys, TOML values), repeatable")
+        a.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+        a.set_defaults(func=func)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines")
     s.add_argument("--modes", default="sync,april,async", help="comma-separated; the first is the baseline")
     s.add_argument("--batches", type=int, default=20, help="learner batches per mode")
@@ -68,8 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ACTORS = ("broker", "generator", "scorer")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ACTORS and not args.dry_run:
+        from april_async.runtime import StopFlag
+
+        args.stop = StopFlag()  # first: a SIGTERM during start-up still stops the actor cleanly
     return args.func(args)
 
 

@@ -1,0 +1,357 @@
+"""The broker service: the pure core behind a ZeroMQ ROUTER, with a write-ahead journal.
+
+Loop: poll the hub (with a timeout) → handle each message → tick (expiry, dead peers,
+admission, leases, score requests, batches, heartbeats with acks, journal flush, snapshot).
+
+Journaling rule: every call that changes the core is appended to the journal *before* any
+message it causes is sent, with the ``now`` it was called with; the core is deterministic, so
+replaying the records after the newest snapshot rebuilds the exact state. Expiry decisions are
+journaled as ``reclaim``/``requeue_score`` records (heartbeats move deadlines and are not
+journaled), and calls that changed nothing (an empty lease, no batch) are not written at all.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from april_async.broker.config import RolloutConfig
+from april_async.broker.core import AbortLease, BatchOut, BrokerCore
+from april_async.config import LinkConfig, LogConfig
+from april_async.logs import get_logger
+from april_async.transport.hub import Hub
+from april_async.wire import messages as m
+
+if TYPE_CHECKING:
+    from april_async.broker.journal import Journal
+
+READONLY_CALLS = frozenset({"lease", "score_lease", "pull_batch"})  # journaled only when they return something
+
+
+class PromptSourceConfig(BaseModel):
+    """Where prompts come from. ``synthetic``: deterministic token prompts for runtime tests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["synthetic"] = "synthetic"
+    limit: int | None = Field(None, ge=1)
+    """Admit at most this many prompts (None: no end)."""
+    length: int = Field(6, ge=1)
+    """Tokens per synthetic prompt."""
+    task: str = "scripted"
+
+
+class BrokerServiceConfig(BaseModel):
+    """The ``[broker]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """The ROUTER endpoint every actor connects to."""
+    link: LinkConfig = LinkConfig()
+    journal_dir: Path | None = None
+    """Write-ahead journal and snapshots; None runs without durability (a restart starts empty)."""
+    durability: Literal["always", "interval", "none"] = "interval"
+    """fsync every record, every ``fsync_interval_s``, or never (kill -9 safe in all three; only
+    ``always`` survives power loss without losing the last interval)."""
+    fsync_interval_s: float = Field(0.05, gt=0)
+    snapshot_every_records: int = Field(20_000, ge=1)
+    """Write a snapshot (and start a new log segment) after this many records."""
+    rollout: RolloutConfig = RolloutConfig()
+    prompts: PromptSourceConfig = PromptSourceConfig()
+    log: LogConfig = LogConfig()
+
+
+@dataclass
+class PeerState:
+    role: str
+    identity: bytes
+    capacity: int = 0
+    acks: deque = field(default_factory=deque)  # (journal records needed, seq)
+    last_heartbeat_sent: float = 0.0
+
+
+class BrokerService:
+    def __init__(self, cfg: BrokerServiceConfig, hub: Hub, *, clock=time.monotonic):
+        self.cfg = cfg
+        self.hub = hub
+        self.clock = clock
+        self.epoch = os.urandom(6).hex()
+        self.log = get_logger(actor="broker", epoch=self.epoch)
+        self.peers: dict[str, PeerState] = {}
+        self.batch_waiters: deque[tuple[str, str, int | None]] = deque()  # (sender, msg_id, acked batch)
+        self.journal: Journal | None = None
+        self.records_since_snapshot = 0
+        self.core = self._recover()
+
+    # ------------------------------------------------------------------ journal
+
+    def _recover(self) -> BrokerCore:
+        if self.cfg.journal_dir is None:
+            return BrokerCore(self.cfg.rollout)
+        from april_async.broker.journal import Journal
+
+        self.journal = Journal(Path(self.cfg.journal_dir), durability=self.cfg.durability, interval_s=self.cfg.fsync_interval_s)
+        core, replayed, had_snapshot = replay(self.journal, self.cfg.rollout)
+        core.rebase_deadlines(self.clock())
+        self.records_since_snapshot = replayed
+        self.log.info("recovered", snapshot=had_snapshot, records=replayed, version=core.version,
+                      **core.place_counts())
+        return core
+
+    def apply(self, method: str, *args):
+        """Call the core and journal the call (write-ahead: before anything it causes is sent)."""
+        result = getattr(self.core, method)(*args)
+        if self.journal is not None and (method not in READONLY_CALLS or result):
+            self.journal.append(msgpack.packb([method, list(args)], use_bin_type=True))
+            self.records_since_snapshot += 1
+        return result
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop) -> None:
+        self.log.info("serving", bind=self.hub.endpoint, mode=self.cfg.rollout.mode)
+        while not stop:
+            for identity, msg in self.hub.poll(self.cfg.link.heartbeat_interval_s / 4):
+                self.handle(identity, msg, self.clock())
+            self.tick(self.clock())
+        self.close()
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.flush()
+            self.journal.close()
+        self.log.info("stopped", **self.core.counters.as_dict())
+
+    def handle(self, identity: bytes, msg, now: float) -> None:
+        body, sender = msg.body, msg.sender
+        if isinstance(body, m.Hello):
+            self._hello(identity, msg, now)
+            return
+        peer = self.peers.get(sender)
+        if peer is None:
+            self.hub.send(identity, m.Error(code="refused", message=f"no session for {sender!r}: send hello"),
+                          parent_id=msg.msg_id)
+            return
+        self.core.touch(sender, now)
+        if isinstance(body, m.Finished):
+            self._aborts(self.apply("finish", body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
+                                    [[s.version, s.count] for s in body.versions], body.reason, now))
+        elif isinstance(body, m.TokenChunk):
+            self.apply("chunk", body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
+                       [[s.version, s.count] for s in body.versions], now)
+        elif isinstance(body, m.Scored):
+            if body.error is not None:
+                self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, error=body.error)
+                self._aborts(self.apply("score_failed", body.sample_id, body.lease_id, now))
+            else:
+                self._aborts(self.apply("scored", body.sample_id, body.lease_id, body.reward, now))
+        elif isinstance(body, m.BatchRequest):
+            self._version_at_least(body.policy_version, now)
+            if body.acked_batch_id is not None and self.core.unacked_batch_after(None) is not None:
+                self.apply("ack_batches", body.acked_batch_id)
+            self.batch_waiters.append((sender, msg.msg_id, body.acked_batch_id))
+        elif isinstance(body, m.WeightsPublished):
+            self._aborts(self.apply("publish_version", body.version, now))
+            for name, p in self.peers.items():
+                if p.role == "generator":
+                    self.hub.send(p.identity, body)
+            self.log.info("version", version=body.version, source=body.source)
+        elif isinstance(body, m.Heartbeat):
+            if body.free_slots is not None and peer.role == "scorer":
+                peer.capacity = max(peer.capacity, body.free_slots)
+        elif isinstance(body, m.Bye):
+            self._peer_gone(sender, now, reason=body.reason or "bye")
+            return
+        elif isinstance(body, m.Error):
+            self.log.warning("peer_error", peer=sender, code=body.code, message=body.message)
+        else:
+            self.hub.send(identity, m.Error(code="refused", message=f"the broker does not take {msg.msg_type}"),
+                          parent_id=msg.msg_id)
+        self._note_ack(peer, msg.seq)
+
+    def _note_ack(self, peer: PeerState, seq: int) -> None:
+        needed = self.journal.records_appended if self.journal is not None else 0
+        peer.acks.append((needed, seq))
+
+    def _hello(self, identity: bytes, msg, now: float) -> None:
+        body: m.Hello = msg.body
+        self.peers[msg.sender] = peer = PeerState(body.role, identity, body.capacity)
+        if body.role == "generator":
+            held = set(self.core.leases_of(msg.sender))
+            reported = {x.lease_id for x in body.inflight}
+            for lid in sorted(held - reported):
+                self._aborts(self.apply("reclaim", lid))
+            unknown = sorted(reported - held)
+            if unknown:
+                self.hub.send(identity, m.Abort(lease_ids=unknown))
+        elif body.role in ("learner", "broadcaster") and body.policy_version is not None:
+            # A version announced to a broker that then died is announced again here.
+            self._version_at_least(body.policy_version, now)
+        elif body.role == "scorer":
+            for sid, (scorer, _) in list(self.core.scoring.items()):
+                if scorer == msg.sender:
+                    self.apply("requeue_score", sid)
+        self.core.touch(msg.sender, now)
+        self.hub.send(identity, m.Welcome(
+            broker_epoch=self.epoch, policy_version=self.core.version,
+            heartbeat_interval_s=self.cfg.link.heartbeat_interval_s, peer_timeout_s=self.cfg.link.peer_timeout_s,
+            max_message_bytes=self.cfg.link.max_message_bytes), parent_id=msg.msg_id)
+        self._note_ack(peer, msg.seq)
+        self.log.info("hello", peer=msg.sender, role=body.role, capacity=body.capacity, inflight=len(body.inflight))
+
+    def _version_at_least(self, version: int, now: float) -> None:
+        if version > self.core.version:
+            self._aborts(self.apply("publish_version", version, now))
+            self.log.info("version", version=version, source="peer")
+
+    def _peer_gone(self, name: str, now: float, reason: str) -> None:
+        self.peers.pop(name, None)
+        self.batch_waiters = deque(w for w in self.batch_waiters if w[0] != name)
+        self._aborts(self.apply("peer_gone", name, now))
+        self.log.info("peer_gone", peer=name, reason=reason)
+
+    def _aborts(self, effects: list[AbortLease]) -> None:
+        by_gen: dict[str, list[int]] = {}
+        for e in effects:
+            by_gen.setdefault(e.generator, []).append(e.lease_id)
+        for gen, lids in by_gen.items():
+            peer = self.peers.get(gen)
+            if peer is not None:
+                self.hub.send(peer.identity, m.Abort(lease_ids=lids))
+
+    # ------------------------------------------------------------------ tick
+
+    def tick(self, now: float) -> None:
+        for name in self.hub.expired_peers(now):
+            if name in self.peers:
+                self._peer_gone(name, now, reason="silent")
+        leases, scores = self.core.expired(now)
+        for lid in leases:
+            self._aborts(self.apply("reclaim", lid))
+        for sid in scores:
+            self.apply("requeue_score", sid)
+        self._admit(now)
+        self._lease(now)
+        self._score(now)
+        self._serve_batches(now)
+        if self.journal is not None:
+            self.journal.maybe_flush(now)
+            if self.records_since_snapshot >= self.cfg.snapshot_every_records:
+                self.journal.snapshot(self.core.to_bytes())
+                self.records_since_snapshot = 0
+        self._heartbeats(now)
+
+    def _admit(self, now: float) -> None:
+        src, rollout = self.cfg.prompts, self.cfg.rollout
+        want = 2 * rollout.max_inflight_groups * rollout.group_size
+        while self.core.place_counts()["queued"] < want:
+            index = self.core.counters.groups_admitted
+            if src.limit is not None and index >= src.limit:
+                return
+            prompt = [(index * 7 + k) % 997 + 1 for k in range(src.length)]
+            self.apply("admit", f"syn-{index}", prompt, now, src.task, {"index": index})
+
+    def _lease(self, now: float) -> None:
+        for name, peer in self.peers.items():
+            if peer.role != "generator":
+                continue
+            free = peer.capacity - len(self.core.leases_of(name))
+            if free <= 0:
+                continue
+            sp = self.cfg.rollout.sampling
+            sampling = m.SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                        stop_token_ids=list(sp.stop_token_ids))
+            for g in self.apply("lease", name, free, now):
+                self.hub.send(peer.identity, m.Generate(
+                    lease_id=g.lease_id, sample_id=g.sample_id, group_id=g.group_id,
+                    prompt=np.asarray(g.prompt, dtype=np.int32), resume=np.asarray(g.resume, dtype=np.int32),
+                    max_new_tokens=g.max_new_tokens, sampling=sampling, min_policy_version=g.min_policy_version))
+
+    def _score(self, now: float) -> None:
+        out: dict[str, int] = {}
+        for scorer, _ in self.core.scoring.values():
+            out[scorer] = out.get(scorer, 0) + 1
+        for name, peer in self.peers.items():
+            if peer.role != "scorer":
+                continue
+            free = max(1, peer.capacity) - out.get(name, 0)
+            if free <= 0:
+                continue
+            for t in self.apply("score_lease", name, free, now):
+                self.hub.send(peer.identity, m.ScoreRequest(
+                    sample_id=t.sample_id, lease_id=t.lease_id, group_id=t.group_id,
+                    prompt=np.asarray(t.prompt, dtype=np.int32), response=np.asarray(t.response, dtype=np.int32),
+                    finish_reason=t.finish_reason, task=t.task, meta=t.meta))
+
+    def _serve_batches(self, now: float) -> None:
+        while self.batch_waiters:
+            sender, msg_id, acked = self.batch_waiters[0]
+            peer = self.peers.get(sender)
+            if peer is None:
+                self.batch_waiters.popleft()
+                continue
+            # A batch sent but never acknowledged (lost in a crash, say) goes out again first.
+            batch = self.core.unacked_batch_after(acked)
+            resent = batch is not None
+            if batch is None:
+                batch = self.apply("pull_batch", now)
+            if batch is None:
+                return
+            self.batch_waiters.popleft()
+            self.hub.send(peer.identity, batch_message(batch), parent_id=msg_id)
+            self.log.info("batch", batch_id=batch.batch_id, learner=sender, version=batch.policy_version, resent=resent)
+
+    def _heartbeats(self, now: float) -> None:
+        durable = self.journal.durable_count if self.journal is not None else None
+        for peer in self.peers.values():
+            if now - peer.last_heartbeat_sent < self.cfg.link.heartbeat_interval_s:
+                continue
+            ack = None
+            while peer.acks and (durable is None or peer.acks[0][0] <= durable):
+                ack = peer.acks.popleft()[1]
+            self.hub.send(peer.identity, m.Heartbeat(policy_version=self.core.version, ack_seq=ack))
+            peer.last_heartbeat_sent = now
+
+
+def replay(journal: Journal, rollout: RolloutConfig) -> tuple[BrokerCore, int, bool]:
+    """Rebuild the core from a journal: the newest snapshot, then every record after it."""
+    snapshot, records = journal.recover()
+    core = BrokerCore.from_bytes(snapshot, rollout) if snapshot else BrokerCore(rollout)
+    replayed = 0
+    for rec in records:
+        method, args = msgpack.unpackb(rec, raw=False, strict_map_key=False)
+        getattr(core, method)(*args)
+        replayed += 1
+    return core, replayed, snapshot is not None
+
+
+def batch_message(batch: BatchOut) -> m.Batch:
+    """The wire form of a core batch: token arrays concatenated, slices in the header."""
+    prompts, responses, logprobs, groups = [], [], [], []
+    p_off = r_off = 0
+    for g in batch.groups:
+        samples = []
+        for s in g.samples:
+            samples.append(m.BatchSample(sample_id=s.sample_id, reward=s.reward, finish_reason=s.finish_reason,
+                                         response_offset=r_off, response_len=len(s.tokens),
+                                         versions=[m.VersionSpan(v, c) for v, c in s.spans]))
+            responses.extend(s.tokens)
+            logprobs.extend(s.logprobs)
+            r_off += len(s.tokens)
+        groups.append(m.BatchGroup(group_id=g.group_id, prompt_id=g.prompt_id, prompt_offset=p_off,
+                                   prompt_len=len(g.prompt), samples=samples, task=g.task, meta=g.meta))
+        prompts.extend(g.prompt)
+        p_off += len(g.prompt)
+    return m.Batch(batch_id=batch.batch_id, policy_version=batch.policy_version, groups=groups,
+                   prompt_tokens=np.asarray(prompts, dtype=np.int32),
+                   response_tokens=np.asarray(responses, dtype=np.int32),
+                   logprobs=np.asarray(logprobs, dtype=np.float32))

@@ -1,0 +1,108 @@
+"""Config shared by every actor, and the layering: defaults < TOML file < ``--set`` flags.
+
+Each actor's settings are a pydantic model (documented fields, bounds, ``extra="forbid"`` so a
+renamed field fails loudly). ``resolve`` builds one from the three layers; a bad value is a
+``ConfigError`` that names the field and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from april_async.wire.codec import MAX_MESSAGE_BYTES
+
+HEARTBEAT_INTERVAL_S = 0.5
+"""Send a heartbeat after this long without sending anything."""
+PEER_TIMEOUT_S = 6 * HEARTBEAT_INTERVAL_S
+"""A correspondent silent this long is dead."""
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field and the value."""
+
+
+class LinkConfig(BaseModel):
+    """How an actor reaches the broker, and the timing both sides use."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    broker: str = "tcp://127.0.0.1:5555"
+    """The broker's ZeroMQ endpoint."""
+    heartbeat_interval_s: float = Field(HEARTBEAT_INTERVAL_S, gt=0)
+    """Send a heartbeat after this long without sending anything."""
+    peer_timeout_s: float = Field(PEER_TIMEOUT_S, gt=0)
+    """A correspondent silent this long is dead."""
+    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=1024)
+    """Messages larger than this are refused (``too_large``)."""
+
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> LinkConfig:
+        if self.peer_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"peer_timeout_s={self.peer_timeout_s} must be at least twice heartbeat_interval_s={self.heartbeat_interval_s}"
+            )
+        return self
+
+
+class LogConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_lines: bool = False
+    """One JSON object per line (for machines) instead of the console format."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value); the value is read as TOML, else as a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set needs KEY=VALUE, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _merge(base: dict, path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        base = base.setdefault(part, {})
+        if not isinstance(base, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not a section")
+    base[path[-1]] = value
+
+
+def resolve(model: type[M], *, file: Path | None = None, section: str | None = None, overrides: list[str] = ()) -> M:
+    """Build ``model`` from its defaults, then ``[section]`` of a TOML file, then ``--set`` flags."""
+    data: dict = {}
+    if file is not None:
+        try:
+            doc = tomllib.loads(Path(file).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(file)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(file)!r} is not valid TOML: {e}") from None
+        data = doc.get(section, {}) if section else doc
+    for item in overrides:
+        path, value = parse_override(item)
+        _merge(data, path, value)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or model.__name__}: {err['msg']} (got {err.get('input')!r})"
+            for err in e.errors()
+        )
+        raise ConfigError(f"bad {section or model.__name__} config: {problems}") from None
+
+
+def dump(cfg: BaseModel) -> str:
+    """The resolved config as JSON (printed by ``--dry-run``, written into the run directory)."""
+    return json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True)

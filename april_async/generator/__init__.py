@@ -1,0 +1,1 @@
+"""The generator actor and its engines."""

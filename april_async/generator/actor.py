@@ -1,0 +1,185 @@
+"""The generator actor: takes leases from the broker, runs them on an engine, streams tokens back.
+
+Per lease it keeps every token it generated, so that after a reconnect (a broker restart, say)
+it can re-report the lease in ``hello.inflight`` and re-send its tokens from the start of the
+lease (chunks are idempotent by offset). A ``finished`` message is kept until a broker
+heartbeat acknowledges its ``seq`` as journaled, and is sent again after a reconnect.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from april_async.config import LinkConfig, LogConfig
+from april_async.generator.engine import Engine, EngineOutput, EngineRequest
+from april_async.generator.scripted import ScriptedEngineConfig
+from april_async.logs import get_logger
+from april_async.wire import messages as m
+
+
+class GeneratorConfig(BaseModel):
+    """The ``[generator]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "gen-0"
+    """Unique among the run's actors; a restarted process SHOULD keep it (its old leases are reclaimed)."""
+    link: LinkConfig = LinkConfig()
+    engine: Literal["scripted"] = "scripted"
+    """``scripted``: the scripted test engine (deterministic tokens, for runtime tests)."""
+    scripted: ScriptedEngineConfig = ScriptedEngineConfig()
+    chunk_tokens: int = Field(16, ge=1)
+    """Send a token chunk every this many new tokens of a lease (and always at its end)."""
+    log: LogConfig = LogConfig()
+
+
+@dataclass
+class LeaseWork:
+    lease_id: int
+    sample_id: int
+    start: int  # response offset of the first token generated under this lease (= len(resume))
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    sent: int = 0  # tokens of this lease already sent
+
+
+def spans_of(versions: list[int]) -> list[m.VersionSpan]:
+    spans: list[list[int]] = []
+    for v in versions:
+        if spans and spans[-1][0] == v:
+            spans[-1][1] += 1
+        else:
+            spans.append([v, 1])
+    return [m.VersionSpan(v, c) for v, c in spans]
+
+
+class GeneratorActor:
+    def __init__(self, cfg: GeneratorConfig, engine: Engine, peer_factory):
+        """``peer_factory(on_connect)`` returns a connected transport ``Peer``."""
+        self.cfg = cfg
+        self.engine = engine
+        self.log = get_logger(actor="generator", instance=cfg.name)
+        self.work: dict[int, LeaseWork] = {}
+        self.waiting: deque[EngineRequest] = deque()  # leases beyond the engine's free slots
+        self.unacked: list[m.Finished] = []  # finished reports not yet journaled by the broker
+        self.unacked_seq: list[int] = []
+        self.sessions = 0
+        self.peer = peer_factory(self._on_connect)
+
+    # ------------------------------------------------------------------ session
+
+    def _on_connect(self, peer) -> None:
+        """(Re)open the session: re-report live leases, re-send unacknowledged finishes."""
+        self.sessions += 1
+        # Unacknowledged finishes count as in flight: the broker must keep their leases open
+        # until the re-sent ``finished`` arrives.
+        inflight = [m.InflightLease(w.lease_id, w.sample_id, w.start + len(w.tokens)) for w in self.work.values()]
+        inflight += [m.InflightLease(f.lease_id, f.sample_id, f.offset + len(f.tokens)) for f in self.unacked]
+        peer.send(m.Hello(role="generator", instance=self.cfg.name, capacity=self.engine.slots, engine=self.engine.name,
+                          policy_version=self.engine.policy_version, inflight=inflight))
+        for w in self.work.values():
+            w.sent = 0  # the broker may have lost chunks: send the lease's tokens again from its start
+        resend, self.unacked, self.unacked_seq = self.unacked, [], []
+        for fin in resend:
+            self._send_finished(fin, peer)
+        if self.sessions > 1:
+            self.log.info("reconnected", leases=len(self.work), resent_finishes=len(resend))
+
+    def _send_finished(self, fin: m.Finished, peer=None) -> None:
+        self.unacked_seq.append((peer or self.peer).send(fin))
+        self.unacked.append(fin)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop) -> None:
+        idle_wait = self.cfg.link.heartbeat_interval_s / 4
+        while not stop:
+            msg = self.peer.poll(0.0 if self.engine.active() else idle_wait)
+            while msg is not None:
+                self.handle(msg)
+                msg = self.peer.poll(0.0)
+            self._start_waiting()
+            for out in self.engine.step():
+                self._progress(out)
+            self._flush_chunks()
+        self.peer.send(m.Bye(reason="shutdown"))
+        self.peer.close()
+        self.log.info("stopped", leases=len(self.work))
+
+    def handle(self, msg) -> None:
+        body = msg.body
+        if isinstance(body, m.Generate):
+            self.engine.policy_version = max(self.engine.policy_version, body.min_policy_version)
+            sp = body.sampling
+            self.waiting.append(EngineRequest(
+                lease_id=body.lease_id, sample_id=body.sample_id, prompt=body.prompt.tolist(), resume=body.resume.tolist(),
+                max_new_tokens=body.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed))
+            self.work[body.lease_id] = LeaseWork(body.lease_id, body.sample_id, len(body.resume))
+        elif isinstance(body, m.Abort):
+            targets = list(self.work) if body.all else body.lease_ids
+            for lid in targets:
+                self._abort(lid)
+        elif isinstance(body, m.Heartbeat):
+            if body.ack_seq is not None:
+                keep = [i for i, seq in enumerate(self.unacked_seq) if seq > body.ack_seq]
+                self.unacked = [self.unacked[i] for i in keep]
+                self.unacked_seq = [self.unacked_seq[i] for i in keep]
+        elif isinstance(body, m.WeightsPublished):
+            # The scripted test engine holds no weights: it only takes the version on.
+            self.engine.policy_version = max(self.engine.policy_version, body.version)
+        elif isinstance(body, m.Error):
+            self.log.warning("broker_error", code=body.code, message=body.message, field=body.field)
+
+    def _start_waiting(self) -> None:
+        while self.waiting and self.engine.active() < self.engine.slots:
+            req = self.waiting.popleft()
+            if req.lease_id in self.work:  # not aborted while it waited
+                self.engine.submit(req)
+
+    def _abort(self, lease_id: int) -> None:
+        w = self.work.get(lease_id)
+        if w is None:
+            return
+        self.engine.abort(lease_id)
+        self.waiting = deque(r for r in self.waiting if r.lease_id != lease_id)
+        self._finish(w, "abort")
+
+    def _progress(self, out: EngineOutput) -> None:
+        w = self.work.get(out.lease_id)
+        if w is None:
+            return
+        w.tokens += out.tokens
+        w.logprobs += out.logprobs
+        w.versions += out.versions
+        if out.finish:
+            self._finish(w, out.finish)
+
+    def _flush_chunks(self) -> None:
+        for w in self.work.values():
+            if len(w.tokens) - w.sent >= self.cfg.chunk_tokens or (w.sent == 0 and w.tokens and self.sessions > 1):
+                self._send_chunk(w)
+
+    def _pending(self, w: LeaseWork):
+        s = slice(w.sent, None)
+        return (w.start + w.sent, np.asarray(w.tokens[s], dtype=np.int32),
+                np.asarray(w.logprobs[s], dtype=np.float32), spans_of(w.versions[s]))
+
+    def _send_chunk(self, w: LeaseWork) -> None:
+        offset, toks, lps, spans = self._pending(w)
+        self.peer.send(m.TokenChunk(lease_id=w.lease_id, sample_id=w.sample_id, offset=offset, versions=spans,
+                                    tokens=toks, logprobs=lps))
+        w.sent = len(w.tokens)
+
+    def _finish(self, w: LeaseWork, reason: str) -> None:
+        offset, toks, lps, spans = self._pending(w)
+        self._send_finished(m.Finished(lease_id=w.lease_id, sample_id=w.sample_id, offset=offset, versions=spans,
+                                       tokens=toks, logprobs=lps, reason=reason))
+        del self.work[w.lease_id]
+

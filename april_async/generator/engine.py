@@ -1,0 +1,52 @@
+"""The interface between the generator actor and an inference engine.
+
+An engine owns decode slots. The actor submits leased requests, calls ``step`` to advance every
+active request by one decode step, and may abort any request between steps; the engine returns
+each new token with its behaviour log-prob and the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    lease_id: int
+    sample_id: int
+    prompt: list[int]
+    resume: list[int]  # tokens already generated for this sample (a recycled partial)
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class EngineOutput:
+    """What one request produced since the last report; ``finish`` is set when it ended."""
+
+    lease_id: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop" | "length" | "abort"
+
+
+class Engine(Protocol):
+    name: str
+    slots: int
+    policy_version: int
+
+    def submit(self, request: EngineRequest) -> None: ...
+
+    def step(self) -> list[EngineOutput]:
+        """One decode step for every active request; outputs only for requests that made tokens."""
+
+    def abort(self, lease_id: int) -> EngineOutput | None:
+        """Stop a request now; its output (finish = "abort") or None if it is not active."""
+
+    def active(self) -> int: ...

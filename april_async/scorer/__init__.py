@@ -1,0 +1,1 @@
+"""The scorer actor: rewards finished samples with a task's reward function."""

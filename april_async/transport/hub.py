@@ -1,0 +1,121 @@
+"""The hub: a ROUTER socket that every actor's DEALER connects to (the broker binds it).
+
+- Every poll has a timeout; each received message is decoded with the typed codec. A bad frame
+  is answered with an ``error`` message (code, field, ``parent_id``) and logged; the hub keeps
+  serving. (Peers never answer an ``error``, so refusals cannot ping-pong.)
+- Duplicates: the highest ``seq`` seen from each sender is kept and a message at or below it is
+  dropped and counted. ``hello`` resets the sender's window (a reconnected or restarted peer
+  starts again at seq 1), so a repeated ``hello`` is the one message that is never dropped.
+- Liveness: every message refreshes its sender's expiry (``peer_timeout_s`` on a monotonic
+  clock); ``expired_peers`` returns, and forgets, the senders whose expiry has passed.
+- A peer's routing id is its sender name; ``ROUTER_HANDOVER`` lets a restarted process with
+  the same name take its old connection over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import zmq
+
+from april_async.config import LinkConfig
+from april_async.logs import get_logger
+from april_async.wire import messages as m
+from april_async.wire.codec import decode, encode
+from april_async.wire.errors import WireError
+
+HARD_LIMIT_FACTOR = 4
+"""ZeroMQ drops a connection that sends more than max_message_bytes × this in one message; below
+it, an oversized message is refused politely with ``too_large``."""
+MAX_BATCH = 256
+"""Messages taken per poll before control returns to the caller's loop."""
+
+
+class Hub:
+    def __init__(self, bind: str, *, link: LinkConfig = LinkConfig(), name: str = "broker",
+                 ctx: zmq.Context | None = None, clock=time.monotonic):
+        self.link, self.name, self.clock = link, name, clock
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, link.max_message_bytes * HARD_LIMIT_FACTOR)
+        if bind.endswith(":0"):
+            self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+        else:
+            self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.log = get_logger(actor=name, component="hub")
+        self.highest_seq: dict[str, int] = {}
+        self.expiry: dict[str, float] = {}
+        self.identities: dict[str, bytes] = {}
+        self._out_seq: Counter[bytes] = Counter()
+        self.counters: Counter[str] = Counter()
+
+    def poll(self, timeout_s: float) -> list[tuple[bytes, m.Body]]:
+        """Messages received within ``timeout_s`` (at most MAX_BATCH), as (routing id, message)."""
+        if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return []
+        out = []
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            msg = self._accept(frames)
+            if msg is not None:
+                out.append((frames[0].bytes, msg))
+        return out
+
+    def _accept(self, frames):
+        identity = frames[0].bytes
+        self.counters["received"] += 1
+        try:
+            msg = decode([f.buffer for f in frames[1:]], max_message_bytes=self.link.max_message_bytes)
+        except WireError as e:
+            self.counters["bad_frames"] += 1
+            self.log.warning("bad_frame", peer=identity.decode(errors="replace"), code=e.code, field=e.field, error=e.message)
+            self._reply_error(identity, e)
+            return None
+        sender = msg.sender
+        if msg.msg_type == "hello":
+            self.highest_seq[sender] = msg.seq
+        elif msg.seq <= self.highest_seq.get(sender, 0):
+            self.counters["dropped_duplicates"] += 1
+            return None
+        else:
+            self.highest_seq[sender] = msg.seq
+        self.expiry[sender] = self.clock() + self.link.peer_timeout_s
+        self.identities[sender] = identity
+        return msg
+
+    def _reply_error(self, identity: bytes, e: WireError) -> None:
+        # Peers never answer an ``error``, so a refusal cannot start a ping-pong.
+        self.send(identity, m.Error(code=e.code, message=e.message[:500], field=e.field), parent_id=e.msg_id)
+        self.counters["errors_sent"] += 1
+
+    def send(self, identity: bytes, body: m.Body, parent_id: str | None = None) -> bool:
+        """Send to one peer; False (logged) when it is not connected."""
+        self._out_seq[identity] += 1
+        frames = encode(body, sender=self.name, seq=self._out_seq[identity], parent_id=parent_id)
+        try:
+            self.sock.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
+            self.counters["unroutable"] += 1
+            self.log.debug("unroutable", peer=identity.decode(errors="replace"), error=str(e))
+            return False
+        self.counters["sent"] += 1
+        return True
+
+    def expired_peers(self, now: float) -> list[str]:
+        """Senders silent for longer than ``peer_timeout_s``; each is reported once."""
+        dead = [name for name, t in self.expiry.items() if t < now]
+        for name in dead:
+            del self.expiry[name]
+            self.highest_seq.pop(name, None)
+        return dead
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,99 @@
+"""A peer: one actor's DEALER socket to the hub, with heartbeats and reconnection.
+
+- ``send`` stamps ``seq`` 1, 2, 3, ... per session; the routing id is the sender name.
+- ``poll`` always has a timeout; it sends a ``heartbeat`` when nothing was sent for
+  ``heartbeat_interval_s``.
+- The hub is dead when nothing arrived for ``peer_timeout_s`` (the hub heartbeats every peer).
+  The peer then closes its socket (dropping what was queued), waits with doubling back-off and
+  jitter, connects a fresh socket and calls ``on_connect(peer)``, which sends ``hello`` (and
+  whatever the actor must re-report). An ``error`` with code ``refused`` (the hub has no session
+  for us: it restarted) re-opens the session the same way, without the wait.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import zmq
+
+from april_async.config import LinkConfig
+from april_async.logs import get_logger
+from april_async.wire import messages as m
+from april_async.wire.codec import Message, decode, encode
+from april_async.wire.errors import WireError
+
+RECONNECT_BACKOFF_START_S = 0.1
+RECONNECT_BACKOFF_MAX_S = 5.0
+
+
+class Peer:
+    def __init__(self, endpoint: str, sender: str, *, link: LinkConfig, on_connect: Callable[[Peer], None],
+                 ctx: zmq.Context | None = None, clock=time.monotonic):
+        self.endpoint, self.sender, self.link = endpoint, sender, link
+        self.on_connect, self.clock = on_connect, clock
+        self.ctx = ctx or zmq.Context.instance()
+        self.log = get_logger(actor=sender, component="peer")
+        self.sock: zmq.Socket | None = None
+        self.backoff_s = RECONNECT_BACKOFF_START_S
+        self.reconnects = 0
+        self._connect()
+
+    def _connect(self) -> None:
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.sender.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.endpoint)
+        self._open_session()
+
+    def _open_session(self) -> None:
+        self.seq = 0
+        now = self.clock()
+        self.last_recv = self.last_send = self.last_hello = now
+        self.on_connect(self)
+
+    def send(self, body: m.Body, parent_id: str | None = None) -> int:
+        """Send one message; returns its ``seq``."""
+        self.seq += 1
+        self.sock.send_multipart(encode(body, sender=self.sender, seq=self.seq, parent_id=parent_id), copy=False)
+        self.last_send = self.clock()
+        return self.seq
+
+    def poll(self, timeout_s: float) -> Message | None:
+        """The next message from the hub within ``timeout_s``, or None."""
+        now = self.clock()
+        if now - self.last_recv > self.link.peer_timeout_s:
+            self._reconnect()
+        elif now - self.last_send >= self.link.heartbeat_interval_s:
+            self.send(m.Heartbeat())
+        if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        self.last_recv = self.clock()
+        self.backoff_s = RECONNECT_BACKOFF_START_S
+        try:
+            msg = decode([f.buffer for f in frames], max_message_bytes=self.link.max_message_bytes)
+        except WireError as e:
+            self.log.warning("bad_frame_from_hub", code=e.code, field=e.field, error=e.message)
+            return None
+        if isinstance(msg.body, m.Error) and msg.body.code == "refused":
+            if self.last_recv - self.last_hello > self.link.heartbeat_interval_s:
+                self.log.info("session_refused", message=msg.body.message)
+                self._open_session()
+            return None
+        return msg
+
+    def _reconnect(self) -> None:
+        wait = min(self.backoff_s, RECONNECT_BACKOFF_MAX_S) * random.uniform(0.8, 1.2)
+        self.log.warning("hub_silent", endpoint=self.endpoint, reconnect_in_s=round(wait, 3))
+        self.sock.close(linger=0)
+        time.sleep(wait)
+        self.backoff_s = min(self.backoff_s * 2, RECONNECT_BACKOFF_MAX_S)
+        self.reconnects += 1
+        self._connect()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None

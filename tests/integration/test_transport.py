@@ -1,0 +1,200 @@
+"""The transport over real ZeroMQ sockets on loopback: refusals, duplicates, liveness, fuzz.
+
+The fuzz test aims hypothesis-generated junk at a real broker *process* and then checks that a
+well-behaved learner is still served.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from april_async.config import LinkConfig
+from april_async.transport.hub import Hub
+from april_async.transport.peer import Peer
+from april_async.wire import messages as m
+from april_async.wire.codec import decode, encode
+from tests.integration.harness import Cluster
+
+LINK = LinkConfig(heartbeat_interval_s=0.05, peer_timeout_s=0.3, max_message_bytes=64 * 1024)
+
+
+@pytest.fixture
+def hub():
+    h = Hub("tcp://127.0.0.1:0", link=LINK)
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def raw(hub):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"raw-peer")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hub.endpoint)
+    yield sock
+    sock.close()
+
+
+def reply(sock, timeout_s=2.0):
+    assert sock.poll(int(timeout_s * 1000)), "no reply"
+    return decode(sock.recv_multipart())
+
+
+def pump(hub, seconds=0.3):
+    got = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        got += hub.poll(0.02)
+    return got
+
+
+def hello(seq=1, sender="raw-peer"):
+    return encode(m.Hello(role="learner", instance=sender), sender=sender, seq=seq)
+
+
+@pytest.mark.parametrize(
+    ("frames", "code", "field"),
+    [
+        ([b"\xc1not msgpack"], "malformed", None),
+        ([msgpack.packb({"msg_id": "x", "msg_type": "nope", "sender": "raw-peer", "seq": 1, "proto_version": "1.0",
+                         "sent_at": 0.0, "body": {}})], "unknown_type", "$.msg_type"),
+        ([msgpack.packb({"msg_id": "x", "msg_type": "bye", "sender": "raw-peer", "seq": 1, "proto_version": "2.0",
+                         "sent_at": 0.0, "body": {}})], "version_mismatch", "$.proto_version"),
+        ([b"\x90" + b"\x00" * (70 * 1024)], "too_large", None),
+        (encode(m.TokenChunk(lease_id=1, sample_id=1, offset=0, versions=[m.VersionSpan(0, 2)],
+                             tokens=np.zeros(2, np.int32), logprobs=np.zeros(2, np.float32)),
+                sender="raw-peer", seq=1)[:2], "bad_bulk", "$.body.logprobs"),
+    ],
+    ids=["not-msgpack", "unknown-type", "other-major", "oversized", "missing-bulk-frame"],
+)
+def test_bad_frames_get_a_typed_error_and_the_hub_serves_on(hub, raw, frames, code, field):
+    raw.send_multipart(frames)
+    assert pump(hub) == []
+    err = reply(raw)
+    assert isinstance(err.body, m.Error) and err.body.code == code and err.body.field == field
+    assert hub.counters["bad_frames"] == 1 and hub.counters["errors_sent"] == 1
+    raw.send_multipart(hello())
+    (got,) = pump(hub)
+    assert got[0] == b"raw-peer" and isinstance(got[1].body, m.Hello)
+
+
+def test_duplicates_are_dropped_and_hello_resets_the_window(hub, raw):
+    raw.send_multipart(hello(seq=1))
+    beat = encode(m.Heartbeat(), sender="raw-peer", seq=2)
+    raw.send_multipart(beat)
+    raw.send_multipart(beat)  # the same message again
+    raw.send_multipart(encode(m.Heartbeat(), sender="raw-peer", seq=1))  # an old seq
+    got = pump(hub)
+    assert [g[1].msg_type for g in got] == ["hello", "heartbeat"]
+    assert hub.counters["dropped_duplicates"] == 2
+    raw.send_multipart(hello(seq=1))  # a restarted peer starts again at 1
+    raw.send_multipart(encode(m.Heartbeat(), sender="raw-peer", seq=2))
+    assert [g[1].msg_type for g in pump(hub)] == ["hello", "heartbeat"]
+
+
+def test_bulk_arrays_arrive_intact(hub, raw):
+    toks = np.arange(1000, dtype=np.int32)
+    raw.send_multipart(encode(m.TokenChunk(lease_id=3, sample_id=9, offset=5, versions=[m.VersionSpan(2, 1000)],
+                                           tokens=toks, logprobs=-toks.astype(np.float32)), sender="raw-peer", seq=1))
+    (got,) = pump(hub)
+    assert np.array_equal(got[1].body.tokens, toks) and got[1].body.logprobs[7] == -7.0
+
+
+def test_idle_peer_heartbeats_a_closed_one_expires(hub):
+    connects = []
+    peer = Peer(hub.endpoint, "idle", link=LINK, on_connect=lambda p: (connects.append(1), p.send(m.Hello(role="scorer", instance="idle"))))
+    end = time.monotonic() + 0.6
+    kinds = []
+    while time.monotonic() < end:
+        peer.poll(0.01)
+        for ident, msg in hub.poll(0.01):
+            kinds.append(msg.msg_type)
+            hub.send(ident, m.Heartbeat())  # the hub heartbeats back
+    assert kinds[0] == "hello" and kinds.count("heartbeat") >= 5
+    assert hub.expired_peers(time.monotonic()) == [] and connects == [1]
+    peer.close()
+    time.sleep(LINK.peer_timeout_s + 0.1)
+    assert hub.expired_peers(time.monotonic()) == ["idle"]
+
+
+def test_peer_reconnects_with_backoff_to_a_new_hub_and_says_hello_again(hub):
+    endpoint = hub.endpoint
+    hellos = []
+    peer = Peer(endpoint, "p", link=LINK, on_connect=lambda p: p.send(m.Hello(role="scorer", instance="p")))
+    assert [msg.msg_type for _, msg in pump(hub, 0.2)][0] == "hello"
+    hub.close()
+    time.sleep(0.2)
+    new = Hub(endpoint, link=LINK)
+    try:
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end and not hellos:
+            peer.poll(0.05)
+            hellos += [msg for _, msg in new.poll(0.01) if msg.msg_type == "hello"]
+        assert hellos and peer.reconnects >= 1
+    finally:
+        peer.close()
+        new.close()
+
+
+frames_strategy = st.lists(
+    st.one_of(
+        st.binary(max_size=64),
+        st.builds(msgpack.packb, st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=8)
+                                              | st.binary(max_size=8),
+                                              lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                                              max_leaves=12)),
+        st.builds(lambda body, t: msgpack.packb({"msg_id": "f", "msg_type": t, "sender": "fuzz", "seq": 1,
+                                                 "proto_version": "1.0", "sent_at": 0.0, "body": body}),
+                  st.dictionaries(st.text(max_size=10), st.integers(-2**40, 2**40) | st.text(max_size=5), max_size=5),
+                  st.sampled_from(sorted(m.MESSAGE_TYPES))),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def test_10k_malformed_frames_at_a_real_broker_then_a_good_client_is_served(tmp_path):
+    cluster = Cluster(tmp_path)
+    cluster.broker({"batch_groups": 1, "group_size": 1})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"fuzzer")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.endpoint)
+    sent = 0
+    try:
+        @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(st.lists(frames_strategy, min_size=100, max_size=100))
+        def blast(messages):
+            nonlocal sent
+            for frames in messages:
+                sock.send_multipart(frames)
+                sent += 1
+
+        blast()
+        assert sent >= 10_000
+        replies = 0
+        while sock.poll(2000):
+            sock.recv_multipart()
+            replies += 1
+            if replies >= sent:
+                break
+        cluster.assert_alive()
+        cluster.generator("gen-0", slots=2, lengths=[4])
+        cluster.scorer()
+        learner = cluster.learner()
+        try:
+            batch = learner.next_batch(15.0)
+        finally:
+            learner.close()
+        assert batch is not None and len(batch.groups) == 1, cluster.dump_logs()
+        assert replies > 0.9 * sent  # nearly every bad frame was answered (some junk decodes as a valid no-op)
+    finally:
+        sock.close()
+        cluster.stop_all()
