@@ -462,8 +462,8 @@ class BrokerCore:
         self.counters.tokens_over_budget += len(tokens) - skip - take
         if take <= 0:
             return 0
-        s.tokens.extend(int(t) for t in tokens[skip : skip + take])
-        s.logprobs.extend(float(x) for x in logprobs[skip : skip + take])
+        s.tokens.extend(_plain(tokens[skip : skip + take]))
+        s.logprobs.extend(_plain(logprobs[skip : skip + take]))
         # Slice the run-length version spans to [skip, skip + take).
         pos, lo, hi = 0, skip, skip + take
         for version, count in spans:
@@ -846,3 +846,8 @@ def _batch_from_plain(plain: list) -> BatchOut:
     return BatchOut(bid, version, [
         BatchGroupOut(gid, pid, prompt, task, meta, [BatchSampleOut(*x) for x in samples])
         for gid, pid, prompt, task, meta, samples in groups])
+
+
+def _plain(values) -> list:
+    """Python ints/floats (for the snapshot) from a list or a numpy array."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)

@@ -17,16 +17,18 @@ and offset, because silently skipping a record would break the replay. (A damage
 field that points past the end of the last segment cannot be told from a torn write, and is
 cut off like one.)
 
-Durability: records are written with ``os.write`` on an ``O_APPEND`` descriptor, unbuffered,
-so a write that returned survives ``kill -9`` of the process in every mode. What fsync adds is
-survival of a power loss or kernel crash:
+Group commit: ``append`` queues a record in memory and ``commit`` writes every queued record
+with one ``os.write`` on an ``O_APPEND`` descriptor. The broker commits before it sends anything
+that a record caused, and after each batch of messages, so nothing the outside world has seen
+depends on an uncommitted record (write-ahead). A committed record survives ``kill -9`` of the
+process in every mode. What fsync adds is survival of a power loss or kernel crash:
 
 - ``always``: fsync after every record (slowest; nothing acknowledged is ever lost);
 - ``interval`` (the default, every 50 ms): a power loss loses at most the last interval;
 - ``none``: never fsync; the OS writes back when it likes.
 
 ``durable_count`` is the number of records that survive what the mode protects against: with
-``always`` and ``interval`` the records fsynced so far, with ``none`` the records written. The
+``always`` and ``interval`` the records fsynced so far, with ``none`` the records committed. The
 broker acknowledges a peer's messages only up to it.
 """
 
@@ -71,6 +73,8 @@ class Journal:
         self.recovered_records = 0
         self.recovered_torn = 0
         self._synced = 0
+        self._written = 0
+        self._pending: list[bytes] = []
         self._last_sync = 0.0
 
     # ------------------------------------------------------------------ files
@@ -106,7 +110,7 @@ class Journal:
             records += self._read_segment(path, last=i == len(segments) - 1)
         self.recovered_records = len(records)
         self._open_segment(segments[-1][0] if segments else base)
-        self._synced = self.records_appended = 0
+        self._synced = self._written = self.records_appended = 0
         return snapshot, records
 
     def _read_segment(self, path: Path, *, last: bool) -> list[bytes]:
@@ -149,31 +153,47 @@ class Journal:
             raise JournalError("call recover() before append()")
         if len(record) > MAX_RECORD_BYTES:
             raise JournalError(f"record of {len(record)} bytes is over the limit of {MAX_RECORD_BYTES}")
-        buf = HEADER.pack(len(record), zlib.crc32(record)) + record
+        self._pending.append(HEADER.pack(len(record), zlib.crc32(record)))
+        self._pending.append(record)
+        self.records_appended += 1
+
+    def commit(self) -> None:
+        """Write every queued record (one system call); with ``always``, fsync them too."""
+        if not self._pending:
+            return
+        buf = b"".join(self._pending)
+        self._pending.clear()
         written = os.write(self._fd, buf)
         if written != len(buf):  # O_APPEND regular files write whole; anything else is a disk problem
             raise JournalError(f"short write to {self._path('log', self.segment)}: {written} of {len(buf)} bytes")
-        self.records_appended += 1
         self.bytes_appended += len(buf)
+        self._written = self.records_appended
         if self.durability == "always":
-            self.flush()
+            os.fsync(self._fd)
+            self.fsyncs += 1
+            self._synced = self._written
 
     def maybe_flush(self, now: float) -> None:
-        """``interval``: fsync when ``interval_s`` has passed since the last fsync and records wait."""
-        if self.durability == "interval" and self._synced < self.records_appended and now - self._last_sync >= self.interval_s:
+        """Commit; with ``interval``, fsync when ``interval_s`` has passed and records wait."""
+        self.commit()
+        if self.durability == "interval" and self._synced < self._written and now - self._last_sync >= self.interval_s:
             self.flush()
             self._last_sync = now
 
     def flush(self) -> None:
-        if self._fd is not None and self._synced < self.records_appended:
+        """Commit and fsync."""
+        if self._fd is None:
+            return
+        self.commit()
+        if self._synced < self._written:
             os.fsync(self._fd)
             self.fsyncs += 1
-            self._synced = self.records_appended
+            self._synced = self._written
 
     @property
     def durable_count(self) -> int:
         """Records (of this process) that survive what the durability mode protects against."""
-        return self.records_appended if self.durability == "none" else self._synced
+        return self._written if self.durability == "none" else self._synced
 
     def snapshot(self, state: bytes) -> None:
         """Write ``state`` (everything up to now) and start a new segment; drop what it replaces."""

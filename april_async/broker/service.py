@@ -91,6 +91,8 @@ class BrokerService:
         self.journal: Journal | None = None
         self.records_since_snapshot = 0
         self.core = self._recover()
+        if self.journal is not None:
+            self.hub.before_send = self.journal.commit  # write-ahead: records out before effects
 
     # ------------------------------------------------------------------ journal
 

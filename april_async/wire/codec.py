@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -99,27 +99,51 @@ def _enc_hook(obj: Any) -> Any:
 def _dec_hook(typ: type, obj: Any) -> Any:
     if typ is not np.ndarray:
         raise NotImplementedError(f"no decoder for {typ}")
+    # The common, well-formed case without the cost of msgspec.convert; anything else goes
+    # through it for an exact error.
+    if type(obj) is dict and len(obj) == 3 and type(obj.get("frame")) is int and type(obj.get("len")) is int \
+            and type(obj.get("dtype")) is str:
+        ref = _FastRef(obj["frame"], obj["dtype"], obj["len"])
+    else:
+        ref = _convert_ref(obj)
+    return _resolve(ref)
+
+
+class _FastRef(NamedTuple):
+    frame: int
+    dtype: str
+    len: int
+
+
+_DTYPES = {name: np.dtype(name) for name in BULK_DTYPES}
+
+
+def _convert_ref(obj: Any):
     try:
-        ref = msgspec.convert(obj, BulkRef)
+        return msgspec.convert(obj, BulkRef)
     except msgspec.ValidationError as e:
         text, _, inner = str(e).partition(" - at `")  # inner: the key of the reference, "$.frame`"
         where = f" (in {inner.rstrip('`')})" if inner else ""
         raise _BadBulk(f"bad bulk reference: {text}{where}") from None
+
+
+def _resolve(ref) -> np.ndarray:
     frames: Sequence[Frame] = _local.in_frames
     if not 1 <= ref.frame < len(frames):
         raise _BadBulk(f"bulk frame {ref.frame} does not exist ({len(frames)} frames)")
     if ref.frame in _local.used:
         raise _BadBulk(f"bulk frame {ref.frame} is referenced twice")
-    if ref.dtype not in BULK_DTYPES:
+    dtype = _DTYPES.get(ref.dtype)
+    if dtype is None:
         raise _BadBulk(f"bulk dtype {ref.dtype!r} is not one of {sorted(BULK_DTYPES)}")
-    dtype = np.dtype(ref.dtype)
     buf = frames[ref.frame]
-    nbytes = memoryview(buf).nbytes
+    nbytes = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
     if nbytes != ref.len * dtype.itemsize:
         raise _BadBulk(f"bulk frame {ref.frame} has {nbytes} bytes, expected {ref.len} x {dtype.itemsize}")
     _local.used.add(ref.frame)
     arr = np.frombuffer(buf, dtype=dtype)
-    arr.flags.writeable = False  # a writable frame (bytearray, the sender's own array) stays untouched
+    if arr.flags.writeable:  # a writable frame (bytearray, the sender's own array) stays untouched
+        arr.flags.writeable = False
     return arr
 
 

@@ -33,6 +33,8 @@ class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         for name, dtype in self.bulk_fields.items():
             arr = getattr(self, name)
+            if type(arr) is np.ndarray and arr.ndim == 1 and arr.dtype == dtype:
+                continue  # the common case, decided in three C-level checks
             if not isinstance(arr, np.ndarray):
                 raise TypeError(f"field `{name}` must be a numpy array, got {type(arr).__name__}")
             if arr.ndim != 1:
@@ -41,9 +43,9 @@ class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"field `{name}` must have dtype {dtype.str}, got {arr.dtype.str}")
 
 
-def _check_same_length(body: Body, *names: str) -> None:
-    lengths = {n: len(getattr(body, n)) for n in names}
-    if len(set(lengths.values())) > 1:
+def _check_same_length(body: Body, a: str, b: str) -> None:
+    if len(getattr(body, a)) != len(getattr(body, b)):
+        lengths = {a: len(getattr(body, a)), b: len(getattr(body, b))}
         raise ValueError(f"arrays must have equal lengths, got {lengths}")
 
 

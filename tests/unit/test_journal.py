@@ -76,6 +76,7 @@ def test_durability_modes(tmp_path, mode, fsyncs_after_3, durable_after_3):
     j = fresh(tmp_path, durability=mode, interval_s=10.0)
     for _ in range(3):
         j.append(b"r")
+        j.commit()
     assert (j.fsyncs, j.durable_count) == (fsyncs_after_3, durable_after_3)
     j.maybe_flush(now=100.0)
     assert j.durable_count == 3
@@ -100,6 +101,7 @@ WRITER = textwrap.dedent("""
     n = int(snap or b"0") + len(records)
     while True:
         j.append(str(n).encode() * (1 + n % 50))
+        j.commit()
         n += 1
         sys.stdout.write(f"{n}\\n"); sys.stdout.flush()  # n records are now written
         if n % 300 == 0:
@@ -125,3 +127,17 @@ def test_kill_9_at_random_moments_loses_no_written_record(tmp_path):
         base = int(snap or b"0")
         assert [int(r[: len(str(base + i))]) for i, r in enumerate(records)] == list(range(base, base + len(records)))
         assert base + len(records) >= reported, f"recovered {base + len(records)} < reported {reported}"
+
+
+def test_appends_wait_for_commit_and_go_out_in_one_write(tmp_path, monkeypatch):
+    j = fresh(tmp_path, durability="none")
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, buf: writes.append(len(buf)) or real_write(fd, buf))
+    for i in range(10):
+        j.append(b"x" * i)
+    assert writes == [] and j.durable_count == 0
+    j.commit()
+    assert len(writes) == 1 and j.durable_count == 10
+    j.close()
+    assert Journal(tmp_path / "j").recover()[1] == [b"x" * i for i in range(10)]
