@@ -74,57 +74,56 @@ def _peer_factory(cfg):
     return make
 
 
+def _run_actor(args: argparse.Namespace, model, build) -> int:
+    """Resolve the config, set up logging, build the actor (``build(cfg)``) and run it until stopped."""
+    cfg = _actor_config(args, model)
+    if cfg is None or args.dry_run:
+        return 2 if cfg is None else 0
+    from april_async.logs import configure
+
+    configure(json=cfg.log.json_lines, level=cfg.log.level)
+    try:
+        actor = build(cfg)
+    except ValueError as e:  # a setting that only fails when used: a reward path, a journal directory
+        print(f"april {args.command}: {e}", file=sys.stderr)
+        return 2
+    actor.run(args.stop)
+    return 0
+
+
 def _broker(args: argparse.Namespace) -> int:
     from april_async.broker.service import BrokerServiceConfig
 
-    cfg = _actor_config(args, BrokerServiceConfig)
-    if cfg is None or args.dry_run:
-        return 2 if cfg is None else 0
-    from april_async.broker.service import BrokerService
-    from april_async.logs import configure
-    from april_async.transport.hub import Hub
+    def build(cfg):
+        from april_async.broker.service import BrokerService
+        from april_async.transport.hub import Hub
 
-    configure(json=cfg.log.json_lines, level=cfg.log.level)
-    hub = Hub(cfg.bind, link=cfg.link)
-    try:
-        BrokerService(cfg, hub).run(args.stop)
-    finally:
-        hub.close()
-    return 0
+        return BrokerService(cfg, Hub(cfg.bind, link=cfg.link))
+
+    return _run_actor(args, BrokerServiceConfig, build)
 
 
 def _generator(args: argparse.Namespace) -> int:
     from april_async.generator.actor import GeneratorConfig
 
-    cfg = _actor_config(args, GeneratorConfig)
-    if cfg is None or args.dry_run:
-        return 2 if cfg is None else 0
-    from april_async.generator.actor import GeneratorActor
-    from april_async.generator.scripted import ScriptedEngine
-    from april_async.logs import configure
+    def build(cfg):
+        from april_async.generator.actor import GeneratorActor
+        from april_async.generator.scripted import ScriptedEngine
 
-    configure(json=cfg.log.json_lines, level=cfg.log.level)
-    GeneratorActor(cfg, ScriptedEngine(cfg.scripted), _peer_factory(cfg)).run(args.stop)
-    return 0
+        return GeneratorActor(cfg, ScriptedEngine(cfg.scripted), _peer_factory(cfg))
+
+    return _run_actor(args, GeneratorConfig, build)
 
 
 def _scorer(args: argparse.Namespace) -> int:
     from april_async.scorer.actor import ScorerConfig
 
-    cfg = _actor_config(args, ScorerConfig)
-    if cfg is None or args.dry_run:
-        return 2 if cfg is None else 0
-    from april_async.logs import configure
-    from april_async.scorer.actor import ScorerActor
+    def build(cfg):
+        from april_async.scorer.actor import ScorerActor
 
-    configure(json=cfg.log.json_lines, level=cfg.log.level)
-    try:
-        actor = ScorerActor(cfg, _peer_factory(cfg))
-    except ValueError as e:  # a reward path that does not resolve
-        print(f"april scorer: {e}", file=sys.stderr)
-        return 2
-    actor.run(args.stop)
-    return 0
+        return ScorerActor(cfg, _peer_factory(cfg))
+
+    return _run_actor(args, ScorerConfig, build)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,6 +128,7 @@ class BrokerService:
         self.close()
 
     def close(self) -> None:
+        self.hub.close()
         if self.journal is not None:
             self.journal.flush()
             self.journal.close()
