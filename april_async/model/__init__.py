@@ -1,0 +1,1 @@
+"""The shared Llama-family model and its Hugging Face checkpoint format."""

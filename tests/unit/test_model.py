@@ -1,0 +1,83 @@
+"""The decoder against Hugging Face transformers on tiny random configs (transformers is a test
+dependency only), and its checkpoint format: real HF config.json + model.safetensors files."""
+
+import json
+
+import pytest
+import torch
+import transformers  # a test dependency: the reference implementation
+
+from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=5000.0, max_position_embeddings=128)
+CASES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(TINY, tie_word_embeddings=False)),
+    "llama-tied-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                        dict(TINY, tie_word_embeddings=True, attention_bias=True)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(TINY, tie_word_embeddings=True)),
+}
+
+
+def hf_model(case):
+    cfg_cls, model_cls, kw = CASES[case]
+    torch.manual_seed(0)
+    cfg = cfg_cls(**kw)
+    cfg._attn_implementation = "eager"
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # random biases and norms, so that every tensor matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0, 0.5 if "norm" in name else 0.1)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers_both_ways(tmp_path, case):
+    hf = hf_model(case)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ours = CausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        got, _ = ours(ids)
+    assert (got - want).abs().max().item() < 1e-4
+    ours.save_pretrained(tmp_path / "ours")  # and back: transformers loads what we write
+    again = type(hf).from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert (again(input_ids=ids).logits - want).abs().max().item() < 1e-4
+
+
+def test_cached_decoding_equals_the_full_forward():
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**{k: v for k, v in TINY.items()})).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        full, _ = model(ids)
+        logits, past = model(ids[:, :5])
+        steps = [logits[:, -1]]
+        for t in range(5, 9):
+            logits, past = model(ids[:, t : t + 1], past=past)
+            steps.append(logits[:, -1])
+    assert (torch.stack(steps[:-1], 1) - full[:, 4:8]).abs().max().item() < 1e-5
+
+
+def test_missing_or_mismatched_checkpoints_name_file_and_tensor(tmp_path):
+    hf_model("llama").save_pretrained(tmp_path / "ok", safe_serialization=True)
+    with pytest.raises(CheckpointError, match=r"model.safetensors is missing"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+        CausalLM.from_pretrained(tmp_path / "empty")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.input_layernorm.weight'"):
+        CausalLM.from_pretrained(tmp_path / "ok")
+    cfg["num_hidden_layers"], cfg["intermediate_size"] = 2, 100
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), config says \(100, 64\)"):
+        CausalLM.from_pretrained(tmp_path / "ok")
+    with pytest.raises(CheckpointError, match="rope_scaling"):
+        ModelConfig.from_hf(dict(TINY, rope_scaling={"type": "yarn"}))
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.from_hf(dict(TINY, model_type="gpt2"))
