@@ -122,7 +122,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(self, x, cos, sin, mask, past):
+        """``past``: None, a (k, v) pair to extend, or a cache hook ``past(k, v) -> (k, v, mask)``."""
         B, T, _ = x.shape
         hd, nh, nkv = self.cfg.dim_per_head, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
         q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)
@@ -130,10 +131,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if past is not None:
-            k = torch.cat((past[0], k), dim=2)
-            v = torch.cat((past[1], v), dim=2)
-        present = (k, v)
+        if callable(past):
+            k, v, mask = past(k, v)
+            present = None
+        else:
+            if past is not None:
+                k = torch.cat((past[0], k), dim=2)
+                v = torch.cat((past[1], v), dim=2)
+            present = (k, v)
         rep = nh // nkv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -179,8 +184,9 @@ class CausalLM(nn.Module):
     """``forward(input_ids, positions=None, mask=None, past=None) -> (logits, present)``.
 
     Without ``past`` it is a causal forward over the whole sequence (the learner's use); with
-    ``past`` (one (k, v) per layer) it extends cached sequences (the engine's use). ``mask`` is a
-    boolean [B, 1, T, S] "may attend" mask; by default causal over the T new tokens.
+    ``past`` (one (k, v) per layer) it extends cached sequences; with ``cache`` (a ``SlotCache``
+    view, the engine's use) each layer stores its new keys and values in the cache's slots and
+    attends over them. ``mask`` is a boolean [B, 1, T, S] "may attend" mask; by default causal.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -191,14 +197,16 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions=None, mask=None, past=None):
+    def forward(self, input_ids, positions=None, mask=None, past=None, cache=None):
         B, T = input_ids.shape
+        if cache is not None:
+            past = [cache.layer(i) for i in range(self.config.num_hidden_layers)]
         if positions is None:
             start = 0 if past is None else past[0][0].shape[2]
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_tables(self.config, positions, x.dtype)
-        if mask is None:
+        if mask is None and cache is None:
             S = T if past is None else past[0][0].shape[2] + T
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)[None, None]
         presents = []

@@ -1,0 +1,153 @@
+"""The embedded PyTorch engine: continuous batching over a slot-based KV cache.
+
+Requests join (prefill into a free slot) and leave (finish or abort) between decode steps; each
+step samples one token for every active request from the logits of its previous forward, then
+runs one batched forward of those new tokens. Every token is tagged with the policy version of
+the weights that produced its logits, and ``load_weights`` swaps weights between steps.
+
+Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled token (plain
+``log_softmax`` for greedy decoding), i.e. of the tempered distribution before top-k/top-p
+truncation — what a learner recomputes with the same temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from april_async.generator.engine import EngineOutput, EngineRequest
+from april_async.model.cache import SlotCache
+from april_async.model.decoder import CausalLM
+
+
+class TorchEngineConfig(BaseModel):
+    """Settings of the embedded engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: str = ""
+    """A Hugging Face checkpoint directory (config.json + model.safetensors)."""
+    slots: int = Field(32, ge=1)
+    """Concurrent requests (rows of the KV cache)."""
+    max_seq_len: int = Field(1024, ge=2)
+    """Prompt + response tokens one slot holds."""
+    dtype: str = "float32"
+    """float32 | bfloat16."""
+    device: str = "cpu"
+
+
+@dataclass
+class _Slot:
+    request: EngineRequest
+    length: int  # tokens in the cache
+    generated: int  # new tokens under this request
+    next_logits: torch.Tensor
+    generator: torch.Generator | None
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0):
+        self.model = model.eval()
+        self.slots = slots
+        self.policy_version = policy_version
+        param = next(model.parameters())
+        self.device = param.device
+        self.cache = SlotCache(model.config, slots, max_seq_len, dtype=param.dtype, device=param.device)
+        self.max_seq_len = max_seq_len
+        self._active: dict[int, _Slot] = {}  # slot index -> state
+        self._by_lease: dict[int, int] = {}
+
+    @classmethod
+    def from_config(cls, cfg: TorchEngineConfig) -> TorchEngine:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        model = CausalLM.from_pretrained(cfg.checkpoint, dtype=dtype).to(cfg.device)
+        return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len)
+
+    def active(self) -> int:
+        return len(self._active)
+
+    @torch.no_grad()
+    def submit(self, request: EngineRequest) -> None:
+        tokens = request.prompt + request.resume
+        if len(tokens) >= self.max_seq_len:
+            raise ValueError(f"lease {request.lease_id}: {len(tokens)} tokens do not fit max_seq_len={self.max_seq_len}")
+        free = next((i for i in range(self.slots) if i not in self._active), None)
+        if free is None:
+            raise RuntimeError(f"torch engine: all {self.slots} slots are busy (lease {request.lease_id})")
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.arange(len(tokens), device=self.device)[None]
+        logits, _ = self.model(ids, positions=pos, cache=self.cache.view(torch.tensor([free], device=self.device), pos))
+        gen = None
+        if request.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(request.seed)
+        self._active[free] = _Slot(request, len(tokens), 0, logits[0, -1].float(), gen)
+        self._by_lease[request.lease_id] = free
+
+    @torch.no_grad()
+    def step(self) -> list[EngineOutput]:
+        if not self._active:
+            return []
+        outs, cont = [], []
+        for idx, slot in list(self._active.items()):
+            r = slot.request
+            token, logprob = self._sample(slot.next_logits, r, slot.generator)
+            slot.generated += 1
+            out = EngineOutput(r.lease_id, [token], [logprob], [self.policy_version])
+            if token in r.stop_token_ids:
+                out.finish = "stop"
+            elif slot.generated >= r.max_new_tokens or slot.length + 1 >= self.max_seq_len:
+                out.finish = "length"
+            outs.append(out)
+            if out.finish:
+                self._release(idx)
+            else:
+                cont.append((idx, token))
+        if cont:
+            slots = torch.tensor([i for i, _ in cont], device=self.device)
+            pos = torch.tensor([[self._active[i].length] for i, _ in cont], device=self.device)
+            ids = torch.tensor([[t] for _, t in cont], device=self.device)
+            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos))
+            for row, (i, _) in enumerate(cont):
+                self._active[i].length += 1
+                self._active[i].next_logits = logits[row, -1].float()
+        return outs
+
+    def abort(self, lease_id: int) -> EngineOutput | None:
+        idx = self._by_lease.get(lease_id)
+        if idx is None:
+            return None
+        self._release(idx)
+        return EngineOutput(lease_id, finish="abort")
+
+    def _release(self, idx: int) -> None:
+        slot = self._active.pop(idx)
+        del self._by_lease[slot.request.lease_id]
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Swap weights between decode steps; tokens from now on carry ``version``."""
+        self.model.load_state_dict(state_dict, strict=False)
+        self.policy_version = version
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, r: EngineRequest, gen: torch.Generator | None) -> tuple[int, float]:
+        if r.temperature == 0:
+            token = int(torch.argmax(logits))
+            return token, float(torch.log_softmax(logits, -1)[token])
+        scaled = logits / r.temperature
+        logprobs = torch.log_softmax(scaled, -1)
+        probs = logprobs.exp()
+        if r.top_k:
+            kth = torch.topk(probs, min(r.top_k, probs.numel())).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if r.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < r.top_p * sorted_p.sum()
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+        token = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        return token, float(logprobs[token])
