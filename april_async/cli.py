@@ -108,9 +108,18 @@ def _generator(args: argparse.Namespace) -> int:
 
     def build(cfg):
         from april_async.generator.actor import GeneratorActor
-        from april_async.generator.scripted import ScriptedEngine
 
-        return GeneratorActor(cfg, ScriptedEngine(cfg.scripted), _peer_factory(cfg))
+        if cfg.engine == "torch":
+            from april_async.generator.torch_engine import TorchEngine
+
+            if not cfg.torch.checkpoint:
+                raise ValueError("torch.checkpoint is not set: give a Hugging Face checkpoint directory")
+            engine = TorchEngine.from_config(cfg.torch)
+        else:
+            from april_async.generator.scripted import ScriptedEngine
+
+            engine = ScriptedEngine(cfg.scripted)
+        return GeneratorActor(cfg, engine, _peer_factory(cfg))
 
     return _run_actor(args, GeneratorConfig, build)
 

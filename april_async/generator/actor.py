@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from april_async.config import LinkConfig, LogConfig
 from april_async.generator.engine import Engine, EngineOutput, EngineRequest
 from april_async.generator.scripted import ScriptedEngineConfig
+from april_async.generator.torch_engine import TorchEngineConfig
 from april_async.logs import get_logger
 from april_async.wire import messages as m
 
@@ -30,8 +31,10 @@ class GeneratorConfig(BaseModel):
     name: str = "gen-0"
     """Unique among the run's actors; a restarted process SHOULD keep it (its old leases are reclaimed)."""
     link: LinkConfig = LinkConfig()
-    engine: Literal["scripted"] = "scripted"
-    """``scripted``: the scripted test engine (deterministic tokens, for runtime tests)."""
+    engine: Literal["torch", "scripted"] = "torch"
+    """``torch``: the embedded PyTorch engine; ``scripted``: the scripted test engine
+    (deterministic tokens, for runtime tests)."""
+    torch: TorchEngineConfig = TorchEngineConfig()
     scripted: ScriptedEngineConfig = ScriptedEngineConfig()
     chunk_tokens: int = Field(16, ge=1)
     """Send a token chunk every this many new tokens of a lease (and always at its end)."""
@@ -132,10 +135,27 @@ class GeneratorActor:
                 self.unacked = [self.unacked[i] for i in keep]
                 self.unacked_seq = [self.unacked_seq[i] for i in keep]
         elif isinstance(body, m.WeightsPublished):
-            # The scripted test engine holds no weights: it only takes the version on.
-            self.engine.policy_version = max(self.engine.policy_version, body.version)
+            self._new_weights(body)
         elif isinstance(body, m.Error):
             self.log.warning("broker_error", code=body.code, message=body.message, field=body.field)
+
+    def _new_weights(self, body: m.WeightsPublished) -> None:
+        """Load policy ``body.version`` from its checkpoint directory (between decode steps)."""
+        if body.version <= self.engine.policy_version:
+            return
+        load = getattr(self.engine, "load_weights", None)
+        if load is None or body.source is None:  # the scripted test engine holds no weights
+            self.engine.policy_version = body.version
+            return
+        from april_async.model.decoder import CausalLM, CheckpointError
+
+        try:
+            state = CausalLM.from_pretrained(body.source).state_dict()
+        except CheckpointError as e:
+            self.log.error("weights_not_loaded", version=body.version, source=body.source, error=str(e))
+            return
+        load(state, body.version)
+        self.log.info("weights_loaded", version=body.version, source=body.source)
 
     def _start_waiting(self) -> None:
         while self.waiting and self.engine.active() < self.engine.slots:

@@ -13,6 +13,7 @@ truncation — what a learner recomputes with the same temperature.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,7 +65,7 @@ class TorchEngine:
     @classmethod
     def from_config(cls, cfg: TorchEngineConfig) -> TorchEngine:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        model = CausalLM.from_pretrained(cfg.checkpoint, dtype=dtype).to(cfg.device)
+        model = CausalLM.from_pretrained(Path(cfg.checkpoint), dtype=dtype).to(cfg.device)
         return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len)
 
     def active(self) -> int:

@@ -80,9 +80,9 @@ class Cluster:
         settings.update(extra or {})
         return self.start(name, "broker", settings)
 
-    def generator(self, name: str, **scripted):
-        settings = {"name": name, "link.broker": self.endpoint, **FAST_LINK, "chunk_tokens": 4}
-        settings.update({f"scripted.{k}": v for k, v in scripted.items()})
+    def generator(self, name: str, engine: str = "scripted", **engine_settings):
+        settings = {"name": name, "link.broker": self.endpoint, **FAST_LINK, "chunk_tokens": 4, "engine": engine}
+        settings.update({f"{engine}.{k}": v for k, v in engine_settings.items()})
         return self.start(name, "generator", settings)
 
     def scorer(self, name: str = "scorer-0", **extra):
