@@ -93,9 +93,11 @@ class TorchEngine:
         if not self._active:
             return []
         outs, cont = [], []
-        for idx, slot in list(self._active.items()):
+        order = list(self._active.items())
+        tokens, logprobs = sample_batch(torch.stack([slot.next_logits for _, slot in order]),
+                                        [slot.request for _, slot in order], [slot.generator for _, slot in order])
+        for (idx, slot), token, logprob in zip(order, tokens, logprobs):
             r = slot.request
-            token, logprob = self._sample(slot.next_logits, r, slot.generator)
             slot.generated += 1
             out = EngineOutput(r.lease_id, [token], [logprob], [self.policy_version])
             if token in r.stop_token_ids:
@@ -133,22 +135,33 @@ class TorchEngine:
         self.model.load_state_dict(state_dict, strict=False)
         self.policy_version = version
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, r: EngineRequest, gen: torch.Generator | None) -> tuple[int, float]:
-        if r.temperature == 0:
-            token = int(torch.argmax(logits))
-            return token, float(torch.log_softmax(logits, -1)[token])
-        scaled = logits / r.temperature
-        logprobs = torch.log_softmax(scaled, -1)
-        probs = logprobs.exp()
-        if r.top_k:
-            kth = torch.topk(probs, min(r.top_k, probs.numel())).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if r.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < r.top_p * sorted_p.sum()
-            mask = torch.zeros_like(probs, dtype=torch.bool)
-            mask[order[keep]] = True
-            probs = torch.where(mask, probs, torch.zeros_like(probs))
-        token = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-        return token, float(logprobs[token])
+
+def sample_batch(logits: torch.Tensor, requests: list[EngineRequest], generators: list) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` [B, V], each row with its request's sampling settings.
+
+    Tempered log-softmax, then top-k and top-p on one descending sort, then an inverse-CDF draw
+    with one uniform per row (from the row's own generator when the request is seeded).
+    Greedy rows (temperature 0) take the argmax. Returns tokens and behaviour log-probs.
+    """
+    temps = torch.tensor([r.temperature for r in requests], dtype=logits.dtype)
+    greedy = temps == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None], -1)
+    u = torch.stack([torch.rand((), generator=g) if g is not None else torch.rand(()) for g in generators])
+    if any(r.top_k or r.top_p < 1.0 for r in requests):
+        # Truncation needs the tokens in rank order: one descending sort for the whole batch.
+        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+        probs = sorted_lp.exp()
+        ranks = torch.arange(probs.shape[1])[None]
+        top_k = torch.tensor([r.top_k or probs.shape[1] for r in requests])[:, None]
+        top_p = torch.tensor([r.top_p for r in requests], dtype=probs.dtype)[:, None]
+        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each one
+        probs = torch.where((ranks < top_k) & (before < top_p), probs, torch.zeros_like(probs))
+    else:
+        # No truncation: the inverse CDF works in vocabulary order, no sort needed.
+        probs, order = logprobs.exp(), None
+    cdf = torch.cumsum(probs, -1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous()).clamp(max=probs.shape[1] - 1)
+    tokens = (pick if order is None else order.gather(1, pick))[:, 0]
+    tokens = torch.where(greedy, logprobs.argmax(-1), tokens)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()

@@ -23,3 +23,9 @@ def test_bench_broker_prints_ratios_against_raw():
 def test_bench_journal_prints_each_durability():
     out = run("tools/bench_journal.py", "--quick")
     assert all(f"\n{d} " in "\n" + out for d in ("none", "interval", "always")) and "snapshot 16 MiB" in out
+
+
+def test_bench_engine_prints_tokens_per_second_by_batch():
+    rows = [line.split() for line in run("tools/bench_engine.py", "--quick").splitlines() if line[:3] in ("5M ", "30M")]
+    assert [(r[0], int(r[2])) for r in rows] == [("5M", 1), ("5M", 4), ("30M", 1), ("30M", 4)]
+    assert all(float(r[4]) > 0 for r in rows)
