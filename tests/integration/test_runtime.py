@@ -135,7 +135,13 @@ def test_a_generator_killed_mid_lease_is_finished_by_another(cluster, tmp_path):
     cluster.broker(rollout, journal=journal, extra={"prompts.limit": 2 * B})
     # gen-victim decodes slowly, so it is surely mid-lease (with chunks sent) when killed.
     cluster.generator("gen-victim", slots=4, lengths=[120], step_s_fixed=0.02)  # 2.4 s a response
-    time.sleep(1.5)
+    # Kill it once it is surely mid-lease with chunks sent: 0.6 s (~30 steps, chunks of 4) after
+    # the broker has its hello, however long the process took to start.
+    deadline = time.monotonic() + 30
+    while "peer=gen-victim" not in cluster.logs["broker"].read_text():
+        assert time.monotonic() < deadline, cluster.dump_logs()
+        time.sleep(0.05)
+    time.sleep(0.6)
     cluster.kill("gen-victim")
     cluster.generator("gen-rescue", slots=4, lengths=[120])
     cluster.scorer()
