@@ -236,6 +236,7 @@ class BrokerCore:
         self._n_done: Counter[int] = Counter()
         self._n_scored: Counter[int] = Counter()
         self._gen_leases: dict[str, set[int]] = {}
+        self._scorers: set[str] = {scorer for scorer, _ in self.scoring.values()}  # names that took score requests
         for s in self.samples.values():
             self._index_add(s)
         for lease in self.leases.values():
@@ -516,6 +517,8 @@ class BrokerCore:
         deadline = now + self.config.lease_timeout_s
         for lid in self._gen_leases.get(peer, ()):
             self.leases[lid].deadline = deadline
+        if peer not in self._scorers:  # the common case: a generator's chunk
+            return
         score_deadline = now + self.config.score_timeout_s
         for sid, (scorer, _) in self.scoring.items():
             if scorer == peer:
@@ -578,6 +581,7 @@ class BrokerCore:
             g = self.groups[s.group_id]
             del self._unscored[sid]
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
+            self._scorers.add(scorer)
             tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), list(s.tokens), s.finish_reason, g.task, dict(g.meta)))
         return tasks
 
