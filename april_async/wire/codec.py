@@ -33,7 +33,7 @@ from april_async.wire.version import PROTO_MAJOR, PROTO_VERSION
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Default limit on the bytes of all frames of one message together."""
 
-BULK_DTYPES = frozenset({"<i4", "<f4"})
+BULK_DTYPES = frozenset({"<i4", "<f4", "|u1"})
 
 _MISSING_FIELD = re.compile(r"Object missing required field `([^`]+)`")
 

@@ -18,6 +18,7 @@ import numpy as np
 # Dtypes of bulk arrays on the wire: little-endian, fixed width.
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+BYTES_DTYPE = np.dtype("|u1")  # raw tensor bytes (weights), laid out by a list of ``TensorSpec``
 
 Role = Literal["broker", "generator", "scorer", "learner", "broadcaster"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -286,6 +287,7 @@ class Batch(Body):
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
     logprobs: np.ndarray  # behaviour log-probs, aligned with response_tokens
+    stats: dict[str, Any] = {}  # the broker's counters when the batch was made (for the learner's metrics)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -299,8 +301,75 @@ class Batch(Body):
                 _check_spans(s.versions, s.response_len)
 
 
+class BatchReport(Body):
+    """learner → broker: what became of a batch: trained into ``policy_version``, groups dropped."""
+
+    msg_type: ClassVar[str] = "batch_report"
+    batch_id: int
+    policy_version: int  # the version the step produced (unchanged when no step was taken)
+    dropped_groups: list[int] = []  # groups left out of the loss (DAPO dynamic sampling)
+    reason: str = ""  # why they were dropped, e.g. ``zero_variance``
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    """Where one named tensor lies in a flat byte buffer: ``[name, dtype, shape, offset]``."""
+
+    name: str
+    dtype: str  # a torch dtype name: float32 | bfloat16 | float16
+    shape: list[int]
+    offset: int  # bytes from the start of the buffer
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: offset and shape must be >= 0, got {self.offset}, {self.shape}")
+
+
+class WeightsUpdate(Body):
+    """learner → broadcaster: every weight of policy ``version``, flattened into one byte buffer."""
+
+    msg_type: ClassVar[str] = "weights_update"
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {"data": BYTES_DTYPE}
+    version: int
+    tensors: list[TensorSpec]
+    data: np.ndarray
+
+
+class GroupSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """A ``torch.distributed`` group to join: rank 0 is the broadcaster."""
+
+    epoch: int  # +1 each time the group is re-formed; the store keys are prefixed with it
+    rank: int
+    world_size: int
+    store: str  # ``host:port`` of the broadcaster's TCPStore
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+
+
+class WeightsAnnounce(Body):
+    """broadcaster → generator: join ``group`` (if not already in it) and receive ``version``.
+
+    The buffer of ``sum of tensor bytes`` bytes is broadcast from rank 0 in ``bucket_bytes``
+    pieces, in order; the generator loads it and answers ``heartbeat`` with ``policy_version``.
+    """
+
+    msg_type: ClassVar[str] = "weights_announce"
+    version: int
+    group: GroupSpec
+    tensors: list[TensorSpec]
+    num_bytes: int
+    bucket_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+
+
 class WeightsPublished(Body):
-    """broadcaster → broker (and learner → broadcaster): policy ``version`` is out."""
+    """broadcaster → broker → generators (or learner → broker): policy ``version`` is out."""
 
     msg_type: ClassVar[str] = "weights_published"
     version: int
@@ -341,6 +410,9 @@ MESSAGE_TYPES: dict[str, type[Body]] = {
         Scored,
         BatchRequest,
         Batch,
+        BatchReport,
+        WeightsUpdate,
+        WeightsAnnounce,
         WeightsPublished,
     )
 }

@@ -106,8 +106,21 @@ def batches(draw) -> m.Batch:
     return m.Batch(
         batch_id=draw(ids), policy_version=draw(small), groups=groups,
         prompt_tokens=cat(prompt_parts), response_tokens=cat(response_parts),
-        logprobs=draw(logprob_arrays(r_off)),
+        logprobs=draw(logprob_arrays(r_off)), stats=draw(metas),
     )
+
+
+tensor_specs = st.lists(st.builds(
+    m.TensorSpec, names, st.sampled_from(["float32", "bfloat16", "float16"]),
+    st.lists(st.integers(0, 64), max_size=3), small), max_size=4)
+byte_arrays = st.binary(max_size=64).map(lambda b: np.frombuffer(b, dtype=m.BYTES_DTYPE))
+
+
+@st.composite
+def group_specs(draw) -> m.GroupSpec:
+    world = draw(st.integers(1, 64))
+    return m.GroupSpec(epoch=draw(small), rank=draw(st.integers(0, world - 1)), world_size=world,
+                       store=draw(names), backend=draw(st.sampled_from(["gloo", "nccl"])), timeout_s=draw(finite))
 
 
 def _generate(draw) -> m.Generate:
@@ -145,6 +158,11 @@ BODIES: dict[str, st.SearchStrategy[m.Body]] = {
     ),
     "batch_request": st.builds(m.BatchRequest, policy_version=small),
     "batch": batches(),
+    "batch_report": st.builds(m.BatchReport, batch_id=ids, policy_version=small,
+                              dropped_groups=st.lists(ids, max_size=4), reason=names),
+    "weights_update": st.builds(m.WeightsUpdate, version=small, tensors=tensor_specs, data=byte_arrays),
+    "weights_announce": st.builds(m.WeightsAnnounce, version=small, group=group_specs(), tensors=tensor_specs,
+                                  num_bytes=small, bucket_bytes=st.integers(1, 2**30)),
     "weights_published": st.builds(
         m.WeightsPublished, version=small, num_bytes=small, source=st.none() | names
     ),
