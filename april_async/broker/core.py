@@ -192,6 +192,8 @@ class Counters:
     staleness_tokens: dict = field(default_factory=dict)  # lag V - v -> delivered tokens
     staleness_samples: dict = field(default_factory=dict)  # lag V - oldest -> delivered samples
     version_updates: int = 0
+    groups_filtered: dict = field(default_factory=dict)  # reason -> delivered groups the learner left out
+    steps_skipped: int = 0  # batches the learner took no step on (every group filtered)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -612,10 +614,11 @@ class BrokerCore:
         self.counters.scores_ok += 1
         return []
 
-    def score_failed(self, sample_id: int, lease_id: int, now: float) -> list[AbortLease]:
-        """A reward function raised or timed out: the sample's whole group is retired, counted."""
+    def score_failed(self, sample_id: int, lease_id: int, now: float, reason: str = "score_error") -> list[AbortLease]:
+        """A reward function raised or timed out: the sample's whole group is retired, counted
+        under ``reason`` (``reward_error``, ``reward_timeout``, ``bad_reward``, ...)."""
         s = self._awaiting_score(sample_id, lease_id)
-        return [] if s is None else self._fail_score(s, "score_error")
+        return [] if s is None else self._fail_score(s, reason)
 
     def _fail_score(self, s: Sample, reason: str) -> list[AbortLease]:
         self.counters.score_errors += 1
@@ -735,6 +738,23 @@ class BrokerCore:
         batch = BatchOut(self._take("batch"), V, out_groups)
         self.unacked_batches[batch.batch_id] = batch
         return batch
+
+    def report_batch(self, batch_id: int, policy_version: int, dropped_groups: Sequence[int], reason: str) -> None:
+        """The learner is done with ``batch_id``: count the groups it left out under ``reason``.
+
+        A report whose ``policy_version`` is not newer than the batch's means no step was taken
+        (every group was filtered). In sync/april the next rollout step waits for a newer version,
+        which will not come for this batch, so the step is reopened here.
+        """
+        if batch_id >= self._next["batch"]:
+            self.counters.stale_reports += 1
+            return
+        if dropped_groups:
+            _bump(self.counters.groups_filtered, reason or "unspecified", len(dropped_groups))
+        if self.awaiting_version is not None and policy_version <= self.awaiting_version:
+            self.counters.steps_skipped += 1
+            self.awaiting_version = None
+            self.step_groups = {gid for gid in self._n_leased}
 
     def ack_batches(self, upto_batch_id: int) -> bool:
         """The learner holds every batch up to ``upto_batch_id``: forget them. True if any was."""

@@ -12,6 +12,7 @@ journaled), and calls that changed nothing (an empty lease, no batch) are not wr
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import deque
@@ -67,6 +68,8 @@ class BrokerServiceConfig(BaseModel):
     """Write a snapshot (and start a new log segment) after this many records."""
     rollout: RolloutConfig = RolloutConfig()
     prompts: PromptSourceConfig = PromptSourceConfig()
+    state_file: Path | None = None
+    """At shutdown, write the ledger here as JSON: samples per place, counters, and whether they balance."""
     log: LogConfig = LogConfig()
 
 
@@ -132,7 +135,19 @@ class BrokerService:
         if self.journal is not None:
             self.journal.flush()
             self.journal.close()
-        self.log.info("stopped", **self.core.counters.as_dict())
+        ledger = self.ledger()
+        if self.cfg.state_file is not None:
+            Path(self.cfg.state_file).write_text(json.dumps(ledger, indent=2, sort_keys=True, default=str))
+        self.log.info("stopped", balanced=ledger["balanced"], places=ledger["places"], **self.core.counters.as_dict())
+
+    def ledger(self) -> dict:
+        """Where every sample is, and whether that adds up to what was admitted (conservation)."""
+        core = self.core
+        places = core.place_counts()
+        expected = core.counters.groups_admitted * self.cfg.rollout.group_size
+        return {"version": core.version, "places": places, "samples": len(core.samples), "expected": expected,
+                "balanced": sum(places.values()) == len(core.samples) == expected,
+                "counters": core.counters.as_dict()}
 
     def handle(self, identity: bytes, msg, now: float) -> None:
         body, sender = msg.body, msg.sender
@@ -153,8 +168,9 @@ class BrokerService:
                        [[s.version, s.count] for s in body.versions], now)
         elif isinstance(body, m.Scored):
             if body.error is not None:
-                self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, error=body.error)
-                self._aborts(self.apply("score_failed", body.sample_id, body.lease_id, now))
+                reason = score_error_kind(body.error)
+                self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, reason=reason, error=body.error)
+                self._aborts(self.apply("score_failed", body.sample_id, body.lease_id, now, reason))
             else:
                 self._aborts(self.apply("scored", body.sample_id, body.lease_id, body.reward, now))
         elif isinstance(body, m.BatchRequest):
@@ -162,6 +178,9 @@ class BrokerService:
             if body.acked_batch_id is not None and self.core.unacked_batch_after(None) is not None:
                 self.apply("ack_batches", body.acked_batch_id)
             self.batch_waiters.append((sender, msg.msg_id, body.acked_batch_id))
+        elif isinstance(body, m.BatchReport):
+            self.apply("report_batch", body.batch_id, body.policy_version, list(body.dropped_groups), body.reason)
+            self._version_at_least(body.policy_version, now)
         elif isinstance(body, m.WeightsPublished):
             self._aborts(self.apply("publish_version", body.version, now))
             for name, p in self.peers.items():
@@ -310,7 +329,7 @@ class BrokerService:
             if batch is None:
                 return
             self.batch_waiters.popleft()
-            self.hub.send(peer.identity, batch_message(batch), parent_id=msg_id)
+            self.hub.send(peer.identity, batch_message(batch, self.core.counters.as_dict()), parent_id=msg_id)
             self.log.info("batch", batch_id=batch.batch_id, learner=sender, version=batch.policy_version, resent=resent)
 
     def _heartbeats(self, now: float) -> None:
@@ -337,7 +356,16 @@ def replay(journal: Journal, rollout: RolloutConfig) -> tuple[BrokerCore, int, b
     return core, replayed, snapshot is not None
 
 
-def batch_message(batch: BatchOut) -> m.Batch:
+SCORE_ERROR_KINDS = frozenset({"reward_error", "reward_timeout", "bad_reward"})
+
+
+def score_error_kind(error: str) -> str:
+    """The reason a failed score is counted under: the scorer's ``<kind>: <detail>`` prefix when known."""
+    kind = error.partition(":")[0].strip()
+    return kind if kind in SCORE_ERROR_KINDS else "score_error"
+
+
+def batch_message(batch: BatchOut, stats: dict | None = None) -> m.Batch:
     """The wire form of a core batch: token arrays concatenated, slices in the header."""
     prompts, responses, logprobs, groups = [], [], [], []
     p_off = r_off = 0
@@ -357,4 +385,4 @@ def batch_message(batch: BatchOut) -> m.Batch:
     return m.Batch(batch_id=batch.batch_id, policy_version=batch.policy_version, groups=groups,
                    prompt_tokens=np.asarray(prompts, dtype=np.int32),
                    response_tokens=np.asarray(responses, dtype=np.int32),
-                   logprobs=np.asarray(logprobs, dtype=np.float32))
+                   logprobs=np.asarray(logprobs, dtype=np.float32), stats=stats or {})

@@ -278,3 +278,44 @@ def test_inflight_bound_is_ceil_of_r_times_B():
     assert RolloutConfig(batch_groups=3, over_provision=1.5).max_inflight_groups == 5
     assert RolloutConfig(batch_groups=4, over_provision=1.5, group_size=3).max_inflight_samples == 18
     assert RolloutConfig(batch_groups=4, over_provision=1.0).max_inflight_groups == 4
+
+
+def test_score_failure_is_counted_under_the_scorers_reason():
+    core = make()
+    admit(core, 1)
+    for g in core.lease("gen", 100, 0.0):
+        finish(core, g)
+    t = core.score_lease("scorer", 10, 1.0)[0]
+    core.score_failed(t.sample_id, t.lease_id, 1.0, "reward_timeout")
+    assert core.counters.groups_retired == {"reward_timeout": 1}
+    assert core.samples[t.sample_id].place is Place.RETIRED
+
+
+def _april_batch(core):
+    admit(core, 2)
+    for g in core.lease("gen", 100, 0.0):
+        finish(core, g)
+    score_all(core)
+    batch = core.pull_batch(1.0)
+    admit(core, 2, start=2)
+    return batch
+
+
+def test_a_batch_the_learner_skipped_reopens_the_rollout_step():
+    core = make()
+    batch = _april_batch(core)
+    assert core.lease("gen", 100, 2.0) == []  # waits for a newer version
+    core.report_batch(batch.batch_id, 0, [g.group_id for g in batch.groups], "zero_variance")
+    assert core.counters.groups_filtered == {"zero_variance": 2}
+    assert core.counters.steps_skipped == 1
+    assert core.lease("gen", 100, 2.0) != []  # no version will come for it: the step reopens
+
+
+def test_a_batch_report_with_a_step_counts_drops_and_waits_for_the_version():
+    core = make()
+    batch = _april_batch(core)
+    core.report_batch(batch.batch_id, 1, [batch.groups[0].group_id], "zero_variance")
+    assert core.counters.groups_filtered == {"zero_variance": 1} and core.counters.steps_skipped == 0
+    assert core.lease("gen", 100, 2.0) == []  # the version itself opens the next step
+    core.report_batch(99, 1, [1], "zero_variance")  # a batch never made: ignored, counted
+    assert core.counters.stale_reports == 1 and core.counters.groups_filtered == {"zero_variance": 1}
