@@ -1,0 +1,323 @@
+"""The learner actor: policy-gradient RL on batches of whole groups from the broker.
+
+One step, top to bottom (``train_on``):
+
+    batch      the broker sends B whole, scored groups (prompt, response tokens, behaviour
+               log-probs, the policy version of every token);
+    filter     DAPO's dynamic sampling drops groups whose rewards are all equal (reported);
+    log-probs  one causal forward over prompt + response: π_θ of every response token, at the
+               rollout temperature; π_prox is the same before the update;
+    advantages group-normalised rewards (GRPO);
+    loss       GRPO / DAPO / GSPO with the chosen off-policy correction (``losses.py``);
+    step       AdamW with gradient clipping, the learning rate optionally scaled by the ESS;
+    publish    version += 1; the weights go to the broadcaster in one hand-off (or, without a
+               broadcaster, to a checkpoint directory announced to the broker); the broker hears
+               of the step through ``batch_report`` and the next ``batch_request``.
+
+Start:  april learner --config run.toml   (section [learner]); it resumes from the newest
+checkpoint under ``run_dir`` when there is one, else starts at version 0 from ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from april_async.config import LinkConfig, LogConfig
+from april_async.learner import checkpoint as ckpt
+from april_async.learner.client import BatchClient
+from april_async.learner.losses import (
+    Algorithm,
+    Correction,
+    LossSettings,
+    group_advantages,
+    policy_loss,
+    zero_variance_groups,
+)
+from april_async.learner.metrics import MetricsSink
+from april_async.logs import get_logger
+from april_async.model.decoder import CausalLM, CheckpointError
+from april_async.wire import messages as m
+
+
+class LearnerConfig(BaseModel):
+    """The ``[learner]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "learner-0"
+    link: LinkConfig = LinkConfig()
+    broadcaster: str | None = "tcp://127.0.0.1:5556"
+    """The broadcaster's endpoint; None: publish each version as a checkpoint directory instead
+    (announced to the broker, which tells the generators to load it from disk)."""
+    checkpoint: str = ""
+    """The initial policy (a Hugging Face directory), used when ``run_dir`` holds no checkpoint."""
+    run_dir: Path = Path("runs/default")
+    """Checkpoints, ``metrics.jsonl`` and TensorBoard files go here; a restart resumes from it."""
+    algorithm: Algorithm = "grpo"
+    """``grpo`` | ``dapo`` | ``gspo``."""
+    correction: Correction = "tis"
+    """Off-policy correction: ``none`` | ``tis`` | ``decoupled`` | ``mask`` (see losses.py)."""
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+    clip_high: float | None = Field(None, gt=0)
+    """ε_high: clipped above at 1 + ε_high; None means ε_low for grpo/gspo and 0.28 for dapo."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """C of truncated importance sampling."""
+    behav_weight_cap: float = Field(5.0, gt=1.0)
+    """Decoupled PPO: tokens with π_prox/μ above this are left out."""
+    mask_max_lag: int = Field(0, ge=0)
+    """``mask``: tokens more than this many versions behind the learner are left out."""
+    advantage_scale: bool = True
+    """Divide by the group's reward std (GRPO); False only centres (Dr. GRPO)."""
+    dynamic_sampling: bool | None = None
+    """Drop groups whose rewards are all equal and tell the broker; None: on for dapo only."""
+    temperature: float = Field(1.0, gt=0)
+    """The rollout's sampling temperature: log-probs are taken of the same tempered distribution."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch (the batch's samples split evenly); one version bump per batch."""
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    ess_lr_scale: bool = False
+    """VCPO-style: multiply the learning rate by the batch's ESS (never below ``ess_lr_floor``)."""
+    ess_lr_floor: float = Field(0.1, gt=0, le=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype (bfloat16 roughly doubles speed on CPUs with AMX; float32 is the safe default)."""
+    save_every: int = Field(25, ge=1)
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many steps in total (resumed steps included); None: run until stopped."""
+    tensorboard: bool = True
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.algorithm == "gspo" and self.clip_low > 0.01:
+            raise ValueError(f"gspo clips a sequence-level ratio: use a small clip_low (e.g. 3e-4), got {self.clip_low}")
+        return self
+
+    def loss_settings(self) -> LossSettings:
+        high = self.clip_high if self.clip_high is not None else (0.28 if self.algorithm == "dapo" else self.clip_low)
+        return LossSettings(algorithm=self.algorithm, clip_low=self.clip_low, clip_high=high,
+                            correction=self.correction, tis_cap=self.tis_cap,
+                            behav_weight_cap=self.behav_weight_cap, mask_max_lag=self.mask_max_lag)
+
+    @property
+    def filters_zero_variance(self) -> bool:
+        return self.algorithm == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+
+
+class PackedBatch:
+    """A batch as padded tensors: ``inputs``/``targets`` [N, L], response ``mask``, behaviour
+    log-probs and per-token version lag aligned with ``targets``."""
+
+    def __init__(self, batch: m.Batch, groups: list[m.BatchGroup], learner_version: int):
+        rows, rewards, gidx, lens = [], [], [], []
+        for gi, g in enumerate(groups):
+            prompt = batch.prompt_tokens[g.prompt_offset:g.prompt_offset + g.prompt_len]
+            for s in g.samples:
+                sl = slice(s.response_offset, s.response_offset + s.response_len)
+                versions = np.repeat([sp.version for sp in s.versions], [sp.count for sp in s.versions])
+                rows.append((prompt, batch.response_tokens[sl], batch.logprobs[sl], learner_version - versions))
+                rewards.append(s.reward)
+                gidx.append(gi)
+                lens.append(s.response_len)
+        N = len(rows)
+        L = max((len(p) + len(r) - 1 for p, r, _, _ in rows), default=1)
+        self.inputs = torch.zeros(N, max(L, 1), dtype=torch.long)
+        self.targets = torch.zeros_like(self.inputs)
+        self.mask = torch.zeros(N, max(L, 1))
+        self.behav = torch.zeros(N, max(L, 1))
+        self.lag = torch.zeros(N, max(L, 1), dtype=torch.long)
+        for i, (prompt, resp, lps, lag) in enumerate(rows):
+            seq = np.concatenate([prompt, resp]).astype(np.int64)
+            n = len(seq) - 1
+            self.inputs[i, :n] = torch.from_numpy(seq[:-1])
+            self.targets[i, :n] = torch.from_numpy(seq[1:])
+            start = len(prompt) - 1  # targets[start] is the first response token
+            self.mask[i, start:n] = 1.0
+            self.behav[i, start:n] = torch.from_numpy(np.asarray(lps, dtype=np.float32))
+            self.lag[i, start:n] = torch.from_numpy(np.asarray(lag, dtype=np.int64))
+        self.rewards = torch.tensor(rewards, dtype=torch.float32)
+        self.group_index = torch.tensor(gidx, dtype=torch.long)
+        self.response_lens = lens
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
+def token_logprobs(model: CausalLM, inputs: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(target | prefix) at ``temperature`` for every position: [N, L] (float32)."""
+    logits, _ = model(inputs)
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+class LearnerActor:
+    def __init__(self, cfg: LearnerConfig, broker_peer_factory, broadcaster_peer_factory=None):
+        self.cfg = cfg
+        self.log = get_logger(actor="learner", instance=cfg.name)
+        self.loss_cfg = cfg.loss_settings()
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        resume = ckpt.latest(cfg.run_dir)
+        source = resume or (Path(cfg.checkpoint) if cfg.checkpoint else None)
+        if source is None:
+            raise CheckpointError("learner.checkpoint is not set and run_dir holds no checkpoint to resume from")
+        self.model = CausalLM.from_pretrained(source, dtype=dtype).train()
+        self.side_files = source
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.state = ckpt.TrainerState()
+        if resume is not None:
+            self.state = ckpt.load_state(resume)
+            ckpt.load_optimizer(resume, self.optimizer)
+            self.log.info("resumed", checkpoint=str(resume), version=self.state.version, step=self.state.step)
+        self.client = BatchClient(cfg.name, broker_peer_factory, policy_version=self.state.version)
+        self.client.last_batch_id = self.state.last_batch_id
+        self.bcast = broadcaster_peer_factory(self._on_broadcaster) if broadcaster_peer_factory else None
+        self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard)
+        self._last_batch_at: float | None = None
+
+    def _on_broadcaster(self, peer) -> None:
+        peer.send(m.Hello(role="learner", instance=self.cfg.name, policy_version=self.state.version))
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop) -> None:
+        self.log.info("training", version=self.state.version, algorithm=self.cfg.algorithm,
+                      correction=self.cfg.correction, params=sum(p.numel() for p in self.model.parameters()))
+        if self.state.version > 0:
+            self.publish()  # a resumed policy: generators still hold the initial one
+        while not stop and (self.cfg.max_steps is None or self.state.step < self.cfg.max_steps):
+            self._pump()
+            batch = self.client.next_batch(0.2)
+            if batch is not None:
+                self.train_on(batch)
+        if self.state.step and ckpt.latest(self.cfg.run_dir) != ckpt.checkpoint_dir(self.cfg.run_dir, self.state.version):
+            self.save()
+        # Ask once more so the broker hears the ack of the last batch before we go.
+        self.client.peer.send(m.BatchRequest(policy_version=self.state.version, acked_batch_id=self.client.last_batch_id))
+        self.client.close()
+        if self.bcast is not None:
+            self.bcast.send(m.Bye(reason="shutdown"))
+            self.bcast.close()
+        self.metrics.close()
+        self.log.info("stopped", version=self.state.version, steps=self.state.step)
+
+    def _pump(self) -> None:
+        """Keep the broadcaster session alive (heartbeats, reconnects); nothing comes in on it."""
+        if self.bcast is not None:
+            while self.bcast.poll(0.0) is not None:
+                pass
+
+    # ------------------------------------------------------------------ one step
+
+    def train_on(self, batch: m.Batch) -> None:
+        t0 = time.monotonic()
+        wait_s = 0.0 if self._last_batch_at is None else t0 - self._last_batch_at
+        V = self.state.version
+        groups, dropped = list(batch.groups), []
+        all_rewards = [s.reward for g in groups for s in g.samples]
+        if self.cfg.filters_zero_variance:
+            packed_all = PackedBatch(batch, groups, V)
+            zero = set(zero_variance_groups(packed_all.rewards, packed_all.group_index))
+            dropped = [g.group_id for i, g in enumerate(groups) if i in zero]
+            groups = [g for i, g in enumerate(groups) if i not in zero]
+        row = {"batch_id": batch.batch_id, "groups": len(batch.groups), "dropped_groups": len(dropped),
+               "reward_mean": float(np.mean(all_rewards)) if all_rewards else 0.0,
+               "solved_frac": float(np.mean([r > 0 for r in all_rewards])) if all_rewards else 0.0}
+        if not groups:
+            self.client.last_batch_id = batch.batch_id
+            self.client.peer.send(m.BatchReport(batch_id=batch.batch_id, policy_version=V,
+                                                dropped_groups=dropped, reason="zero_variance"))
+            self.log.info("step_skipped", batch_id=batch.batch_id, reason="every group has equal rewards")
+            return
+
+        data = PackedBatch(batch, groups, V)
+        adv = group_advantages(data.rewards, data.group_index, scale=self.cfg.advantage_scale)
+        N = len(data)
+        parts = [idx for idx in torch.arange(N).tensor_split(self.cfg.minibatches) if len(idx)]
+        prox = None
+        if len(parts) > 1:
+            with torch.no_grad():
+                prox = token_logprobs(self.model, data.inputs, data.targets, self.cfg.temperature)
+        lr = self.cfg.lr
+        step_metrics: list[dict] = []
+        for idx in parts:
+            self._pump()
+            logp = token_logprobs(self.model, data.inputs[idx], data.targets[idx], self.cfg.temperature)
+            p = logp.detach() if prox is None else prox[idx]
+            loss, lm = policy_loss(logp, p, data.behav[idx], data.lag[idx], adv[idx], data.mask[idx], self.loss_cfg)
+            if self.cfg.ess_lr_scale:
+                lr = self.cfg.lr * max(lm["ess"], self.cfg.ess_lr_floor)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            lm["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+            self.optimizer.step()
+            step_metrics.append(lm)
+
+        self.state.version = V + 1
+        self.state.step += 1
+        self.state.last_batch_id = batch.batch_id
+        self.publish()
+        self.client.policy_version = self.state.version
+        self.client.peer.send(m.BatchReport(batch_id=batch.batch_id, policy_version=self.state.version,
+                                            dropped_groups=dropped, reason="zero_variance" if dropped else ""))
+        if self.state.step % self.cfg.save_every == 0:
+            self.save()
+
+        now = time.monotonic()
+        lags = data.lag[data.mask.bool()]
+        tokens = int(sum(data.response_lens))
+        stats = batch.stats or {}
+        row.update({k: float(np.mean([x[k] for x in step_metrics])) for k in step_metrics[0]})
+        row.update({
+            "step": self.state.step, "version": self.state.version, "time": time.time(), "lr": lr,
+            "response_len_mean": float(np.mean(data.response_lens)), "response_len_max": int(max(data.response_lens)),
+            "tokens": tokens, "tokens_per_s": tokens / max(wait_s + (now - t0), 1e-6) if self._last_batch_at else 0.0,
+            "step_s": now - t0, "wait_s": wait_s,
+            "off_policy_frac": float((lags > 0).float().mean()) if len(lags) else 0.0,
+            "lag_mean": float(lags.float().mean()) if len(lags) else 0.0,
+        })
+        for key in ("partials_recycled", "tokens_resumed", "aborts_sent", "restarts", "tokens_discarded",
+                    "leases_issued", "tokens_generated"):
+            if key in stats:
+                row[key] = stats[key]
+        if "groups_filtered" in stats:
+            row["groups_filtered"] = int(sum(stats["groups_filtered"].values()))
+        self.metrics.write(self.state.step, row, lags.tolist())
+        self._last_batch_at = now
+        self.log.info("step", step=self.state.step, version=self.state.version, reward=round(row["reward_mean"], 4),
+                      len=round(row["response_len_mean"], 1), loss=round(row["loss"], 4), ess=round(row["ess"], 3),
+                      off_policy=round(row["off_policy_frac"], 3), s=round(now - t0, 3))
+
+    # ------------------------------------------------------------------ versions out
+
+    def publish(self) -> None:
+        """Hand the current weights over once: to the broadcaster, or as a checkpoint on disk."""
+        version = self.state.version
+        if self.bcast is not None:
+            from april_async.model.flat import flatten
+
+            specs, buf = flatten(self.model.state_dict())
+            data = buf.numpy()
+            self.bcast.send(m.WeightsUpdate(version=version, tensors=specs, data=data))
+            return
+        path = self.save()
+        self.client.peer.send(m.WeightsPublished(version=version, source=str(path.resolve())))
+
+    def save(self) -> Path:
+        path = ckpt.save(self.cfg.run_dir, self.model, self.optimizer, self.state, side_files_from=self.side_files,
+                         keep=self.cfg.keep_checkpoints)
+        self.side_files = path
+        return path

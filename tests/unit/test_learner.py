@@ -1,0 +1,154 @@
+"""The learner's step in one process: packing, the step's effects, dynamic sampling, checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from april_async.learner import checkpoint as ckpt
+from april_async.learner.actor import LearnerActor, LearnerConfig, PackedBatch, token_logprobs
+from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
+from april_async.wire import messages as m
+
+
+class FakePeer:
+    """Records what the learner sends; nothing ever arrives."""
+
+    def __init__(self, on_connect):
+        self.sent = []
+        on_connect(self)
+
+    def send(self, body, parent_id=None):
+        self.sent.append(body)
+        return len(self.sent)
+
+    def poll(self, timeout_s):
+        return None
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def policy(tmp_path):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1))
+    path = tmp_path / "init"
+    model.save_pretrained(path)
+    (path / "tokenizer_marker.txt").write_text("side file")
+    return path
+
+
+def make_batch(rewards, *, batch_id=0, version=0, prompt=(1, 2, 3), lens=None):
+    rng = np.random.default_rng(batch_id)
+    groups, responses, logprobs, sid = [], [], [], 0
+    r_off = 0
+    for gi, group_rewards in enumerate(rewards):
+        samples = []
+        for k, r in enumerate(group_rewards):
+            n = (lens or {}).get((gi, k), 2 + (sid % 3))
+            resp = rng.integers(3, 32, n).astype(np.int32)
+            samples.append(m.BatchSample(sample_id=sid, reward=r, finish_reason="stop", response_offset=r_off,
+                                         response_len=n, versions=[m.VersionSpan(version, n)]))
+            responses.append(resp)
+            logprobs.append(np.full(n, -3.0, dtype=np.float32))
+            r_off += n
+            sid += 1
+        groups.append(m.BatchGroup(group_id=10 + gi, prompt_id=f"p{gi}", prompt_offset=gi * len(prompt),
+                                   prompt_len=len(prompt), samples=samples))
+    return m.Batch(batch_id=batch_id, policy_version=version, groups=groups,
+                   prompt_tokens=np.asarray(list(prompt) * len(rewards), dtype=np.int32),
+                   response_tokens=np.concatenate(responses), logprobs=np.concatenate(logprobs),
+                   stats={"partials_recycled": 3, "groups_filtered": {"zero_variance": 1}})
+
+
+def learner(policy, tmp_path, **kw):
+    cfg = LearnerConfig(checkpoint=str(policy), run_dir=tmp_path / "run", broadcaster=None, tensorboard=False,
+                        lr=1e-2, **kw)
+    return LearnerActor(cfg, FakePeer)
+
+
+def test_packing_aligns_targets_mask_behaviour_and_lag(tmp_path):
+    batch = make_batch([[1.0, 0.0]], version=2, lens={(0, 0): 3, (0, 1): 1})
+    data = PackedBatch(batch, list(batch.groups), learner_version=4)
+    # sample 0: prompt 1 2 3, response r0 r1 r2 -> inputs 1 2 3 r0 r1, targets 2 3 r0 r1 r2
+    resp = batch.response_tokens[:3].tolist()
+    assert data.inputs[0, :5].tolist() == [1, 2, 3, *resp[:2]]
+    assert data.targets[0, :5].tolist() == [2, 3, *resp]
+    assert data.mask[0].tolist() == [0, 0, 1, 1, 1]
+    assert data.mask[1].tolist() == [0, 0, 1, 0, 0]  # one response token, then padding
+    assert data.lag[0, 2:5].tolist() == [2, 2, 2]
+    assert data.behav[0, 2:5].tolist() == [-3.0, -3.0, -3.0]
+
+
+def test_token_logprobs_match_a_stepwise_computation(policy):
+    model = CausalLM.from_pretrained(policy)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    got = token_logprobs(model, ids[:, :-1], ids[:, 1:], temperature=0.7)
+    logits, _ = model(ids[:, :-1])
+    want = torch.log_softmax(logits / 0.7, -1)[0, torch.arange(3), ids[0, 1:]]
+    assert torch.allclose(got[0], want, atol=1e-6)
+
+
+def test_a_step_trains_bumps_the_version_publishes_and_reports(policy, tmp_path):
+    actor = learner(policy, tmp_path, save_every=1)
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    actor.train_on(make_batch([[1.0, 0.0], [0.0, 1.0]]))
+    assert actor.state.version == 1 and actor.state.step == 1
+    changed = [k for k, v in actor.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the optimizer step changed nothing"
+    sent = actor.client.peer.sent
+    published = [b for b in sent if isinstance(b, m.WeightsPublished)]
+    assert published and published[-1].version == 1
+    loaded = CausalLM.from_pretrained(published[-1].source)  # the generators load this
+    assert torch.equal(loaded.state_dict()["lm_head.weight"], actor.model.state_dict()["lm_head.weight"])
+    report = [b for b in sent if isinstance(b, m.BatchReport)][-1]
+    assert report.batch_id == 0 and report.policy_version == 1 and report.dropped_groups == []
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["step"] == 1 and row["reward_mean"] == 0.5 and row["partials_recycled"] == 3
+    assert row["groups_filtered"] == 1 and 0 < row["ess"] <= 1
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_skips_an_empty_step(policy, tmp_path):
+    actor = learner(policy, tmp_path, algorithm="dapo")
+    actor.train_on(make_batch([[1.0, 1.0], [0.0, 1.0]], batch_id=0))
+    report = [b for b in actor.client.peer.sent if isinstance(b, m.BatchReport)][-1]
+    assert report.dropped_groups == [10] and report.reason == "zero_variance" and report.policy_version == 1
+    actor.train_on(make_batch([[0.0, 0.0], [1.0, 1.0]], batch_id=1))
+    report = [b for b in actor.client.peer.sent if isinstance(b, m.BatchReport)][-1]
+    assert report.dropped_groups == [10, 11] and report.policy_version == 1  # no step, no new version
+    assert actor.state.version == 1 and actor.client.last_batch_id == 1
+
+
+def test_resume_restores_weights_optimizer_version_and_batch_id(policy, tmp_path):
+    actor = learner(policy, tmp_path, save_every=2)
+    for i in range(2):
+        actor.train_on(make_batch([[1.0, 0.0]], batch_id=i, version=i))
+    saved = ckpt.latest(tmp_path / "run")
+    assert saved.name == "v000002" and (saved / "tokenizer_marker.txt").is_file()
+    again = learner(policy, tmp_path)
+    assert again.state.version == 2 and again.client.last_batch_id == 1 and again.client.policy_version == 2
+    for k, v in actor.model.state_dict().items():
+        assert torch.equal(v, again.model.state_dict()[k])
+    s1, s2 = actor.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
+    assert torch.equal(s1[0]["exp_avg"], s2[0]["exp_avg"])
+
+
+def test_missing_or_broken_checkpoints_are_named(tmp_path, policy):
+    with pytest.raises(CheckpointError, match="learner.checkpoint is not set"):
+        LearnerActor(LearnerConfig(run_dir=tmp_path / "empty", broadcaster=None, tensorboard=False), FakePeer)
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        LearnerActor(LearnerConfig(checkpoint=str(tmp_path / "nowhere"), run_dir=tmp_path / "r", broadcaster=None,
+                                   tensorboard=False), FakePeer)
+    actor = learner(policy, tmp_path, save_every=1)
+    actor.train_on(make_batch([[1.0, 0.0]]))
+    (ckpt.latest(tmp_path / "run") / "optimizer.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="optimizer.pt"):
+        learner(policy, tmp_path)
+
+
+def test_gspo_needs_a_small_clip():
+    with pytest.raises(ValueError, match="gspo"):
+        LearnerConfig(algorithm="gspo", clip_low=0.2)
