@@ -751,7 +751,8 @@ class BrokerCore:
             return
         if dropped_groups:
             _bump(self.counters.groups_filtered, reason or "unspecified", len(dropped_groups))
-        if self.awaiting_version is not None and policy_version <= self.awaiting_version:
+        newest = batch_id == self._next["batch"] - 1  # an older batch's report (redelivered) reopens nothing
+        if newest and self.awaiting_version is not None and policy_version <= self.awaiting_version:
             self.counters.steps_skipped += 1
             self.awaiting_version = None
             self.step_groups = {gid for gid in self._n_leased}

@@ -116,6 +116,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             self.gen_version = dict.fromkeys(GENERATORS, 0)
             self.delivered: set[int] = set()
             self.replayable: list[tuple] = []
+            self.batches: list[tuple[int, list[int]]] = []
             self.steps = 0
             self.disagreements: list[str] = []
 
@@ -486,6 +487,19 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 for s in g.samples:
                     self.samples[s.sample_id].place = Place.DELIVERED
                     self.delivered.add(s.sample_id)
+            self.batches.append((batch.batch_id, [g.group_id for g in batch.groups]))
+
+        @precondition(lambda self: self.batches)
+        @rule(data=st.data(), stepped=st.booleans())
+        def learner_reports(self, data, stepped):
+            """The learner filtered some groups of a batch (DAPO) and took a step, or took none."""
+            batch_id, gids = data.draw(st.sampled_from(self.batches), label="batch")
+            dropped = gids if not stepped else gids[:1]
+            before = {sid: s.place for sid, s in self.core.samples.items()}
+            self.core.report_batch(batch_id, self.V + 1 if stepped else self.V, dropped, "zero_variance")
+            self.replayable.append(("report", batch_id, self.V + 1 if stepped else self.V, dropped))
+            after = {sid: s.place for sid, s in self.core.samples.items()}
+            require(1, before == after, "a batch report moved samples")
 
         @rule()
         def restart_from_snapshot(self):
@@ -513,6 +527,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.core.score_failed(*args, self.now)
             elif kind == "publish":
                 self.core.publish_version(args[0], self.now)
+            elif kind == "report":
+                self.core.report_batch(args[0], args[1], args[2], "zero_variance")
             require(2, core_state_without_counters(self.core) == before, f"redelivered {kind} changed the state")
 
         # ---------------------------------------------------------------- invariants
