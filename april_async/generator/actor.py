@@ -36,6 +36,9 @@ class GeneratorConfig(BaseModel):
     (deterministic tokens, for runtime tests)."""
     torch: TorchEngineConfig = TorchEngineConfig()
     scripted: ScriptedEngineConfig = ScriptedEngineConfig()
+    broadcaster: str | None = None
+    """The broadcaster's endpoint: new weights arrive over its ``torch.distributed`` group. None:
+    weights are loaded from the checkpoint directory a ``weights_published`` names."""
     chunk_tokens: int = Field(16, ge=1)
     """Send a token chunk every this many new tokens of a lease (and always at its end)."""
     log: LogConfig = LogConfig()
@@ -73,6 +76,15 @@ class GeneratorActor:
         self.unacked: list[m.Finished] = []  # finished reports not yet journaled by the broker
         self.unacked_seq: list[int] = []
         self.sessions = 0
+        self.min_version: dict[int, int] = {}  # lease -> the policy version it must start from
+        self.holds_weights = getattr(engine, "load_weights", None) is not None
+        self.weights = None
+        if cfg.broadcaster is not None and not self.holds_weights:
+            self.log.warning("broadcaster_ignored", reason=f"the {engine.name} engine holds no weights")
+        elif cfg.broadcaster is not None:
+            from april_async.generator.weights import WeightSubscriber
+
+            self.weights = WeightSubscriber(cfg.name, cfg.broadcaster, cfg.link, engine)
         self.peer = peer_factory(self._on_connect)
 
     # ------------------------------------------------------------------ session
@@ -107,18 +119,25 @@ class GeneratorActor:
             while msg is not None:
                 self.handle(msg)
                 msg = self.peer.poll(0.0)
+            if self.weights is not None:
+                self.weights.poll(0.0)  # a new version loads here, between decode steps
             self._start_waiting()
             for out in self.engine.step():
                 self._progress(out)
             self._flush_chunks()
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
-        self.log.info("stopped", leases=len(self.work))
+        if self.weights is not None:
+            self.weights.close()
+        self.log.info("stopped", leases=len(self.work), version=self.engine.policy_version)
 
     def handle(self, msg) -> None:
         body = msg.body
         if isinstance(body, m.Generate):
-            self.engine.policy_version = max(self.engine.policy_version, body.min_policy_version)
+            if self.holds_weights:
+                self.min_version[body.lease_id] = body.min_policy_version
+            else:  # the scripted test engine has no weights to wait for
+                self.engine.policy_version = max(self.engine.policy_version, body.min_policy_version)
             sp = body.sampling
             self.waiting.append(EngineRequest(
                 lease_id=body.lease_id, sample_id=body.sample_id, prompt=body.prompt.tolist(), resume=body.resume.tolist(),
@@ -143,9 +162,10 @@ class GeneratorActor:
         """Load policy ``body.version`` from its checkpoint directory (between decode steps)."""
         if body.version <= self.engine.policy_version:
             return
-        load = getattr(self.engine, "load_weights", None)
-        if load is None or body.source is None:  # the scripted test engine holds no weights
+        if not self.holds_weights:  # the scripted test engine holds no weights
             self.engine.policy_version = body.version
+            return
+        if body.source is None:  # the weights come from the broadcaster
             return
         from april_async.model.decoder import CausalLM, CheckpointError
 
@@ -154,12 +174,18 @@ class GeneratorActor:
         except CheckpointError as e:
             self.log.error("weights_not_loaded", version=body.version, source=body.source, error=str(e))
             return
-        load(state, body.version)
+        self.engine.load_weights(state, body.version)
         self.log.info("weights_loaded", version=body.version, source=body.source)
 
     def _start_waiting(self) -> None:
+        """Start waiting leases while slots are free, in order; a lease that needs newer weights
+        than the engine holds waits for them (and so does every lease behind it)."""
         while self.waiting and self.engine.active() < self.engine.slots:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            if self.min_version.get(req.lease_id, 0) > self.engine.policy_version:
+                return
+            self.waiting.popleft()
+            self.min_version.pop(req.lease_id, None)
             if req.lease_id in self.work:  # not aborted while it waited
                 self.engine.submit(req)
 
@@ -169,6 +195,7 @@ class GeneratorActor:
             return
         self.engine.abort(lease_id)
         self.waiting = deque(r for r in self.waiting if r.lease_id != lease_id)
+        self.min_version.pop(lease_id, None)
         self._finish(w, "abort")
 
     def _progress(self, out: EngineOutput) -> None:

@@ -188,6 +188,10 @@ class LearnerActor:
 
     def _on_broadcaster(self, peer) -> None:
         peer.send(m.Hello(role="learner", instance=self.cfg.name, policy_version=self.state.version))
+        self._bcast_sessions = getattr(self, "_bcast_sessions", 0) + 1
+        if self._bcast_sessions > 1 and self.state.version > 0:
+            # A restarted broadcaster holds nothing: hand the current version over again.
+            self._send_weights(peer)
 
     # ------------------------------------------------------------------ loop
 
@@ -307,14 +311,16 @@ class LearnerActor:
         """Hand the current weights over once: to the broadcaster, or as a checkpoint on disk."""
         version = self.state.version
         if self.bcast is not None:
-            from april_async.model.flat import flatten
-
-            specs, buf = flatten(self.model.state_dict())
-            data = buf.numpy()
-            self.bcast.send(m.WeightsUpdate(version=version, tensors=specs, data=data))
+            self._send_weights(self.bcast)
             return
         path = self.save()
         self.client.peer.send(m.WeightsPublished(version=version, source=str(path.resolve())))
+
+    def _send_weights(self, peer) -> None:
+        from april_async.weights.flat import flatten
+
+        specs, buf = flatten(self.model.state_dict())  # one copy: training may go on at once
+        peer.send(m.WeightsUpdate(version=self.state.version, tensors=specs, data=buf.numpy()))
 
     def save(self) -> Path:
         path = ckpt.save(self.cfg.run_dir, self.model, self.optimizer, self.state, side_files_from=self.side_files,

@@ -1,0 +1,162 @@
+"""The generator's side of the weights group: receive each version the broadcaster fans out.
+
+``WeightSubscriber`` opens a session on the broadcaster's hub (``hello`` as ``generator`` with the
+version the engine holds) and, for each ``weights_announce``:
+
+    join      leave the current group and join the announced one when its epoch is new;
+    receive   every bucket of the buffer, from rank 0 (a member that holds the version already
+              receives too: a collective needs every rank);
+    load      ``engine.load_weights(views into the buffer, version)`` when the version is newer;
+    ack       ``heartbeat`` with the ``policy_version`` the engine now holds. After a failure, the
+              same with the version it still holds: the broadcaster then re-forms the group.
+
+Joining and receiving run on a worker thread, so the generator keeps decoding (and its broker
+session keeps its heartbeats) while the bytes move; loading happens in ``poll``, which the
+generator calls between decode steps, so a generator is blocked only while it loads. An error
+of ``load_weights`` itself propagates to the caller.
+
+Announces are handled in order. One whose epoch a newer queued announce replaces is skipped (the
+broadcaster abandoned that group). A failure is reported only in the session whose announce it
+answers: after a re-``hello`` the broadcaster waits for answers to its new announces only, and a
+late failure of an old one would read as a failure of the new round.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from april_async.weights.flat import unflatten
+from april_async.weights.group import WeightGroup
+from april_async.config import LinkConfig
+from april_async.logs import get_logger
+from april_async.wire import messages as m
+
+LEAVE = "leave"  # a job for the worker: leave the current group (the broadcaster restarted)
+
+
+@dataclass
+class Receipt:
+    """What the worker made of one announce, for ``poll`` to load and answer."""
+
+    announce: m.WeightsAnnounce
+    session: int  # the broadcaster session the announce came in
+    state: dict[str, torch.Tensor] | None
+    error: BaseException | None
+    seconds: float
+
+
+class WeightSubscriber:
+    """``engine`` has ``policy_version`` (int) and ``load_weights(state_dict, version)``."""
+
+    def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *,
+                 device: torch.device | str | None = None, peer_factory=None):
+        self.name, self.engine = name, engine
+        self.log = get_logger(actor="generator", instance=name, component="weights")
+        self.group = WeightGroup(device=device if device is not None else getattr(engine, "device", None))
+        self.loaded = 0  # versions loaded
+        self.failures = 0  # announces whose receive failed
+        self.session = 0  # +1 at every hello
+        self._broadcaster_epoch: str | None = None  # from its welcome: changes when it restarts
+        self._jobs: queue.Queue[tuple[m.WeightsAnnounce, int] | str | None] = queue.Queue()
+        self._receipts: queue.Queue[Receipt] = queue.Queue()
+        self._thread = threading.Thread(target=self._receive_loop, daemon=True, name=f"{name}-weights")
+        self._thread.start()
+        if peer_factory is None:
+            from april_async.transport.peer import Peer
+
+            def peer_factory(on_connect):
+                return Peer(endpoint, name, link=link, on_connect=on_connect)
+        self.peer = peer_factory(self._on_connect)
+
+    def _on_connect(self, peer) -> None:
+        self.session += 1
+        peer.send(m.Hello(role="generator", instance=self.name, policy_version=self.engine.policy_version))
+
+    # ------------------------------------------------------------------ the caller's thread
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Take announces in, load what has arrived; True when a new version was loaded."""
+        msg = self.peer.poll(timeout_s)
+        while msg is not None:
+            if isinstance(msg.body, m.WeightsAnnounce):
+                self._jobs.put((msg.body, self.session))
+            elif isinstance(msg.body, m.Welcome):
+                if self._broadcaster_epoch not in (None, msg.body.broker_epoch):
+                    self._jobs.put(LEAVE)  # a restarted broadcaster counts its groups from 1 again
+                self._broadcaster_epoch = msg.body.broker_epoch
+            msg = self.peer.poll(0.0)
+        loaded = False
+        while True:
+            try:
+                receipt = self._receipts.get_nowait()
+            except queue.Empty:
+                return loaded
+            loaded |= self._finish(receipt)
+
+    def _finish(self, r: Receipt) -> bool:
+        ann = r.announce
+        if r.error is not None:
+            self.failures += 1
+            current = r.session == self.session
+            self.log.warning("weights_not_received", version=ann.version, epoch=ann.group.epoch, reported=current,
+                             error=str(r.error))
+            if current:  # the version it still holds, not the announced one: a failure
+                self.peer.send(m.Heartbeat(policy_version=self.engine.policy_version))
+            return False
+        loaded = ann.version > self.engine.policy_version
+        if loaded:
+            t0 = time.monotonic()
+            self.engine.load_weights(r.state, ann.version)
+            self.loaded += 1
+            self.log.info("weights_loaded", version=ann.version, epoch=ann.group.epoch, bytes=ann.num_bytes,
+                          receive_s=round(r.seconds, 3), load_s=round(time.monotonic() - t0, 3))
+        self.peer.send(m.Heartbeat(policy_version=self.engine.policy_version))
+        return loaded
+
+    def close(self) -> None:
+        """Say bye, stop the worker (after the round it is in, at most a moment) and leave the group."""
+        self._jobs.put(None)
+        self._thread.join(timeout=2.0)
+        self.group.close()
+        self.peer.send(m.Bye(reason="shutdown"))
+        self.peer.close()
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _next_job(self) -> tuple[m.WeightsAnnounce, int] | None:
+        """The next announce to act on, with its session (None: stop); leaves the group on ``LEAVE``."""
+        while (job := self._jobs.get()) is not None:
+            if job == LEAVE:
+                self.group.leave()
+                continue
+            ann = job[0]
+            try:
+                nxt = self._jobs.queue[0]  # a peek: this thread is the queue's only consumer
+            except IndexError:
+                nxt = None
+            if isinstance(nxt, tuple) and nxt[0].group.epoch > ann.group.epoch:
+                self.log.info("announce_skipped", version=ann.version, epoch=ann.group.epoch,
+                              newer_epoch=nxt[0].group.epoch)
+                continue
+            return job
+        return None
+
+    def _receive_loop(self) -> None:
+        while (job := self._next_job()) is not None:
+            ann, session = job
+            t0 = time.monotonic()
+            try:
+                if self.group.epoch != ann.group.epoch:
+                    self.group.join(ann.group)
+                buffer = torch.empty(ann.num_bytes, dtype=torch.uint8, device=self.group.buffer_device())
+                self.group.broadcast(buffer, ann.bucket_bytes, tag=ann.version)
+                state = unflatten(ann.tensors, buffer)
+            except Exception as e:  # GroupError, a layout that does not fit: reported, never fatal
+                self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0))
+            else:
+                self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0))

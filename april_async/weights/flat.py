@@ -1,0 +1,102 @@
+"""Weights as one flat byte buffer: a state dict <-> ``(list[TensorSpec], uint8 tensor)``.
+
+This is the layout of ``weights_update`` and ``weights_announce`` (``proto/SPEC.md``): every
+tensor's bytes, in native little-endian order, at the byte ``offset`` its ``TensorSpec`` names.
+
+- ``flatten`` copies a state dict into one new contiguous buffer (the only copy the hand-off
+  makes). Each offset is rounded up to the tensor's element size, so a state dict of one dtype
+  is packed back to back, and every tensor can later be viewed in place.
+- ``unflatten`` returns views into the buffer (no copy), with the dtype and shape of each spec.
+  A tensor whose offset is not a multiple of its element size (another implementation may pack
+  without padding) cannot be viewed and is copied out instead. A layout that does not fit the
+  buffer — a tensor past its end, overlapping another, an unknown dtype, a repeated name — is a
+  ``ValueError`` naming the tensor.
+- ``buckets`` cuts ``num_bytes`` into consecutive ``bucket_bytes`` ranges (the last one shorter):
+  the pieces the broadcaster sends one collective at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from april_async.wire.messages import TensorSpec
+
+if sys.byteorder != "little":  # the wire layout is little-endian and we view tensors in place
+    raise ImportError("april_async.weights.flat needs a little-endian host")
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The wire's dtype names (``TensorSpec.dtype``) and their torch dtypes."""
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _nbytes(spec: TensorSpec, dtype: torch.dtype) -> int:
+    return math.prod(spec.shape) * dtype.itemsize
+
+
+def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], torch.Tensor]:
+    """Copy every tensor of ``state_dict`` into one new 1-D uint8 CPU buffer; returns its layout too."""
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, t in state_dict.items():
+        if t.dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}; the weights wire carries {sorted(DTYPES)}")
+        offset = -(-offset // t.element_size()) * t.element_size()  # aligned: a view later needs it
+        specs.append(TensorSpec(name, _NAMES[t.dtype], list(t.shape), offset))
+        offset += t.numel() * t.element_size()
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for spec, t in zip(specs, state_dict.values(), strict=True):
+        n = t.numel() * t.element_size()
+        if n:
+            buffer[spec.offset : spec.offset + n].view(t.dtype).view(t.shape).copy_(t.detach())
+    return specs, buffer
+
+
+def check_layout(specs: list[TensorSpec], num_bytes: int) -> None:
+    """Raise ``ValueError`` naming the first tensor that does not fit a buffer of ``num_bytes``."""
+    seen: set[str] = set()
+    spans: list[tuple[int, int, str]] = []
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"tensor {spec.name!r} appears twice in the layout")
+        seen.add(spec.name)
+        dtype = DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {spec.name!r} has dtype {spec.dtype!r}; known: {sorted(DTYPES)}")
+        end = spec.offset + _nbytes(spec, dtype)
+        if end > num_bytes:
+            raise ValueError(f"tensor {spec.name!r} {spec.dtype}{spec.shape} at offset {spec.offset} ends at byte "
+                             f"{end}, past the end of a {num_bytes}-byte buffer")
+        if end > spec.offset:
+            spans.append((spec.offset, end, spec.name))
+    spans.sort()
+    for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
+        if b_start < a_end:
+            raise ValueError(f"tensor {b!r} (from byte {b_start}) overlaps tensor {a!r} (to byte {a_end})")
+
+
+def unflatten(specs: list[TensorSpec], buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors of ``specs`` as views into ``buffer`` (1-D uint8, any device), by name."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"the buffer must be a contiguous 1-D uint8 tensor, got {buffer.dtype} of shape "
+                         f"{tuple(buffer.shape)}")
+    check_layout(specs, buffer.numel())
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        dtype = DTYPES[spec.dtype]
+        raw = buffer[spec.offset : spec.offset + _nbytes(spec, dtype)]
+        if raw.storage_offset() % dtype.itemsize:  # packed without padding: a view would be misaligned
+            raw = raw.clone()
+        out[spec.name] = raw.view(dtype).view(spec.shape)
+    return out
+
+
+def buckets(num_bytes: int, bucket_bytes: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ``(start, stop)`` byte ranges of at most ``bucket_bytes`` covering ``num_bytes``."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    for start in range(0, num_bytes, bucket_bytes):
+        yield start, min(start + bucket_bytes, num_bytes)

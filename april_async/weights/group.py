@@ -1,0 +1,216 @@
+"""One process's place in the weights group: a ``torch.distributed`` group that a ``GroupSpec``
+describes, re-formed (a new ``epoch``) whenever the broadcaster's generators change.
+
+- Rank 0 is the broadcaster. It hosts one ``TCPStore`` (``is_master``) for the whole run; each
+  epoch's rendezvous keys live under ``PrefixStore(f"epoch-{epoch}", store)``, so the keys of an
+  abandoned epoch (a member that registered and died) never meet those of the next one.
+- ``join(spec)`` leaves the current group first (if any), then builds the new one.
+  ``broadcast(buffer, bucket_bytes, tag=...)`` sends the buffer from rank 0 as consecutive slices
+  (``flat.buckets``), one collective each, after a 4-integer header ``[epoch, tag, num_bytes,
+  bucket_bytes]``: a member whose own view of the round differs leaves the group and raises
+  rather than post receives of the wrong size (gloo answers a size mismatch by aborting the
+  whole process, not with an exception). Any failure is a ``GroupError`` and leaves the group.
+- Every collective has the spec's ``timeout_s``; the store has it too. A dead member makes rank 0
+  fail at once (the connection resets); a member that is alive but does not take part makes it
+  fail after ``timeout_s``. Gloo's own connection retries can make a join take a few times
+  ``timeout_s`` when a member registered in the store and died before connecting, never forever.
+- Leaving drops the group object: its destructor closes the connections, so the other ranks'
+  pending operations fail at once. On torch 2.13 gloo's ``abort()`` and ``shutdown()`` close
+  nothing (a member blocked in a receive then waits for its whole timeout), and neither
+  interrupts a collective running in another thread; so no reference to the group may outlive a
+  failure (``broadcast`` raises outside the ``except`` that caught it, leaving no traceback
+  behind). An NCCL group is ``abort()``-ed first (``ncclCommAbort``).
+- Backends: ``gloo`` on CPU tensors; ``nccl`` on the CUDA device (``device``; default the current
+  one). NCCL needs one GPU per rank: two ranks on one device are refused by NCCL itself. The
+  NCCL path is written to the same contract but has not been run (no GPUs where it was written).
+
+Why groups are built as backend objects (``ProcessGroupGloo(store, rank, size, timeout)``)
+rather than by re-initialising the default process group — both were tried on torch 2.13 (CPU,
+gloo): ``destroy_process_group()`` then ``init_process_group(store=PrefixStore(...))`` does work
+when every process re-initialises in lock step, but the default group's store keys carry a
+process-local counter (``_world.group_count``, e.g. ``epoch-4/1//cpu//0/1``) that a *failed*
+``init_process_group`` (a member that never came) bumps without resetting. After one failed
+rendezvous the broadcaster waits on ``epoch-E/1/...`` while a freshly started generator
+registers under ``epoch-E/0/...``, and no later epoch ever meets. The default group is also
+process-global state, which an engine that itself uses ``torch.distributed`` would lose. Backend
+objects have neither problem: the keys are exactly ``epoch-E/<rank>``, and re-joining with any
+world size and rank works (tried: the same group twice, shrink 3 → 2 ranks, grow 2 → 3, a member
+SIGKILLed mid-epoch, a member that never joins, a member that joins and never broadcasts).
+Groups should be left (``close``) before the interpreter exits: one left to the interpreter's
+teardown after a failed collective sometimes ends the process with ``std::terminate``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from april_async.weights.flat import buckets
+from april_async.logs import get_logger
+from april_async.wire.messages import GroupSpec
+
+HEADER_LEN = 4  # [epoch, tag, num_bytes, bucket_bytes]
+
+
+class GroupError(RuntimeError):
+    """A rendezvous, a collective or a store operation of the weights group failed or timed out."""
+
+
+def parse_store(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port); a bad address is a ``ValueError`` naming it."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class WeightGroup:
+    """This process's membership of the weights group (at most one epoch at a time)."""
+
+    def __init__(self, *, device: torch.device | str | None = None, store: dist.TCPStore | None = None,
+                 store_host: str | None = None):
+        self.device = torch.device(device) if device is not None else None
+        self.spec: GroupSpec | None = None
+        self._store = store  # rank 0: the master store of the run; members: a client, per address
+        self._store_address = f"{store_host}:{store.port}" if store is not None else None
+        self._pg = None
+        self._nccl_group = False
+        self.log = get_logger(component="weight_group")
+
+    @classmethod
+    def host(cls, host: str, port: int, timeout_s: float, *, device=None) -> WeightGroup:
+        """Rank 0: start the run's TCPStore on ``port`` (0: any free port) and return its group."""
+        try:
+            store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                  wait_for_workers=False)
+        except Exception as e:  # torch raises DistNetworkError (a RuntimeError) for a port in use
+            raise GroupError(f"cannot start the TCPStore on port {port}: {e}") from e
+        return cls(device=device, store=store, store_host=host)
+
+    @property
+    def store_address(self) -> str | None:
+        """``host:port`` of the store this process hosts (rank 0), else None."""
+        return self._store_address
+
+    @property
+    def epoch(self) -> int | None:
+        return self.spec.epoch if self.spec is not None else None
+
+    # ------------------------------------------------------------------ membership
+
+    def join(self, spec: GroupSpec) -> None:
+        """Leave the current group, if any, and join ``spec``'s (blocks until every rank came)."""
+        self.leave()
+        t0 = time.monotonic()
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        try:
+            store = self._client_store(spec) if spec.rank else self._store
+            if store is None:
+                raise GroupError(f"rank 0 of epoch {spec.epoch} needs the store this process hosts")
+            prefixed = dist.PrefixStore(f"epoch-{spec.epoch}", store)
+            if spec.backend == "gloo":
+                pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+            else:
+                pg = self._nccl(prefixed, spec, timeout)
+        except Exception as e:  # DistStoreError, gloo's RuntimeError: a member that did not come
+            if spec.rank:  # the store may be gone (a restarted broadcaster): reconnect next time
+                self._store, self._store_address = None, None
+            if isinstance(e, GroupError):
+                raise
+            raise GroupError(f"joining epoch {spec.epoch} as rank {spec.rank} of {spec.world_size} failed after "
+                             f"{time.monotonic() - t0:.1f} s: {_short(e)}") from e
+        self._pg, self.spec, self._nccl_group = pg, spec, spec.backend == "nccl"
+        self.log.debug("joined", epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
+                       s=round(time.monotonic() - t0, 3))
+
+    def _client_store(self, spec: GroupSpec) -> dist.TCPStore:
+        if self._store is None or self._store_address != spec.store:
+            host, port = parse_store(spec.store)
+            self._store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=spec.timeout_s))
+            self._store_address = spec.store
+        return self._store
+
+    def _nccl(self, store, spec: GroupSpec, timeout: datetime.timedelta):
+        if not dist.is_nccl_available() or not torch.cuda.is_available():
+            raise GroupError(f"epoch {spec.epoch} uses nccl, which this torch build or machine does not have")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        opts.global_ranks_in_group = list(range(spec.world_size))
+        opts.group_name = f"april-weights-epoch-{spec.epoch}"
+        return dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, opts)
+
+    def leave(self) -> None:
+        """Leave the current group: drop this process's group object, whose destructor closes its
+        connections, so that the other ranks' pending operations fail at once. (``abort()`` and
+        ``shutdown()`` do not close them on torch 2.13: the others then wait for their timeout.)"""
+        pg, self._pg, self.spec = self._pg, None, None
+        if pg is not None and self._nccl_group:
+            pg.abort()  # NCCL: abort the communicator, whose plain destruction can wait on a dead peer
+        self._nccl_group = False
+
+    def close(self) -> None:
+        """Leave, and stop the store (rank 0) or drop the connection to it."""
+        self.leave()
+        self._store = None
+
+    # ------------------------------------------------------------------ data
+
+    def buffer_device(self) -> torch.device:
+        """Where a buffer must live for this group's backend."""
+        if self.spec is not None and self.spec.backend == "nccl":
+            if self.device is not None and self.device.type == "cuda":
+                return self.device
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def broadcast(self, buffer: torch.Tensor, bucket_bytes: int, *, tag: int = 0) -> None:
+        """Rank 0 sends ``buffer`` (1-D uint8) to every rank, ``bucket_bytes`` at a time; the
+        others receive into theirs. ``tag`` (the version) goes in the header, checked by members."""
+        spec = self.spec
+        if spec is None or self._pg is None:
+            raise GroupError("broadcast outside a group: join one first")
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError(f"the buffer must be a contiguous 1-D uint8 tensor, got {buffer.dtype} "
+                             f"{tuple(buffer.shape)}")
+        failure = self._run(spec, buffer, bucket_bytes, tag)
+        if failure is not None:
+            # Raised here, outside the ``except`` that caught it: nothing (no traceback, no
+            # ``__context__``) keeps the process group alive, so ``leave`` really closes it.
+            self.leave()
+            raise GroupError(failure)
+
+    def _run(self, spec: GroupSpec, buffer: torch.Tensor, bucket_bytes: int, tag: int) -> str | None:
+        """The header, then every bucket; the reason of the first failure, or None."""
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        expect = [spec.epoch, tag, buffer.numel(), bucket_bytes]
+        header = torch.tensor(expect if spec.rank == 0 else [0] * HEADER_LEN, dtype=torch.int64, device=buffer.device)
+        where = f"epoch {spec.epoch} (rank {spec.rank} of {spec.world_size})"
+        step = "header"
+        try:
+            self._collective(header, timeout)
+            got = header.tolist()
+            if got != expect:
+                return (f"{where}: rank 0 sends [epoch, tag, bytes, bucket] {got} but this rank expected {expect}; "
+                        f"leaving the group")
+            for start, stop in buckets(buffer.numel(), bucket_bytes):
+                step = f"bytes {start}:{stop}"
+                self._collective(buffer[start:stop], timeout)
+        except Exception as e:  # gloo's RuntimeError (a reset connection, a timeout), NCCL's errors
+            return f"broadcast in {where} failed at {step}: {_short(e)}"
+        return None
+
+    def _collective(self, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+        work = self._pg.broadcast(tensor, 0, timeout)
+        if tensor.is_cuda:
+            work.wait(timeout)  # NCCL: block this thread until done, or raise after the timeout
+        else:
+            work.wait()  # gloo: the operation's own timeout applies
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

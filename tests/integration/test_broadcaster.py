@@ -1,0 +1,404 @@
+"""The weight broadcaster end to end: a real broadcaster process (``april broadcaster``), real
+generator-side processes (a ``WeightSubscriber`` over a recording engine, started from this file:
+``python -m tests.integration.test_broadcaster member ...``), real gloo groups over loopback; the
+test process plays the learner (a ``Peer`` on the broadcaster's hub) and the broker (a ``Hub``).
+
+Also: ``WeightGroup`` on its own, with real gloo groups between threads of this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from april_async.weights.flat import flatten
+from april_async.weights.group import GroupError, WeightGroup
+from april_async.config import LinkConfig
+from april_async.transport.hub import Hub
+from april_async.transport.peer import Peer
+from april_async.wire import messages as m
+from tests.integration.harness import FAST_LINK, Cluster, free_port
+
+TIMEOUT_S = 4.0  # the broadcaster's collective / ack limit in these tests
+LINK = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """Names, dtypes, shapes and bytes of a state dict, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def policy(version: int) -> dict[str, torch.Tensor]:
+    """A small random policy, different for every version; float32 and bfloat16 (~1.3 MB)."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        "embed.weight": torch.randn(256, 512, generator=g),
+        "layers.0.mlp.weight": torch.randn(512, 512, generator=g).to(torch.bfloat16),
+        "norm.weight": torch.randn(511, generator=g).to(torch.bfloat16),  # odd: the next offset needs padding
+        "lm_head.bias": torch.randn(7, generator=g),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator side, as its own process
+
+
+class RecordingEngine:
+    """Stands in for an inference engine: appends what it loads to a JSON-lines file."""
+
+    def __init__(self, out: Path):
+        self.policy_version = 0
+        self.out = out
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        line = {"version": version, "digest": digest(state_dict), "pid": os.getpid()}
+        with self.out.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.policy_version = version
+
+
+def member_main(argv: list[str]) -> int:
+    from april_async.generator.weights import WeightSubscriber
+    from april_async.logs import configure
+    from april_async.runtime import StopFlag
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--name", required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    stop = StopFlag()
+    configure(level="debug")
+    sub = WeightSubscriber(args.name, args.endpoint, LINK, RecordingEngine(args.out))
+    while not stop:
+        sub.poll(0.05)
+    sub.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The test process: learner and broker
+
+
+class FakeBroker:
+    """A ``Hub`` standing in for the broker: answers every message with a heartbeat and
+    records the versions the broadcaster announces (``weights_published`` and ``hello``)."""
+
+    def __init__(self):
+        self.hub = Hub("tcp://127.0.0.1:0", link=LINK, name="broker")
+        self.published: list[int] = []
+        self.hello_versions: list[int | None] = []
+
+    def pump(self, seconds: float = 0.0) -> None:
+        until = time.monotonic() + seconds
+        while True:
+            for identity, msg in self.hub.poll(0.02):
+                if isinstance(msg.body, m.WeightsPublished):
+                    self.published.append(msg.body.version)
+                elif isinstance(msg.body, m.Hello):
+                    self.hello_versions.append(msg.body.policy_version)
+                self.hub.send(identity, m.Heartbeat())
+            if time.monotonic() >= until:
+                return
+
+
+class Weights:
+    """The cluster of this test: broadcaster + members + learner peer + fake broker."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.cluster = Cluster(tmp)
+        self.broker = FakeBroker()
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.status_file = tmp / "broadcaster.json"
+        self.learner: Peer | None = None
+
+    def start_broadcaster(self) -> None:
+        self.cluster.start("broadcaster", "broadcaster", {
+            "name": "broadcaster", "bind": self.endpoint, "link.broker": self.broker.hub.endpoint, **FAST_LINK,
+            "store_port": free_port(), "backend": "gloo", "bucket_mb": 0.25, "timeout_s": TIMEOUT_S,
+            "status_file": str(self.status_file)})
+
+    def start_member(self, name: str):
+        import subprocess
+
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "tests.integration.test_broadcaster", "member", "--name", name,
+               "--endpoint", self.endpoint, "--out", str(self.loads_file(name))]
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=Path(__file__).parents[2])
+        self.cluster.procs[name], self.cluster.logs[name] = proc, log
+        return proc
+
+    def loads_file(self, name: str) -> Path:
+        return self.tmp / f"{name}.loads.jsonl"
+
+    def loads(self, name: str) -> list[dict]:
+        path = self.loads_file(name)
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def connect_learner(self) -> None:
+        def hello(peer):
+            peer.send(m.Hello(role="learner", instance="learner-0", policy_version=0))
+
+        self.learner = Peer(self.endpoint, "learner-0", link=LINK, on_connect=hello)
+
+    def send_version(self, version: int) -> str:
+        specs, buf = flatten(policy(version))
+        self.learner.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()))
+        return digest(policy(version))
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.status_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def wait(self, what: str, cond, timeout_s: float = 25.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; status {self.status()}\n"
+                                     f"{self.cluster.dump_logs()}")
+            self.broker.pump(0.05)
+            if self.learner is not None:
+                while self.learner.poll(0.0) is not None:
+                    pass
+            self.cluster.assert_alive()
+
+    def holds(self, name: str, version: int, expect: str) -> bool:
+        got = self.loads(name)
+        return bool(got) and got[-1]["version"] == version and got[-1]["digest"] == expect
+
+    def close(self) -> dict[str, int]:
+        if self.learner is not None:
+            self.learner.send(m.Bye(reason="done"))
+            self.learner.close()
+        codes = self.cluster.stop_all()
+        self.broker.hub.close()
+        return codes
+
+
+@pytest.fixture
+def weights(tmp_path):
+    w = Weights(tmp_path)
+    yield w
+    codes = w.close()
+    assert all(code in (0, -9) for code in codes.values()), f"exit codes {codes}\n{w.cluster.dump_logs()}"
+
+
+def test_fan_out_late_joiner_and_a_killed_member(weights):
+    w = weights
+    w.start_broadcaster()
+    w.start_member("gen-0")
+    w.start_member("gen-1")
+    w.connect_learner()
+    w.wait("both generators' sessions", lambda: set(w.status().get("members", {})) == {"gen-0", "gen-1"})
+
+    # versions 1 and 2 reach both generators, byte for byte, and the broker hears of each
+    v1 = w.send_version(1)
+    w.wait("version 1 everywhere", lambda: w.holds("gen-0", 1, v1) and w.holds("gen-1", 1, v1))
+    v2 = w.send_version(2)
+    w.wait("version 2 everywhere", lambda: w.holds("gen-0", 2, v2) and w.holds("gen-1", 2, v2))
+    w.wait("published 1 and 2", lambda: {1, 2} <= set(w.broker.published))
+    assert [x["version"] for x in w.loads("gen-0")] == [1, 2]
+
+    # an older or equal version is ignored
+    w.send_version(2)
+    w.send_version(1)
+    w.broker.pump(0.5)
+    assert [x["version"] for x in w.loads("gen-1")] == [1, 2]
+
+    # a late joiner gets the held version without a new update
+    w.start_member("gen-2")
+    w.wait("version 2 on the late joiner", lambda: w.holds("gen-2", 2, v2))
+    assert [x["version"] for x in w.loads("gen-2")] == [2]
+    assert [x["version"] for x in w.loads("gen-0")] == [1, 2], "a member at version 2 must not reload it"
+
+    # a SIGKILLed member does not keep the next version from the others
+    w.cluster.kill("gen-1")
+    v3 = w.send_version(3)
+    w.wait("version 3 on the survivors", lambda: w.holds("gen-0", 3, v3) and w.holds("gen-2", 3, v3))
+    w.wait("published 3", lambda: 3 in w.broker.published)
+    w.wait("gen-1 forgotten", lambda: "gen-1" not in w.status().get("members", {}))
+    assert w.status()["members"] == {"gen-0": 3, "gen-2": 3}
+    assert sorted(set(w.broker.published)) == [1, 2, 3]
+
+
+def test_versions_are_published_at_once_without_generators(weights):
+    w = weights
+    w.start_broadcaster()
+    w.connect_learner()
+    w.wait("the learner's session", lambda: w.status() != {})
+    w.send_version(5)
+    w.wait("published 5", lambda: 5 in w.broker.published, timeout_s=10)
+    # a generator that comes later still gets it before anything else
+    w.start_member("gen-0")
+    v5 = digest(policy(5))
+    w.wait("version 5 on gen-0", lambda: w.holds("gen-0", 5, v5))
+
+
+def test_a_stopped_member_is_dropped_and_catches_up_when_it_resumes(weights):
+    """SIGSTOP: alive but silent, its socket buffers fill; the others still get the version."""
+    w = weights
+    w.start_broadcaster()
+    w.start_member("gen-0")
+    w.start_member("gen-1")
+    w.connect_learner()
+    w.wait("both sessions", lambda: set(w.status().get("members", {})) == {"gen-0", "gen-1"})
+    v1 = w.send_version(1)
+    w.wait("version 1 everywhere", lambda: w.holds("gen-0", 1, v1) and w.holds("gen-1", 1, v1))
+    w.cluster.procs["gen-1"].send_signal(signal.SIGSTOP)
+    try:
+        v2 = w.send_version(2)
+        w.wait("version 2 on gen-0", lambda: w.holds("gen-0", 2, v2), timeout_s=4 * TIMEOUT_S)
+        assert not w.holds("gen-1", 2, v2)
+    finally:
+        w.cluster.procs["gen-1"].send_signal(signal.SIGCONT)
+    w.wait("version 2 on the resumed gen-1", lambda: w.holds("gen-1", 2, v2), timeout_s=4 * TIMEOUT_S)
+    assert [x["version"] for x in w.loads("gen-0")] == [1, 2]
+
+
+def test_a_restarted_broadcaster_serves_the_same_generators(weights):
+    w = weights
+    w.start_broadcaster()
+    w.start_member("gen-0")
+    w.connect_learner()
+    w.wait("gen-0's session", lambda: "gen-0" in w.status().get("members", {}))
+    v1 = w.send_version(1)
+    w.wait("version 1", lambda: w.holds("gen-0", 1, v1))
+    w.cluster.kill("broadcaster")
+    w.status_file.unlink()
+    w.start_broadcaster()  # same endpoint, a new store port: generators learn it from the announce
+    w.wait("gen-0 back with version 1", lambda: w.status().get("members", {}).get("gen-0") == 1)
+    v2 = w.send_version(2)
+    w.wait("version 2 after the restart", lambda: w.holds("gen-0", 2, v2))
+    w.wait("published 2", lambda: 2 in w.broker.published)
+
+
+# ---------------------------------------------------------------------------------------------
+# WeightGroup alone: real gloo groups between threads of this process
+
+
+def _round(root: WeightGroup, members: list[WeightGroup], epoch: int, data: torch.Tensor, bucket: int, *,
+           sizes: list[int] | None = None, timeout_s: float = 3.0):
+    """One broadcast from ``root`` to ``members``; returns (root error, {member: bytes or error})."""
+    world = len(members) + 1
+
+    def spec(rank):
+        return m.GroupSpec(epoch=epoch, rank=rank, world_size=world, store=root.store_address, backend="gloo",
+                           timeout_s=timeout_s)
+
+    got: dict[int, torch.Tensor | Exception] = {}
+
+    def member(i):
+        try:
+            if members[i].epoch != epoch:
+                members[i].join(spec(i + 1))
+            buf = torch.empty(sizes[i] if sizes else data.numel(), dtype=torch.uint8)
+            members[i].broadcast(buf, bucket, tag=epoch)
+            got[i] = buf
+        except Exception as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    root_error = None
+    try:
+        if root.epoch != epoch:
+            root.join(spec(0))
+        root.broadcast(data, bucket, tag=epoch)
+    except GroupError as e:
+        root_error = e
+    for t in threads:
+        t.join()
+    return root_error, got
+
+
+def test_group_reforms_across_epochs_and_world_sizes():
+    root = WeightGroup.host("127.0.0.1", 0, 3.0)
+    members = [WeightGroup(), WeightGroup()]
+    try:
+        data = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+        for epoch, n in [(1, 2), (1, 2), (2, 1), (3, 2)]:  # the same group twice, then shrink, then grow
+            err, got = _round(root, members[:n], epoch, data, 3000)
+            assert err is None and all(torch.equal(got[i], data) for i in range(n)), (epoch, err, got)
+    finally:
+        for g in (*members, root):
+            g.close()
+
+
+def test_a_member_out_of_step_raises_instead_of_aborting_the_process():
+    root = WeightGroup.host("127.0.0.1", 0, 2.0)
+    members = [WeightGroup(), WeightGroup()]
+    try:
+        data = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+        err, got = _round(root, members, 1, data, 300, sizes=[1000, 1001], timeout_s=2.0)
+        assert isinstance(got[1], GroupError) and "expected [1, 1, 1001, 300]" in str(got[1])
+        assert isinstance(err, GroupError) and members[1].epoch is None and root.epoch is None  # both left
+        err, got = _round(root, members, 2, data, 300)  # a new epoch works again
+        assert err is None and torch.equal(got[0], data) and torch.equal(got[1], data)
+    finally:
+        for g in (*members, root):
+            g.close()
+
+
+def test_a_member_that_never_comes_fails_the_join_in_bounded_time():
+    root = WeightGroup.host("127.0.0.1", 0, 1.0)
+    try:
+        spec = m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="gloo", timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(GroupError, match="joining epoch 1 as rank 0 of 2 failed"):
+            root.join(spec)
+        assert time.monotonic() - t0 < 10
+    finally:
+        root.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two CUDA devices")
+def test_nccl_broadcast_between_two_gpus():
+    root = WeightGroup.host("127.0.0.1", 0, 30.0, device="cuda:0")
+    member = WeightGroup(device="cuda:1")
+    try:
+        data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+        got = {}
+
+        def recv():
+            spec = m.GroupSpec(epoch=1, rank=1, world_size=2, store=root.store_address, backend="nccl", timeout_s=30)
+            member.join(spec)
+            buf = torch.empty(data.numel(), dtype=torch.uint8, device=member.buffer_device())
+            member.broadcast(buf, 1 << 18, tag=1)
+            got["buf"] = buf
+
+        t = threading.Thread(target=recv)
+        t.start()
+        root.join(m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="nccl", timeout_s=30))
+        root.broadcast(data, 1 << 18, tag=1)
+        t.join(60)
+        assert torch.equal(got["buf"].cpu(), data.cpu())
+    finally:
+        member.close()
+        root.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["member"]:
+        sys.exit(member_main(sys.argv[2:]))
+    sys.exit(f"usage: python -m {__spec__.name if __spec__ else __file__} member --name N --endpoint E --out F")
