@@ -1,0 +1,105 @@
+"""Tasks: the addchain family (determinism, correct references, the long tail its docstring
+states) and the prompt sources the broker draws from."""
+
+import itertools
+import json
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from april_async.model.tokenizer import CharTokenizer
+from april_async.tasks import addchain
+from april_async.tasks.math_answer import score
+from april_async.tasks.source import PromptSource, PromptSourceConfig, encode_prompt
+
+LINE = re.compile(r"^(\d+)\) (\d+)\+(\d+)=(\d+)$")
+
+
+def test_addchain_is_a_pure_function_of_seed_and_index():
+    assert addchain.make_problem(3, 17) == addchain.make_problem(3, 17)
+    assert addchain.make_problem(3, 17) != addchain.make_problem(4, 17)
+    tail = list(itertools.islice(addchain.problems(seed=3, start=10), 5))
+    assert tail == [addchain.make_problem(3, i) for i in range(10, 15)]
+    assert len({p.prompt_id for p in itertools.islice(addchain.problems(3), 500)}) == 500
+
+
+def test_addchain_references_are_correct_worked_answers():
+    tok = CharTokenizer()
+    for p in itertools.islice(addchain.problems(seed=1), 300):
+        start, add, steps = (int(x) for x in re.fullmatch(r"(\d+)\+(\d+)x(\d+)\n", p.prompt).groups())
+        *lines, last = p.reference.split("\n")
+        assert len(lines) == steps and 1 <= steps <= addchain.MAX_STEPS
+        x = start
+        for left, line in zip(range(steps, 0, -1), lines, strict=True):
+            c, a, b, y = (int(g) for g in LINE.fullmatch(line).groups())
+            assert (c, a, b, y) == (left, x, add, x + add)
+            x = y
+        assert last == f"#### {x}" and p.meta["answer"] == str(start + steps * add) == str(x)
+        assert score(p.reference, p.meta["answer"]) == 1.0
+        assert score(p.reference.replace(f"#### {x}", f"#### {x + 1}"), p.meta["answer"]) == 0.0
+        tok.encode(p.prompt + p.reference)  # every character is in the built-in alphabet
+
+
+def test_addchain_lengths_are_long_tailed_as_its_docstring_says():
+    stated = re.search(r"median (\d+), p90 (\d+), p99 (\d+), max (\d+)", addchain.__doc__)
+    stats = addchain.length_stats()
+    assert [stats[k] for k in ("median", "p90", "p99", "max")] == [int(g) for g in stated.groups()]
+    assert stats["p99"] >= 4 * stats["median"] and stats["max"] <= 220
+
+
+def test_synthetic_source_keeps_the_runtime_tests_token_prompts():
+    src = PromptSource(PromptSourceConfig(kind="synthetic", limit=3, length=4))
+    got = [src.next() for _ in range(4)]
+    assert got[3] is None and src.total == 3
+    p = got[2]
+    assert p.prompt_id == "syn-2" and p.task == "scripted" and p.meta == {"index": 2}
+    assert encode_prompt(p, CharTokenizer()) == [(2 * 7 + k) % 997 + 1 for k in range(4)]
+
+
+def test_addchain_source_resumes_where_it_stopped_and_tokenizes_after_bos():
+    cfg = PromptSourceConfig(kind="addchain", seed=5)
+    first = PromptSource(cfg)
+    run = [first.next() for _ in range(10)]
+    resumed = PromptSource(cfg, start=6)
+    assert [resumed.next() for _ in range(4)] == run[6:]
+    tok = CharTokenizer()
+    assert encode_prompt(run[0], tok) == [tok.bos_id, *tok.encode(run[0].prompt)]
+    renamed = PromptSource(PromptSourceConfig(kind="addchain", task="math")).next()
+    assert renamed.task == "math" and PromptSource(PromptSourceConfig(kind="addchain")).next().task == "addchain"
+
+
+def write_jsonl(path, n):
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"work\n#### {i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_dataset_source_shuffles_each_epoch_and_stops_after_its_epochs(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", 5)
+    cfg = PromptSourceConfig(kind="jsonl", path=path, epochs=2, seed=1)
+    src = PromptSource(cfg)
+    got = []
+    while (p := src.next()) is not None:
+        got.append(p)
+    assert len(got) == 10 == src.total
+    first, second = [p.prompt for p in got[:5]], [p.prompt for p in got[5:]]
+    assert sorted(first) == sorted(second) == [f"q{i}" for i in range(5)] and first != second
+    assert len({p.prompt_id for p in got}) == 10 and got[0].task == "math"
+    resumed = PromptSource(cfg, start=7)
+    assert [resumed.next() for _ in range(3)] == got[7:]
+    in_order = PromptSource(PromptSourceConfig(kind="jsonl", path=path, shuffle=False, limit=2,
+                                               template="Q: {prompt}\nA:"))
+    assert [in_order.next().prompt for _ in range(2)] == ["Q: q0\nA:", "Q: q1\nA:"] and in_order.next() is None
+    endless = PromptSource(PromptSourceConfig(kind="jsonl", path=path, epochs=None))
+    assert endless.total is None and all(endless.next() for _ in range(23))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kind": "jsonl"}, "need a path"),
+    ({"kind": "addchain", "path": "x.jsonl"}, "only read by kinds jsonl and parquet"),
+    ({"kind": "jsonl", "path": "x.jsonl", "template": "no slot"}, "does not contain '{prompt}'"),
+    ({"kind": "csv"}, "kind"),
+])
+def test_prompt_source_config_refuses_bad_settings(kwargs, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        PromptSourceConfig(**kwargs)
