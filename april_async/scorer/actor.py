@@ -1,18 +1,34 @@
 """The scorer actor: pulls score requests from the broker and answers each with ``scored``.
 
-A reward function that raises is answered with ``scored.error`` (the broker retires the group
-and counts the reason); the scorer itself carries on.
+Per request: decode the tokens with the run's tokenizer, pick the task's reward (``rewards`` entry,
+else the built-in task's, else ``reward``), run it in the worker process under ``timeout_s``, and
+answer ``scored`` with the reward, or with ``error="<kind>: <detail>"`` when the reward raised
+(``reward_error``), ran past its time (``reward_timeout``) or returned something that is not a
+finite number (``bad_reward``). The broker retires the sample's group and counts it by that kind;
+the scorer counts each kind too, and carries on. Requests are answered one at a time, in order;
+the loop keeps polling the broker (heartbeats) while a reward runs.
+
+Start:  april scorer --config run.toml   (section [scorer])
 """
 
 from __future__ import annotations
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+import time
+from collections import Counter, deque
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from april_async.config import LinkConfig, LogConfig
 from april_async.logs import get_logger
-from april_async.scorer.rewards import load_reward
+from april_async.model.tokenizer import load_tokenizer
+from april_async.scorer.rewards import BUILTIN_TASK_REWARDS, RewardInput, load_reward, reward_path
+from april_async.scorer.worker import ERROR_KINDS, Outcome, RewardWorker
 from april_async.wire import messages as m
+
+WAIT_SLICE_S = 0.02
+"""While a reward runs, wait this long for it between polls of the broker."""
+STATS_EVERY_S = 30.0
+"""Log the counters this often (when they changed)."""
 
 
 class ScorerConfig(BaseModel):
@@ -22,42 +38,116 @@ class ScorerConfig(BaseModel):
 
     name: str = "scorer-0"
     link: LinkConfig = LinkConfig()
-    reward: str = "april_async.scorer.rewards:parity_reward"
-    """The reward function, as ``package.module:function``."""
+    reward: str = "april_async.scorer.rewards:math_answer"
+    """The reward of tasks with neither an entry in ``rewards`` nor a built-in reward, as
+    ``package.module:function``; it is called as ``fn(RewardInput) -> float``."""
+    rewards: dict[str, str] = {}
+    """Per task name, the reward to use instead (e.g. ``{math = "my_pkg.rewards:strict"}``)."""
+    tokenizer: str = "char"
+    """Decodes the tokens into ``prompt_text``/``response_text``: ``char`` or a checkpoint directory."""
+    timeout_s: float = Field(5.0, gt=0)
+    """A reward call running longer is killed (with its worker) and answered ``reward_timeout``."""
     capacity: int = Field(16, ge=1)
     """Score requests taken at once."""
     log: LogConfig = LogConfig()
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_path(cls, v: str) -> str:
+        if v.count(":") != 1 or not all(v.split(":")):
+            raise ValueError(f"reward {v!r} must look like 'package.module:function'")
+        return v
 
 
 class ScorerActor:
     def __init__(self, cfg: ScorerConfig, peer_factory):
         self.cfg = cfg
-        self.reward = load_reward(cfg.reward)
         self.log = get_logger(actor="scorer", instance=cfg.name)
-        self.scored = 0
-        self.failed = 0
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        paths = sorted({cfg.reward, *cfg.rewards.values(), *BUILTIN_TASK_REWARDS.values()})
+        for path in paths:
+            load_reward(path)  # a bad path fails here, at start, naming it
+        self.worker = RewardWorker(paths, timeout_s=cfg.timeout_s)
+        self.counts: Counter[str] = Counter({k: 0 for k in ("scored", *ERROR_KINDS)})
+        self.queue: deque[tuple[str, m.ScoreRequest]] = deque()
+        self.current: tuple[str, m.ScoreRequest] | None = None
+        self._stats_at, self._stats_logged = time.monotonic(), dict(self.counts)
         self.peer = peer_factory(self._on_connect)
 
     def _on_connect(self, peer) -> None:
         peer.send(m.Hello(role="scorer", instance=self.cfg.name, capacity=self.cfg.capacity))
 
+    # ------------------------------------------------------------------ loop
+
     def run(self, stop) -> None:
-        while not stop:
-            msg = self.peer.poll(self.cfg.link.heartbeat_interval_s / 4)
-            if msg is not None and isinstance(msg.body, m.ScoreRequest):
-                self.peer.send(self.score(msg.body), parent_id=msg.msg_id)
+        self.log.info("serving", reward=self.cfg.reward, rewards=self.cfg.rewards, timeout_s=self.cfg.timeout_s)
+        try:
+            while not stop:
+                busy = self.current is not None or bool(self.queue)
+                msg = self.peer.poll(0.0 if busy else self.cfg.link.heartbeat_interval_s / 4)
+                if msg is not None and isinstance(msg.body, m.ScoreRequest):
+                    self.queue.append((msg.msg_id, msg.body))
+                self._advance(WAIT_SLICE_S)
+                self._log_stats()
+        finally:
+            self.worker.close()
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
-        self.log.info("stopped", scored=self.scored, failed=self.failed)
+        self.log.info("stopped", restarts=self.worker.restarts, **self.counts)
+
+    def _advance(self, wait_s: float) -> None:
+        """Start the next queued request if none runs; answer the running one if it is done."""
+        if self.current is None and self.queue:
+            self.current = self.queue.popleft()
+            outcome = self._submit(self.current[1])
+            if outcome is not None:
+                self._answer(outcome)
+                return
+        if self.current is not None and (outcome := self.worker.wait(wait_s)) is not None:
+            self._answer(outcome)
+
+    def _submit(self, req: m.ScoreRequest) -> Outcome | None:
+        """Hand ``req`` to the worker; an outcome now when it cannot even be prepared."""
+        try:
+            x = self._input(req)
+        except Exception as e:  # a tokenizer that cannot decode these ids: the sample's error
+            return Outcome(error=f"reward_error: cannot decode the tokens ({type(e).__name__}: {e})")
+        self.worker.submit(reward_path(req.task, default=self.cfg.reward, overrides=self.cfg.rewards), x)
+        return None
+
+    def _answer(self, outcome: Outcome) -> None:
+        msg_id, req = self.current
+        self.current = None
+        self.peer.send(self._scored(req, outcome), parent_id=msg_id)
+
+    def _scored(self, req: m.ScoreRequest, outcome: Outcome) -> m.Scored:
+        self.counts[outcome.kind] += 1
+        if outcome.error is not None:
+            self.log.warning("reward_failed", sample_id=req.sample_id, task=req.task, kind=outcome.kind,
+                             error=outcome.error)
+            return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=outcome.error)
+        return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, reward=outcome.reward)
+
+    def _input(self, req: m.ScoreRequest) -> RewardInput:
+        prompt, response = req.prompt.tolist(), req.response.tolist()
+        return RewardInput(prompt_ids=prompt, response_ids=response, prompt_text=self.tokenizer.decode(prompt),
+                           response_text=self.tokenizer.decode(response), finish_reason=req.finish_reason,
+                           task=req.task, meta=dict(req.meta))
+
+    def _log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._stats_at < STATS_EVERY_S:
+            return
+        self._stats_at = now
+        if dict(self.counts) != self._stats_logged:
+            self._stats_logged = dict(self.counts)
+            self.log.info("progress", queued=len(self.queue), restarts=self.worker.restarts, **self.counts)
+
+    # ------------------------------------------------------------------ one request, blocking
 
     def score(self, req: m.ScoreRequest) -> m.Scored:
-        try:
-            reward = float(self.reward(req.prompt.tolist(), req.response.tolist(), req.task, req.meta))
-            if not np.isfinite(reward):
-                raise ValueError(f"reward is {reward}")
-        except Exception as e:  # a user's plug-in: any failure is reported, never fatal
-            self.failed += 1
-            self.log.warning("reward_failed", sample_id=req.sample_id, error=repr(e))
-            return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=f"{type(e).__name__}: {e}")
-        self.scored += 1
-        return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, reward=reward)
+        """Score one request to completion (at most ``timeout_s`` plus a worker start)."""
+        outcome = self._submit(req)
+        if outcome is None:
+            outcome = self.worker.result()
+        return self._scored(req, outcome)

@@ -1,28 +1,85 @@
-"""Reward functions. A reward is ``fn(prompt, response, task, meta) -> float``."""
+"""Reward functions: ``fn(x: RewardInput) -> float``, loaded by ``package.module:function`` path.
+
+A reward sees the sample's tokens and their text (decoded with the run's tokenizer), how the
+response ended, the task name and the task's ``meta`` (e.g. ``{"answer": "42"}``). It runs in the
+scorer's worker process under a time limit (``worker.py``): raising, hanging or returning something
+that is not a finite number is reported, never fatal.
+
+Built-ins, and the tasks they serve by default (``BUILTIN_TASK_REWARDS``):
+
+- ``math_answer``: 1 when the response's ``#### x`` / ``\\boxed{x}`` states ``meta["answer"]``
+  (tasks ``math`` — JSONL/Parquet datasets — and ``addchain``);
+- ``parity_reward``: 1 when the response has an even number of tokens (task ``scripted``, the
+  runtime tests' scripted engine).
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-Reward = Callable[[list[int], list[int], str, dict], float]
+from april_async.tasks import math_answer as _math
 
 
-def parity_reward(prompt: list[int], response: list[int], task: str, meta: dict) -> float:
-    """For the scripted test engine: 1 when the response has an even number of tokens."""
-    return 1.0 if len(response) % 2 == 0 else 0.0
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward function is given about one finished sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    prompt_text: str
+    response_text: str
+    finish_reason: str
+    """``stop`` (end-of-sequence or a stop token) or ``length`` (the token budget ran out)."""
+    task: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+Reward = Callable[[RewardInput], float]
+
+
+class RewardConfigError(ValueError):
+    """A reward path that cannot be loaded; the message names the path."""
+
+
+def math_answer(x: RewardInput) -> float:
+    """1.0 when the response's final answer (``#### x`` or ``\\boxed{x}``) equals ``meta["answer"]``."""
+    if "answer" not in x.meta:
+        raise KeyError(f"task {x.task!r}: meta has no 'answer' (keys: {sorted(x.meta)})")
+    return _math.score(x.response_text, x.meta["answer"])
+
+
+def parity_reward(x: RewardInput) -> float:
+    """For the scripted test engine: 1.0 when the response has an even number of tokens."""
+    return 1.0 if len(x.response_ids) % 2 == 0 else 0.0
+
+
+BUILTIN_TASK_REWARDS: Mapping[str, str] = {
+    "scripted": f"{__name__}:parity_reward",
+    "addchain": f"{__name__}:math_answer",
+    "math": f"{__name__}:math_answer",
+}
+"""The reward of each built-in task, unless the scorer's ``rewards`` names another."""
 
 
 def load_reward(path: str) -> Reward:
-    """``package.module:function`` -> the function; a bad path is a clear ``ValueError``."""
+    """``package.module:function`` -> the function; a bad path is a ``RewardConfigError``."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward {path!r} must look like 'package.module:function'")
+        raise RewardConfigError(f"reward {path!r} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward {path!r}: cannot import {module_name!r} ({e})") from None
+        raise RewardConfigError(f"reward {path!r}: cannot import {module_name!r} ({e})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward {path!r}: {module_name} has no function {attr!r}")
+        raise RewardConfigError(f"reward {path!r}: {module_name} has no function {attr!r}")
     return fn
+
+
+def reward_path(task: str, *, default: str, overrides: Mapping[str, str]) -> str:
+    """The reward a task is scored by: the scorer's per-task entry, else the built-in task's,
+    else the default."""
+    return overrides.get(task) or BUILTIN_TASK_REWARDS.get(task) or default

@@ -1,0 +1,132 @@
+"""The scorer: a reward that raises, hangs past its time limit, returns NaN or text, or kills its
+worker is answered with a typed error, and the scorer carries on (and keeps heartbeating).
+
+The reward functions below are loaded by path (``tests.integration.test_scorer:...``) inside the
+real worker process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import numpy as np
+
+from april_async.config import LinkConfig
+from april_async.model.tokenizer import CharTokenizer
+from april_async.scorer.rewards import RewardInput
+from april_async.scorer.worker import RewardWorker
+from april_async.transport.hub import Hub
+from april_async.wire import messages as m
+from tests.integration.harness import FAST_LINK, Cluster
+
+HERE = "tests.integration.test_scorer"
+TIMEOUT_S = 1.0
+
+
+def reward_raises(x: RewardInput) -> float:
+    raise RuntimeError(f"boom on {x.response_text!r}")
+
+
+def reward_hangs(x: RewardInput) -> float:
+    time.sleep(60)
+    return 1.0
+
+
+def reward_nan(x: RewardInput) -> float:
+    return float("nan")
+
+
+def reward_text(x: RewardInput) -> float:
+    return "high"  # type: ignore[return-value]
+
+
+def reward_exits(x: RewardInput) -> float:
+    os._exit(3)
+
+
+def reward_length(x: RewardInput) -> float:
+    return len(x.response_text)
+
+
+def sample(text: str = "#### 7") -> RewardInput:
+    return RewardInput(prompt_ids=[1], response_ids=[5], prompt_text="q", response_text=text,
+                       finish_reason="stop", task="t", meta={})
+
+
+def test_worker_answers_every_failure_with_its_kind_and_recovers():
+    paths = [f"{HERE}:{name}" for name in ("reward_raises", "reward_hangs", "reward_nan", "reward_text",
+                                          "reward_exits", "reward_length")]
+    worker = RewardWorker(paths, timeout_s=TIMEOUT_S)
+    try:
+        ok = worker.run(f"{HERE}:reward_length", sample("abc"))
+        assert ok.reward == 3.0 and ok.kind == "scored"
+        cases = {"reward_raises": ("reward_error", r"raised RuntimeError: boom on '#### 7'"),
+                 "reward_hangs": ("reward_timeout", r"reward_hangs ran past 1 s"),
+                 "reward_nan": ("bad_reward", r"returned nan"),
+                 "reward_text": ("bad_reward", r"returned str 'high', not a number"),
+                 "reward_exits": ("reward_error", r"the reward worker died \(exit code 3\)")}
+        for name, (kind, detail) in cases.items():
+            t0 = time.monotonic()
+            out = worker.run(f"{HERE}:{name}", sample())
+            assert out.reward is None and out.kind == kind and re.search(detail, out.error), out
+            assert time.monotonic() - t0 < TIMEOUT_S + 5
+            after = worker.run(f"{HERE}:reward_length", sample("abcd"))  # the next call is served
+            assert after.reward == 4.0, (name, after)
+        assert worker.restarts == 2  # the hung worker and the one that exited
+    finally:
+        worker.close()
+
+
+def score_request(sample_id: int, task: str, text: str, meta: dict | None = None) -> m.ScoreRequest:
+    tok = CharTokenizer()
+    return m.ScoreRequest(sample_id=sample_id, lease_id=100 + sample_id, group_id=sample_id,
+                          prompt=np.asarray(tok.encode("3+4x1\n", bos=True), dtype=np.int32),
+                          response=np.asarray(tok.encode(text) + [tok.eos_id], dtype=np.int32),
+                          finish_reason="stop", task=task, meta=meta or {})
+
+
+def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
+    cluster = Cluster(tmp_path)
+    link = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
+    hub = Hub(cluster.endpoint, link=link)
+    try:
+        cluster.scorer(**{"timeout_s": TIMEOUT_S, "rewards.raises": f"{HERE}:reward_raises",
+                          "rewards.hangs": f"{HERE}:reward_hangs", "rewards.nan": f"{HERE}:reward_nan"})
+        identity, hello = None, None
+        deadline = time.monotonic() + 30
+        while hello is None and time.monotonic() < deadline:
+            for ident, msg in hub.poll(0.1):
+                if isinstance(msg.body, m.Hello):
+                    identity, hello = ident, msg.body
+        assert hello is not None and hello.role == "scorer", cluster.dump_logs()
+        requests = [score_request(1, "addchain", "1) 3+4=7\n#### 7", {"answer": "7"}),
+                    score_request(2, "raises", "x"),
+                    score_request(3, "hangs", "x"),
+                    score_request(4, "nan", "x"),
+                    score_request(5, "math", "#### 8", {"answer": "7"}),
+                    score_request(6, "scripted", "ab"),  # parity of 3 tokens (with <eos>)
+                    score_request(7, "math", "#### 7", {})]  # no answer in meta
+        for req in requests:
+            hub.send(identity, req)
+        answers: dict[int, m.Scored] = {}
+        deadline = time.monotonic() + 20 + TIMEOUT_S
+        while len(answers) < len(requests) and time.monotonic() < deadline:
+            hub.send(identity, m.Heartbeat())
+            for _, msg in hub.poll(0.05):
+                if isinstance(msg.body, m.Scored):
+                    answers[msg.body.sample_id] = msg.body
+            assert hello.instance not in [*hub.expired_peers(time.monotonic())], "the scorer went silent"
+        assert len(answers) == len(requests), cluster.dump_logs()
+        assert all(answers[r.sample_id].lease_id == r.lease_id for r in requests)
+        assert answers[1].reward == 1.0 and answers[5].reward == 0.0 and answers[6].reward == 0.0
+        kinds = {i: (answers[i].error or "").split(":")[0] for i in (2, 3, 4, 7)}
+        assert kinds == {2: "reward_error", 3: "reward_timeout", 4: "bad_reward", 7: "reward_error"}
+        assert "meta has no 'answer'" in answers[7].error
+    finally:
+        codes = cluster.stop_all()
+        hub.close()
+    assert codes == {"scorer-0": 0}, cluster.dump_logs()
+    log = cluster.logs["scorer-0"].read_text()
+    assert re.search(r"stopped .*bad_reward=1 .*reward_error=2 .*reward_timeout=1 .*scored=3", log), log[-2000:]
