@@ -163,6 +163,7 @@ class Counters:
 
     groups_admitted: int = 0
     duplicate_prompts: int = 0
+    prompts_refused: int = 0  # empty or over max_prompt_tokens
     leases_issued: int = 0
     leases_expired: int = 0  # leases reclaimed from silent or departed generators
     aborts_sent: int = 0
@@ -347,6 +348,10 @@ class BrokerCore:
             self._index_add(s)
         self.counters.groups_admitted += 1
         return gid
+
+    def refuse_prompt(self, prompt_id: str) -> None:
+        """Count a prompt the source gave that ``admit`` refused (so a restart skips it too)."""
+        self.counters.prompts_refused += 1
 
     def _take(self, kind: str) -> int:
         value = self._next[kind]

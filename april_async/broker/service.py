@@ -25,9 +25,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.core import AbortLease, BatchOut, BrokerCore
+from april_async.broker.core import AbortLease, BatchOut, BrokerCore, BrokerError
 from april_async.config import LinkConfig, LogConfig
 from april_async.logs import get_logger
+from april_async.tasks.source import PromptSource, PromptSourceConfig, encode_prompt
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
 
@@ -35,19 +36,6 @@ if TYPE_CHECKING:
     from april_async.broker.journal import Journal
 
 READONLY_CALLS = frozenset({"lease", "score_lease", "pull_batch"})  # journaled only when they return something
-
-
-class PromptSourceConfig(BaseModel):
-    """Where prompts come from. ``synthetic``: deterministic token prompts for runtime tests."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["synthetic"] = "synthetic"
-    limit: int | None = Field(None, ge=1)
-    """Admit at most this many prompts (None: no end)."""
-    length: int = Field(6, ge=1)
-    """Tokens per synthetic prompt."""
-    task: str = "scripted"
 
 
 class BrokerServiceConfig(BaseModel):
@@ -94,6 +82,14 @@ class BrokerService:
         self.journal: Journal | None = None
         self.records_since_snapshot = 0
         self.core = self._recover()
+        c = self.core.counters
+        # The stream is a function of the prompts taken: a restarted broker picks it up where it was.
+        self.source = PromptSource(cfg.prompts, start=c.groups_admitted + c.duplicate_prompts + c.prompts_refused)
+        self.tokenizer = None
+        if cfg.prompts.kind != "synthetic":
+            from april_async.model.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(cfg.prompts.tokenizer)
         if self.journal is not None:
             self.hub.before_send = self.journal.commit  # write-ahead: records out before effects
 
@@ -273,14 +269,19 @@ class BrokerService:
         self._heartbeats(now)
 
     def _admit(self, now: float) -> None:
-        src, rollout = self.cfg.prompts, self.cfg.rollout
+        """Keep two steps' worth of samples queued, from the prompt source."""
+        rollout = self.cfg.rollout
         want = 2 * rollout.max_inflight_groups * rollout.group_size
         while self.core.place_counts()["queued"] < want:
-            index = self.core.counters.groups_admitted
-            if src.limit is not None and index >= src.limit:
+            problem = self.source.next()
+            if problem is None:
                 return
-            prompt = [(index * 7 + k) % 997 + 1 for k in range(src.length)]
-            self.apply("admit", f"syn-{index}", prompt, now, src.task, {"index": index})
+            prompt = encode_prompt(problem, self.tokenizer)
+            try:
+                self.apply("admit", problem.prompt_id, prompt, now, problem.task, dict(problem.meta))
+            except BrokerError as e:  # too long, empty: this prompt is skipped, the run goes on
+                self.apply("refuse_prompt", problem.prompt_id)
+                self.log.warning("prompt_refused", prompt_id=problem.prompt_id, error=str(e))
 
     def _lease(self, now: float) -> None:
         for name, peer in self.peers.items():
