@@ -59,6 +59,8 @@ class TorchEngine:
         self.device = param.device
         self.cache = SlotCache(model.config, slots, max_seq_len, dtype=param.dtype, device=param.device)
         self.max_seq_len = max_seq_len
+        # The model's end-of-sequence token always ends a response (as SGLang's ``ignore_eos=False``).
+        self.eos_id = model.config.eos_token_id
         self._active: dict[int, _Slot] = {}  # slot index -> state
         self._by_lease: dict[int, int] = {}
 
@@ -100,7 +102,7 @@ class TorchEngine:
             r = slot.request
             slot.generated += 1
             out = EngineOutput(r.lease_id, [token], [logprob], [self.policy_version])
-            if token in r.stop_token_ids:
+            if token in r.stop_token_ids or token == self.eos_id:
                 out.finish = "stop"
             elif slot.generated >= r.max_new_tokens or slot.length + 1 >= self.max_seq_len:
                 out.finish = "length"
