@@ -3,6 +3,9 @@
     april broker    [--config run.toml] [--set rollout.batch_groups=4 ...] [--dry-run]
     april generator [--config run.toml] [--set name=gen-1 ...] [--dry-run]
     april scorer    [--config run.toml] [--set reward=pkg.mod:fn ...] [--dry-run]
+    april learner   [--config run.toml] [--set algorithm=dapo ...] [--dry-run]
+    april broadcaster [--config run.toml] [--dry-run]
+    april up        [--config run.toml] [--actors broker,generator:2,...]: the whole run, with a console
     april simulate  the real broker core in sync, april and async modes, side by side
 
 An actor reads the section of its name from the TOML file (``[broker]``, ``[generator]``, ...);
@@ -124,6 +127,45 @@ def _generator(args: argparse.Namespace) -> int:
     return _run_actor(args, GeneratorConfig, build)
 
 
+def _learner(args: argparse.Namespace) -> int:
+    from april_async.learner.actor import LearnerConfig
+
+    def build(cfg):
+        from april_async.learner.actor import LearnerActor
+        from april_async.model.decoder import CheckpointError
+        from april_async.transport.peer import Peer
+
+        bcast = None
+        if cfg.broadcaster is not None:
+            def bcast(on_connect):
+                return Peer(cfg.broadcaster, cfg.name, link=cfg.link, on_connect=on_connect)
+        try:
+            return LearnerActor(cfg, _peer_factory(cfg), bcast)
+        except CheckpointError as e:
+            raise ValueError(str(e)) from None
+
+    return _run_actor(args, LearnerConfig, build)
+
+
+def _broadcaster(args: argparse.Namespace) -> int:
+    from april_async.broadcaster.actor import BroadcasterConfig
+
+    def build(cfg):
+        from april_async.broadcaster.actor import BroadcasterActor
+        from april_async.transport.hub import Hub
+
+        hub = Hub(cfg.bind, link=cfg.hub_link, name=cfg.name)
+        return BroadcasterActor(cfg, hub, _peer_factory(cfg))
+
+    return _run_actor(args, BroadcasterConfig, build)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from april_async.up import main as up_main
+
+    return up_main(args)
+
+
 def _scorer(args: argparse.Namespace) -> int:
     from april_async.scorer.actor import ScorerConfig
 
@@ -143,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("broker", _broker, "the rollout broker (ROUTER; the source of truth)"),
         ("generator", _generator, "a generator: takes leases and runs them on an engine"),
         ("scorer", _scorer, "a scorer: rewards finished samples"),
+        ("learner", _learner, "the learner: GRPO/DAPO/GSPO on batches from the broker"),
+        ("broadcaster", _broadcaster, "the broadcaster: fans new weights out to the generators"),
     ]:
         a = sub.add_parser(name, help=text)
         a.add_argument("--config", type=Path, help=f"TOML file; its [{name}] section is read")
@@ -150,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one setting (dotted keys, TOML values), repeatable")
         a.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
         a.set_defaults(func=func)
+    u = sub.add_parser("up", help="start every actor of a run on this machine, with a live console view")
+    u.add_argument("--config", type=Path, help="TOML file: [run] plus one section per actor")
+    u.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one setting of any section, e.g. run.max_steps=20 or learner.lr=3e-4")
+    u.add_argument("--actors", default=None,
+                   help="the actors to start here, e.g. broker,broadcaster,learner,scorer or generator:2 "
+                        "(default: [run] actors, normally all of them)")
+    u.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    u.set_defaults(func=_up)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines")
     s.add_argument("--modes", default="sync,april,async", help="comma-separated; the first is the baseline")
     s.add_argument("--batches", type=int, default=20, help="learner batches per mode")
@@ -168,7 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-ACTORS = ("broker", "generator", "scorer")
+ACTORS = ("broker", "generator", "scorer", "learner", "broadcaster")
+
+
+def actor_model(kind: str):
+    """The config model of an actor (its TOML section)."""
+    if kind == "broker":
+        from april_async.broker.service import BrokerServiceConfig as model
+    elif kind == "generator":
+        from april_async.generator.actor import GeneratorConfig as model
+    elif kind == "scorer":
+        from april_async.scorer.actor import ScorerConfig as model
+    elif kind == "learner":
+        from april_async.learner.actor import LearnerConfig as model
+    elif kind == "broadcaster":
+        from april_async.broadcaster.actor import BroadcasterConfig as model
+    else:
+        raise ValueError(f"no actor named {kind!r}")
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,8 +80,20 @@ def _merge(base: dict, path: list[str], value: Any) -> None:
 
 
 def resolve(model: type[M], *, file: Path | None = None, section: str | None = None, overrides: list[str] = ()) -> M:
-    """Build ``model`` from its defaults, then ``[section]`` of a TOML file, then ``--set`` flags."""
+    """Build ``model`` from its defaults, then ``[section]`` of a TOML file, then ``--set`` flags.
+
+    A ``.json`` file is a resolved config as ``dump`` writes it (``april up`` hands each actor
+    one): the whole document is the section.
+    """
     data: dict = {}
+    if file is not None and Path(file).suffix == ".json":
+        try:
+            data = json.loads(Path(file).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(file)!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {str(file)!r} is not valid JSON: {e}") from None
+        file = None
     if file is not None:
         try:
             doc = tomllib.loads(Path(file).read_text())

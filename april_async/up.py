@@ -1,0 +1,420 @@
+"""``april up``: every actor of a run as child processes of one supervisor, with a console view.
+
+    april up --config run.toml                  # all actors here: broker, broadcaster, scorer,
+                                                # learner and [run] generators generators
+    april up --config run.toml --actors generator:2    # only some (launch/cluster.sh does this)
+    april up --config run.toml --set run.max_steps=20 --set learner.lr=3e-4
+
+What it does, in order:
+
+1. Resolve the config: ``[run]`` plus one section per actor (``[broker]``, ``[generator]``,
+   ``[scorer]``, ``[learner]``, ``[broadcaster]``, ``[warmstart]``), ``--set`` overrides with a
+   section prefix. Addresses come from ``[run]`` (or the environment: ``APRIL_HEAD`` is the host
+   that runs the broker and the broadcaster, ``APRIL_BIND`` what they bind to,
+   ``APRIL_NODE`` a prefix that keeps actor names unique across hosts).
+2. Make the initial policy when ``learner.checkpoint`` is empty: the built-in supervised warm
+   start, written once to ``<run.dir>/init`` and reused by later runs.
+3. Write each actor's resolved config to ``<run.dir>/config/<name>.json`` and start it as
+   ``python -m april_async.cli <actor> --config <that file>``, its output in
+   ``<run.dir>/logs/<name>.log``. A child dies with the supervisor (``PR_SET_PDEATHSIG``).
+4. Show progress from the learner's ``metrics.jsonl``: step, reward, response length,
+   throughput, off-policy share, recycled partials.
+5. Stop on Ctrl-C, SIGTERM, ``run.max_steps``, ``run.duration_s`` or a child that dies: the
+   learner first (it writes a checkpoint), then — once the generators hold its last version —
+   generators, scorer, broadcaster and broker last; whatever has not exited after
+   ``stop_timeout_s`` is killed. Nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from april_async.config import ConfigError, _merge, dump, parse_override
+from april_async.learner.metrics import read_metrics
+
+ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
+STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
+
+
+class RunConfig(BaseModel):
+    """The ``[run]`` section: what ``april up`` starts and how it stops."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dir: Path = Path("runs/april")
+    """Everything of the run: configs, logs, checkpoints, metrics, TensorBoard files."""
+    actors: list[str] = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
+    """Actors started here; ``generator:N`` starts N generators."""
+    host: str = "127.0.0.1"
+    """Where the others reach the broker and the broadcaster (env ``APRIL_HEAD`` overrides)."""
+    bind: str = "127.0.0.1"
+    """What the broker and the broadcaster bind to (env ``APRIL_BIND``; 0.0.0.0 on a cluster)."""
+    broker_port: int = Field(5555, ge=1, le=65535)
+    broadcaster_port: int = Field(5556, ge=1, le=65535)
+    store_port: int = Field(29600, ge=1, le=65535)
+    """The broadcaster's TCPStore (torch.distributed rendezvous)."""
+    node: str = ""
+    """A prefix for actor names, unique per host (env ``APRIL_NODE``)."""
+    threads: int = Field(1, ge=1)
+    """Torch threads per actor process (six processes share the machine)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many learner steps."""
+    duration_s: float | None = Field(None, gt=0)
+    """Stop after this long."""
+    warm_start: bool = True
+    """Make the initial policy with the built-in warm start when ``learner.checkpoint`` is empty."""
+    console: bool = True
+    """Print progress lines (else only the summary)."""
+    stop_timeout_s: float = Field(20.0, gt=0)
+    final_sync_s: float = Field(20.0, ge=0)
+    """After the learner stops, wait this long at most for the generators to hold its last version."""
+
+
+SECTIONS = ("run", "warmstart", *ACTOR_KINDS)
+
+
+def load_document(path: Path | None, overrides: list[str]) -> dict[str, dict]:
+    doc: dict[str, Any] = {}
+    if path is not None:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    unknown = sorted(set(doc) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"config file {str(path)!r}: unknown section [{unknown[0]}] (known: {', '.join(SECTIONS)})")
+    for item in overrides:
+        keys, value = parse_override(item)
+        if len(keys) < 2 or keys[0] not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: start the key with a section, one of {', '.join(SECTIONS)}")
+        _merge(doc, keys, value)
+    return doc
+
+
+def _validate(model, data: dict, section: str):
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+                             for err in e.errors())
+        raise ConfigError(f"bad [{section}] config: {problems}") from None
+
+
+def parse_actors(spec: list[str]) -> list[tuple[str, int]]:
+    out = []
+    for item in spec:
+        kind, _, count = item.partition(":")
+        if kind not in ACTOR_KINDS:
+            raise ConfigError(f"actor {kind!r} is not one of {', '.join(ACTOR_KINDS)}")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ConfigError(f"actor {item!r}: the count after ':' must be a number") from None
+        if n < 1 or (kind != "generator" and n != 1):
+            raise ConfigError(f"actor {item!r}: only generators come in numbers, and at least one")
+        out.append((kind, n))
+    return out
+
+
+@dataclass
+class Child:
+    name: str
+    kind: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+
+
+def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Child], dict[str, dict]]:
+    """The children to start and each one's resolved config (as plain dicts, validated)."""
+    run_data = dict(doc.get("run", {}))
+    if os.environ.get("APRIL_HEAD"):
+        run_data["host"] = os.environ["APRIL_HEAD"]
+    if os.environ.get("APRIL_BIND"):
+        run_data["bind"] = os.environ["APRIL_BIND"]
+    if os.environ.get("APRIL_NODE"):
+        run_data["node"] = os.environ["APRIL_NODE"]
+    if actors is not None:
+        run_data["actors"] = [a for a in actors.split(",") if a]
+    run = _validate(RunConfig, run_data, "run")
+    kinds = parse_actors(run.actors)
+    run_dir = run.dir.resolve()
+    broker_ep = f"tcp://{run.host}:{run.broker_port}"
+    bcast_ep = f"tcp://{run.host}:{run.broadcaster_port}"
+    init = run_dir / "init"
+
+    learner_ckpt = doc.get("learner", {}).get("checkpoint") or ""
+    generator_ckpt = doc.get("generator", {}).get("torch", {}).get("checkpoint") or learner_ckpt
+    policy = learner_ckpt or str(init)
+    rollout = doc.get("broker", {}).get("rollout", {})
+    temperature = rollout.get("sampling", {}).get("temperature", 1.0)
+
+    def section(section_name: str, /, **forced) -> dict:
+        data = json.loads(json.dumps(doc.get(section_name, {})))  # a deep copy
+        for key, value in forced.items():
+            _merge(data, key.split("__"), value)
+        return data
+
+    link = {"broker": broker_ep}
+    configs: dict[str, dict] = {}
+    children: list[Child] = []
+    prefix = f"{run.node}-" if run.node else ""
+
+    def add(kind: str, name: str, data: dict) -> None:
+        from april_async.cli import actor_model
+
+        model = actor_model(kind)
+        configs[name] = json.loads(dump(_validate(model, data, kind)))
+        path = run_dir / "config" / f"{name}.json"
+        children.append(Child(name, kind, [sys.executable, "-m", "april_async.cli", kind, "--config", str(path)],
+                              run_dir / "logs" / f"{name}.log"))
+
+    for kind, count in kinds:
+        if kind == "broker":
+            add(kind, "broker", section("broker", bind=f"tcp://{run.bind}:{run.broker_port}",
+                                        journal_dir=doc.get("broker", {}).get("journal_dir", str(run_dir / "journal")),
+                                        prompts__tokenizer=doc.get("broker", {}).get("prompts", {}).get("tokenizer", policy),
+                                        state_file=str(run_dir / "broker_state.json"), link=link))
+        elif kind == "broadcaster":
+            add(kind, f"{prefix}broadcaster", section(
+                "broadcaster", name=f"{prefix}broadcaster", bind=f"tcp://{run.bind}:{run.broadcaster_port}",
+                store_host=run.host, store_port=run.store_port, link=link,
+                status_file=str(run_dir / "broadcaster.json")))
+        elif kind == "scorer":
+            add(kind, f"{prefix}scorer-0", section("scorer", name=f"{prefix}scorer-0", link=link,
+                                                     tokenizer=doc.get("scorer", {}).get("tokenizer", policy)))
+        elif kind == "learner":
+            add(kind, f"{prefix}learner-0", section("learner", name=f"{prefix}learner-0", link=link,
+                                                      checkpoint=policy, run_dir=str(run_dir),
+                                                      broadcaster=bcast_ep, temperature=temperature))
+        else:
+            for i in range(count):
+                name = f"{prefix}gen-{i}"
+                add(kind, name, section("generator", name=name, link=link, broadcaster=bcast_ep,
+                                        torch__checkpoint=generator_ckpt or str(init)))
+    return run, children, configs
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops the children in order
+
+
+class Supervisor:
+    def __init__(self, run: RunConfig, children: list[Child], configs: dict[str, dict], doc: dict):
+        self.run, self.children, self.configs, self.doc = run, children, configs, doc
+        self.dir = run.dir.resolve()
+        self.stop_reason: str | None = None
+        self.started = time.monotonic()
+        self.rows_seen = 0
+        self.first_rewards: list[float] = []
+        self.last_rows: list[dict] = []
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_reason = self.stop_reason or signal.Signals(signum).name
+
+    # ------------------------------------------------------------------ start
+
+    def ensure_initial_policy(self) -> None:
+        init = self.dir / "init"
+        needs = any(c.kind in ("learner", "generator") for c in self.children)
+        if (not needs or self.doc.get("learner", {}).get("checkpoint")
+                or (init / "model.safetensors").is_file()):
+            return
+        if not self.run.warm_start:
+            raise ConfigError("learner.checkpoint is empty and run.warm_start is off: nothing to start from")
+        if not any(c.kind == "learner" for c in self.children):
+            # Another host (the learner's) makes it; run.dir is shared.
+            print(f"april up: waiting for the initial checkpoint {init}", flush=True)
+            while not (init / "model.safetensors").is_file():
+                if self.stop_reason is not None:
+                    raise ConfigError(f"stopped while waiting for {init}")
+                time.sleep(1.0)
+            return
+        from april_async.learner.warmstart import WarmStartConfig, make_initial_checkpoint
+
+        cfg = _validate(WarmStartConfig, self.doc.get("warmstart", {}), "warmstart")
+        print(f"april up: warm start -> {init} (once per run directory)", flush=True)
+        t0 = time.monotonic()
+        tmp = init.with_name("init.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        stats = make_initial_checkpoint(tmp, cfg)
+        os.replace(tmp, init)  # complete or absent: another host may be waiting for it
+        print(f"april up: warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}",
+              flush=True)
+
+    def start(self) -> None:
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.dir / "config").mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1")
+        for c in sorted(self.children, key=lambda c: ACTOR_KINDS.index(c.kind)):
+            (self.dir / "config" / f"{c.name}.json").write_text(json.dumps(self.configs[c.name], indent=2))
+            log = open(c.log, "ab")
+            c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, preexec_fn=_die_with_parent)
+            log.close()
+        names = ", ".join(c.name for c in self.children)
+        print(f"april up: started {names}; logs in {self.dir / 'logs'}", flush=True)
+
+    # ------------------------------------------------------------------ watch
+
+    def watch(self) -> int:
+        metrics = self.dir / "metrics.jsonl"
+        self.rows_seen = len(read_metrics(metrics))  # a resumed run: show only new steps
+        last_print = 0.0
+        while self.stop_reason is None:
+            time.sleep(0.5)
+            for c in self.children:
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                if c.kind == "learner" and code == 0:
+                    self.stop_reason = "learner finished"
+                else:
+                    self.stop_reason = f"{c.name} exited with code {code}"
+                    self._show_tail(c)
+                    self.exit_code = 1
+                break
+            rows = read_metrics(metrics)
+            new = rows[self.rows_seen:]
+            self.rows_seen = len(rows)
+            for row in new:
+                if len(self.first_rewards) < 5:
+                    self.first_rewards.append(row.get("reward_mean", 0.0))
+                self.last_rows = (self.last_rows + [row])[-5:]
+            now = time.monotonic()
+            if new and self.run.console and (now - last_print > 2.0 or not sys.stdout.isatty()):
+                print(self.status_line(new[-1]), flush=True)
+                last_print = now
+            if self.run.duration_s is not None and now - self.started > self.run.duration_s:
+                self.stop_reason = f"duration_s={self.run.duration_s:g} reached"
+        return getattr(self, "exit_code", 0)
+
+    def status_line(self, row: dict) -> str:
+        elapsed = time.monotonic() - self.started
+        start = sum(self.first_rewards) / max(1, len(self.first_rewards))
+        return (f"[{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}] step {row.get('step', 0):4d} v{row.get('version', 0)}"
+                f" | reward {row.get('reward_mean', 0):.3f} (first steps {start:.3f})"
+                f" | len {row.get('response_len_mean', 0):5.1f} max {row.get('response_len_max', 0):3d}"
+                f" | {row.get('tokens_per_s', 0):6.0f} tok/s"
+                f" | off-policy {row.get('off_policy_frac', 0):5.1%} lag {row.get('lag_mean', 0):.2f}"
+                f" | recycled {row.get('partials_recycled', 0)} | ess {row.get('ess', 1):.3f}")
+
+    def _show_tail(self, c: Child) -> None:
+        try:
+            lines = c.log.read_text(errors="replace").splitlines()[-15:]
+        except OSError:
+            lines = []
+        print(f"april up: {c.name} stopped unexpectedly; the end of {c.log}:", file=sys.stderr)
+        for line in lines:
+            print(f"    {line}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ stop
+
+    def _wait_generators_synced(self) -> None:
+        """After the learner stops: give the broadcaster time to hand its last version out."""
+        state = _latest_version(self.dir)
+        gens = [c for c in self.children if c.kind == "generator" and c.proc.poll() is None]
+        if state is None or not gens or not any(c.kind == "broadcaster" for c in self.children):
+            return
+        deadline = time.monotonic() + self.run.final_sync_s
+        while time.monotonic() < deadline:
+            try:
+                status = json.loads((self.dir / "broadcaster.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                status = {}
+            members = status.get("members", {})
+            if status.get("version", -1) >= state and members and all(v >= state for v in members.values()):
+                return
+            time.sleep(0.25)
+        print(f"april up: the generators did not all reach version {state} within {self.run.final_sync_s:g} s",
+              file=sys.stderr)
+
+    def stop(self) -> None:
+        print(f"april up: stopping ({self.stop_reason})", flush=True)
+        for kind in STOP_ORDER:
+            group = [c for c in self.children if c.kind == kind and c.proc.poll() is None]
+            for c in group:
+                c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.run.stop_timeout_s
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"april up: {c.name} did not stop in {self.run.stop_timeout_s:g} s; killing it", file=sys.stderr)
+                    c.proc.kill()
+                    c.proc.wait()
+            if kind == "learner":
+                self._wait_generators_synced()
+
+    def summary(self) -> dict:
+        rows = read_metrics(self.dir / "metrics.jsonl")
+        out = {"wall_s": round(time.monotonic() - self.started, 1), "steps": len(rows), "stop": self.stop_reason,
+               "exit_codes": {c.name: c.proc.returncode for c in self.children}}
+        if rows:
+            k = min(5, len(rows))
+            out["reward_first"] = round(sum(r["reward_mean"] for r in rows[:k]) / k, 4)
+            out["reward_last"] = round(sum(r["reward_mean"] for r in rows[-k:]) / k, 4)
+            out["version"] = rows[-1]["version"]
+        (self.dir / "summary.json").write_text(json.dumps(out, indent=2))
+        return out
+
+
+def _latest_version(run_dir: Path) -> int | None:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return rows[-1]["version"] if rows else None
+
+
+def main(args) -> int:
+    try:
+        doc = load_document(args.config, args.set)
+        run, children, configs = plan(doc, args.actors)
+    except ConfigError as e:
+        print(f"april up: {e}", file=sys.stderr)
+        return 2
+    if run.max_steps is not None and any(c.kind == "learner" for c in children):
+        for c in children:
+            if c.kind == "learner":
+                configs[c.name]["max_steps"] = run.max_steps
+    if args.dry_run:
+        for c in children:
+            print(f"{c.name}: {' '.join(c.argv)}")
+            print(json.dumps(configs[c.name], indent=2, sort_keys=True))
+        return 0
+    sup = Supervisor(run, children, configs, doc)
+    signal.signal(signal.SIGINT, sup._on_signal)
+    signal.signal(signal.SIGTERM, sup._on_signal)
+    signal.signal(signal.SIGHUP, sup._on_signal)  # the ssh session of launch/cluster.sh closed
+    try:
+        sup.ensure_initial_policy()
+    except ConfigError as e:
+        print(f"april up: {e}", file=sys.stderr)
+        return 2
+    code = 0
+    try:
+        sup.start()
+        code = sup.watch()
+    finally:
+        sup.stop()
+    out = sup.summary()
+    print(f"april up: done: {json.dumps(out)}", flush=True)
+    return code
