@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ from april_async.learner.metrics import read_metrics
 
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
+REWARD_WINDOW = 20
+"""Steps averaged for the console's running reward and the summary's first/last reward."""
 
 
 class RunConfig(BaseModel):
@@ -227,7 +230,7 @@ class Supervisor:
         self.started = time.monotonic()
         self.rows_seen = 0
         self.first_rewards: list[float] = []
-        self.last_rows: list[dict] = []
+        self.recent_rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_reason = self.stop_reason or signal.Signals(signum).name
@@ -298,9 +301,9 @@ class Supervisor:
             new = rows[self.rows_seen:]
             self.rows_seen = len(rows)
             for row in new:
-                if len(self.first_rewards) < 5:
+                if len(self.first_rewards) < REWARD_WINDOW:
                     self.first_rewards.append(row.get("reward_mean", 0.0))
-                self.last_rows = (self.last_rows + [row])[-5:]
+                self.recent_rewards.append(row.get("reward_mean", 0.0))
             now = time.monotonic()
             if new and self.run.console and (now - last_print > 2.0 or not sys.stdout.isatty()):
                 print(self.status_line(new[-1]), flush=True)
@@ -312,8 +315,9 @@ class Supervisor:
     def status_line(self, row: dict) -> str:
         elapsed = time.monotonic() - self.started
         start = sum(self.first_rewards) / max(1, len(self.first_rewards))
+        recent = sum(self.recent_rewards) / max(1, len(self.recent_rewards))
         return (f"[{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}] step {row.get('step', 0):4d} v{row.get('version', 0)}"
-                f" | reward {row.get('reward_mean', 0):.3f} (first steps {start:.3f})"
+                f" | reward {row.get('reward_mean', 0):.3f} avg {recent:.3f} (first {len(self.first_rewards)} steps {start:.3f})"
                 f" | len {row.get('response_len_mean', 0):5.1f} max {row.get('response_len_max', 0):3d}"
                 f" | {row.get('tokens_per_s', 0):6.0f} tok/s"
                 f" | off-policy {row.get('off_policy_frac', 0):5.1%} lag {row.get('lag_mean', 0):.2f}"
@@ -333,8 +337,8 @@ class Supervisor:
     def _wait_generators_synced(self) -> None:
         """After the learner stops: give the broadcaster time to hand its last version out."""
         state = _latest_version(self.dir)
-        gens = [c for c in self.children if c.kind == "generator" and c.proc.poll() is None]
-        if state is None or not gens or not any(c.kind == "broadcaster" for c in self.children):
+        # The broadcaster's members are every generator of the run, on this host or another.
+        if state is None or not any(c.kind == "broadcaster" and c.proc.poll() is None for c in self.children):
             return
         deadline = time.monotonic() + self.run.final_sync_s
         while time.monotonic() < deadline:
@@ -343,7 +347,7 @@ class Supervisor:
             except (OSError, json.JSONDecodeError):
                 status = {}
             members = status.get("members", {})
-            if status.get("version", -1) >= state and members and all(v >= state for v in members.values()):
+            if status.get("version", -1) >= state and all(v >= state for v in members.values()):
                 return
             time.sleep(0.25)
         print(f"april up: the generators did not all reach version {state} within {self.run.final_sync_s:g} s",
@@ -371,11 +375,12 @@ class Supervisor:
         out = {"wall_s": round(time.monotonic() - self.started, 1), "steps": len(rows), "stop": self.stop_reason,
                "exit_codes": {c.name: c.proc.returncode for c in self.children}}
         if rows:
-            k = min(5, len(rows))
+            k = max(1, min(REWARD_WINDOW, len(rows) // 4))
             out["reward_first"] = round(sum(r["reward_mean"] for r in rows[:k]) / k, 4)
             out["reward_last"] = round(sum(r["reward_mean"] for r in rows[-k:]) / k, 4)
             out["version"] = rows[-1]["version"]
-        (self.dir / "summary.json").write_text(json.dumps(out, indent=2))
+        name = f"summary-{self.run.node}.json" if self.run.node else "summary.json"  # one per host of a cluster
+        (self.dir / name).write_text(json.dumps(out, indent=2))
         return out
 
 

@@ -61,7 +61,7 @@ commands=()
 for i in "${!hosts[@]}"; do
   q_extra=""; for a in "${extra[@]+"${extra[@]}"}"; do q_extra+=" $(printf '%q' "$a")"; done
   cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i"
-  cmd+=" $(printf '%q' "$april") up --config $(printf '%q' "$config") --actors ${actors[$i]}$q_extra"
+  cmd+=" exec $(printf '%q' "$april") up --config $(printf '%q' "$config") --actors ${actors[$i]}$q_extra"
   commands+=("$cmd")
 done
 
@@ -83,7 +83,7 @@ order=("$head_i"); for i in "${!hosts[@]}"; do [[ $i == "$head_i" ]] || order+=(
 for i in "${order[@]}"; do
   host="${hosts[$i]}"
   if is_local "$host"; then
-    bash -c "exec ${commands[$i]}" &
+    bash -c "${commands[$i]}" &
   elif [[ $launcher == ssh ]]; then
     ssh -tt -o BatchMode=yes "$host" "${commands[$i]}" &
   else

@@ -292,6 +292,7 @@ class LearnerActor:
             "step_s": now - t0, "wait_s": wait_s,
             "off_policy_frac": float((lags > 0).float().mean()) if len(lags) else 0.0,
             "lag_mean": float(lags.float().mean()) if len(lags) else 0.0,
+            "lag_max": int(lags.max()) if len(lags) else 0,
         })
         for key in ("partials_recycled", "tokens_resumed", "aborts_sent", "restarts", "tokens_discarded",
                     "leases_issued", "tokens_generated"):
