@@ -79,6 +79,19 @@ def _merge(base: dict, path: list[str], value: Any) -> None:
     base[path[-1]] = value
 
 
+def read_config_file(file: Path | str) -> dict:
+    """A TOML file, or a ``.json`` one (a resolved config), as a dict; a one-line error otherwise."""
+    path = Path(file)
+    kind = "JSON" if path.suffix == ".json" else "TOML"
+    try:
+        text = path.read_text()
+        return json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(file)!r} does not exist") from None
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {str(file)!r} is not valid {kind}: {e}") from None
+
+
 def resolve(model: type[M], *, file: Path | None = None, section: str | None = None, overrides: list[str] = ()) -> M:
     """Build ``model`` from its defaults, then ``[section]`` of a TOML file, then ``--set`` flags.
 
@@ -86,22 +99,9 @@ def resolve(model: type[M], *, file: Path | None = None, section: str | None = N
     one): the whole document is the section.
     """
     data: dict = {}
-    if file is not None and Path(file).suffix == ".json":
-        try:
-            data = json.loads(Path(file).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(file)!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {str(file)!r} is not valid JSON: {e}") from None
-        file = None
     if file is not None:
-        try:
-            doc = tomllib.loads(Path(file).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(file)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(file)!r} is not valid TOML: {e}") from None
-        data = doc.get(section, {}) if section else doc
+        doc = read_config_file(file)
+        data = doc if Path(file).suffix == ".json" or not section else doc.get(section, {})
     for item in overrides:
         path, value = parse_override(item)
         _merge(data, path, value)

@@ -34,7 +34,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from april_async.config import ConfigError, _merge, dump, parse_override
+from april_async.config import ConfigError, _merge, dump, parse_override, read_config_file
 from april_async.learner.metrics import read_metrics
 
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
@@ -91,12 +90,7 @@ SECTIONS = ("run", "warmstart", *ACTOR_KINDS)
 def load_document(path: Path | None, overrides: list[str]) -> dict[str, dict]:
     doc: dict[str, Any] = {}
     if path is not None:
-        try:
-            doc = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        doc = read_config_file(path)
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"config file {str(path)!r}: unknown section [{unknown[0]}] (known: {', '.join(SECTIONS)})")
