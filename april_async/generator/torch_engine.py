@@ -46,6 +46,7 @@ class _Slot:
     generated: int  # new tokens under this request
     next_logits: torch.Tensor
     generator: torch.Generator | None
+    pending: int = -1  # the token sampled this step, fed to the next forward
 
 
 class TorchEngine:
@@ -78,9 +79,9 @@ class TorchEngine:
         tokens = request.prompt + request.resume
         if len(tokens) >= self.max_seq_len:
             raise ValueError(f"lease {request.lease_id}: {len(tokens)} tokens do not fit max_seq_len={self.max_seq_len}")
-        free = next((i for i in range(self.slots) if i not in self._active), None)
-        if free is None:
+        if len(self._active) >= self.slots:
             raise RuntimeError(f"torch engine: all {self.slots} slots are busy (lease {request.lease_id})")
+        free = len(self._active)  # active requests always hold rows 0..n-1 (see _release)
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(len(tokens), device=self.device)[None]
         logits, _ = self.model(ids, positions=pos, cache=self.cache.view(torch.tensor([free], device=self.device), pos))
@@ -94,31 +95,32 @@ class TorchEngine:
     def step(self) -> list[EngineOutput]:
         if not self._active:
             return []
-        outs, cont = [], []
+        outs = []
         order = list(self._active.items())
         tokens, logprobs = sample_batch(torch.stack([slot.next_logits for _, slot in order]),
                                         [slot.request for _, slot in order], [slot.generator for _, slot in order])
         for (idx, slot), token, logprob in zip(order, tokens, logprobs):
             r = slot.request
             slot.generated += 1
+            slot.pending = token
             out = EngineOutput(r.lease_id, [token], [logprob], [self.policy_version])
             if token in r.stop_token_ids or token == self.eos_id:
                 out.finish = "stop"
             elif slot.generated >= r.max_new_tokens or slot.length + 1 >= self.max_seq_len:
                 out.finish = "length"
             outs.append(out)
+        for out in outs:
             if out.finish:
-                self._release(idx)
-            else:
-                cont.append((idx, token))
-        if cont:
-            slots = torch.tensor([i for i, _ in cont], device=self.device)
-            pos = torch.tensor([[self._active[i].length] for i, _ in cont], device=self.device)
-            ids = torch.tensor([[t] for _, t in cont], device=self.device)
-            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos))
-            for row, (i, _) in enumerate(cont):
-                self._active[i].length += 1
-                self._active[i].next_logits = logits[row, -1].float()
+                self._release(self._by_lease[out.lease_id])
+        if self._active:  # rows 0..n-1 after the releases: attention reads the cache in place
+            cont = sorted(self._active.items())
+            slots = torch.arange(len(cont), device=self.device)
+            pos = torch.tensor([[slot.length] for _, slot in cont], device=self.device)
+            ids = torch.tensor([[slot.pending] for _, slot in cont], device=self.device)
+            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, leading=True))
+            for row, (_, slot) in enumerate(cont):
+                slot.length += 1
+                slot.next_logits = logits[row, -1].float()
         return outs
 
     def abort(self, lease_id: int) -> EngineOutput | None:
@@ -129,8 +131,15 @@ class TorchEngine:
         return EngineOutput(lease_id, finish="abort")
 
     def _release(self, idx: int) -> None:
+        """Free row ``idx``; the last row's request moves into it, so rows 0..n-1 stay the active ones."""
         slot = self._active.pop(idx)
         del self._by_lease[slot.request.lease_id]
+        last = len(self._active)
+        if idx != last:
+            moved = self._active.pop(last)
+            self.cache.move(last, idx, moved.length)
+            self._active[idx] = moved
+            self._by_lease[moved.request.lease_id] = idx
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Swap weights between decode steps; tokens from now on carry ``version``."""

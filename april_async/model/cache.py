@@ -19,14 +19,24 @@ class SlotCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def view(self, slots: torch.Tensor, positions: torch.Tensor) -> _View:
-        """``slots`` [B]: the rows; ``positions`` [B, T]: where the T new tokens of each row go."""
-        return _View(self, slots, positions)
+    def view(self, slots: torch.Tensor, positions: torch.Tensor, *, leading: bool = False) -> _View:
+        """``slots`` [B]: the rows; ``positions`` [B, T]: where the T new tokens of each row go.
+
+        ``leading``: the rows are exactly 0..B-1, in order, so attention reads the cache in place
+        (a view) instead of gathering a copy of B rows × S positions per layer.
+        """
+        return _View(self, slots, positions, leading)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into row ``dst`` (every layer)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
 class _View:
-    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, leading: bool = False):
         self.cache, self.slots, self.positions = cache, slots, positions
+        self.rows = slice(0, len(slots)) if leading else slots
         S = int(positions.max()) + 1
         keys = torch.arange(S, device=positions.device)
         self.mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
@@ -38,6 +48,6 @@ class _View:
             rows = self.slots[:, None]
             self.cache.k[i][rows, :, self.positions] = k.permute(0, 2, 1, 3)
             self.cache.v[i][rows, :, self.positions] = v.permute(0, 2, 1, 3)
-            return self.cache.k[i][self.slots, :, : self.S], self.cache.v[i][self.slots, :, : self.S], self.mask
+            return self.cache.k[i][self.rows, :, : self.S], self.cache.v[i][self.rows, :, : self.S], self.mask
 
         return hook

@@ -140,10 +140,18 @@ class Attention(nn.Module):
                 v = torch.cat((past[1], v), dim=2)
             present = (k, v)
         rep = nh // nkv
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if rep > 1 and (mask is None or mask.dim() == 2 or mask.shape[-3] == 1):
+            # Grouped-query attention without copying K/V: the ``rep`` query heads of each KV head
+            # become ``rep`` blocks of query rows (head h = kv·rep + r uses KV head h // rep).
+            q = q.reshape(B, nkv, rep * T, hd)
+            if mask is not None:
+                mask = mask.repeat(*([1] * (mask.dim() - 2)), rep, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, nh, T, hd)
+        else:
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd)), present
 
 
