@@ -29,3 +29,24 @@ def test_bench_engine_prints_tokens_per_second_by_batch():
     rows = [line.split() for line in run("tools/bench_engine.py", "--quick").splitlines() if line[:3] in ("5M ", "30M")]
     assert [(r[0], int(r[2])) for r in rows] == [("5M", 1), ("5M", 4), ("30M", 1), ("30M", 4)]
     assert all(float(r[4]) > 0 for r in rows)
+
+
+def test_bench_rollout_compares_every_mode_with_sync_and_the_limit(tmp_path):
+    out = run("tools/bench_rollout.py", "--smoke", "--json", str(tmp_path / "r.json"))
+    assert "no-tail limit" in out
+    import json
+
+    data = json.loads((tmp_path / "r.json").read_text())
+    rows = data["rows"]
+    assert [(r["mode"], r["r"]) for r in rows] == [("sync", 1.0), ("april", 1.5), ("april", 2.0), ("async", 2.0)]
+    sync = rows[0]
+    assert sync["vs_sync"] == 1.0 and sync["off_policy"] == 0.0 and sync["recycled"] == 0
+    assert all(r["ledger_ok"] and r["tokens_per_s"] > 0 and 0 < r["occupancy"] <= 1.0 for r in rows)
+    assert any(r["recycled"] > 0 for r in rows if r["mode"] == "april")  # april recycles partials
+    assert data["limit"]["tokens_per_s"] > 0 and all(r["vs_limit"] > 0 for r in rows)
+
+
+def test_bench_rollout_refuses_a_bad_setting_naming_it():
+    out = subprocess.run([sys.executable, "tools/bench_rollout.py", "--smoke", "--workload", "zipf:a=2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown kind 'zipf'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
