@@ -1,0 +1,736 @@
+"""Weights fan-out: learner → broadcaster → k generators, against a raw torch.distributed broadcast.
+
+    .venv/bin/python tools/bench_broadcast.py                      # 30M and 300M float32, k = 2 (minutes)
+    .venv/bin/python tools/bench_broadcast.py --smoke              # seconds (CI)
+    .venv/bin/python tools/bench_broadcast.py --sizes 30M --k 3 --dtype bfloat16 --json out.json
+
+Every piece is the real one, each in its own process:
+
+- the broadcaster: ``april broadcaster`` (``python -m april_async.cli broadcaster``), gloo on CPU;
+- k generator-side members: a real ``WeightSubscriber`` each (``_member`` below), whose engine
+  loads every version the way ``TorchEngine.load_weights`` does (``load_state_dict`` into the
+  tensors of a model of the same shape) and reports the moment it holds it;
+- the learner: this process, handing each version over with ``LearnerActor.publish`` itself (run
+  on a stand-in holding just the model, the version and the broadcaster session), over a real
+  ``Peer``; a ``Hub`` here plays the broker and notes when the broadcaster publishes.
+
+The weights are the state dict of a Qwen2-shaped ``CausalLM`` (``SIZES``), random, float32 or
+bfloat16. Each version is handed over once the one before is everywhere; the first ``--warmup``
+are not counted (the group forms at the first; on the 2-core development machine the second was
+still 1.5-2x slower than the rest, every time), the next ``--versions`` are, and their medians
+are reported:
+
+- **end-to-end**: from the start of the learner's hand-off until the last member holds the version
+  (its ``load_weights`` returned; members poll every ``MEMBER_POLL_S``, as a generator between decode
+  steps); effective bandwidth = bytes / that time, per member, and × k in total. Also the moment the
+  broker hears ``weights_published``, and from the broadcaster's log the hand-off (until it held the
+  version) and its collective's time (``fan-out``).
+- **raw**: in the same run, before the pipeline, 1 + k plain processes in a ``torch.distributed``
+  gloo group broadcast the same number of bytes from rank 0: one flat tensor, then in ``--bucket-mb``
+  pieces like the broadcaster; barrier, broadcast, barrier, timed on rank 0. ``eff/raw`` is the
+  effective bandwidth over the flat one; ``fan-out/raw`` the broadcaster's collective over the
+  bucketed one.
+- **stall**: how long ``publish`` blocks the learner's loop (and of it, the ``Peer.send`` of the
+  frame: encoding and queueing, the bytes go zero-copy), against one in-memory copy of the same
+  weights (``torch.cat`` of the flattened state dict), timed just before each hand-off; the ratio
+  of the medians, and of the minima (on a shared machine either one sometimes takes twice as long).
+
+What to expect (the 2-core development machine, shared; defaults; four runs, ranges): 30M
+(123.5 MB) end to end 0.33-0.45 s against 0.05-0.07 s raw, eff/raw 0.13-0.19; 300M (1.21 GB)
+3.9-5.1 s against 0.53-0.58 s, eff/raw 0.11-0.13; the stall is one copy (0.22-0.25 s at 300M;
+stall/copy 0.8-1.1, once 1.8 when other work took a core). The hand-off is most of the end-to-end time (2.4-3.4 s at 300M), the fan-out
+about 1 s, half the raw bucketed rate. About 80 s and 12 GB of memory at the peak.
+
+Every member checks that what it loaded is the version handed over (the final norm's weight is
+filled with the version number). Child logs go to ``--logs`` (a temporary directory, removed after a
+clean run); every child dies with this process. ``--backend nccl`` needs 1 + k CUDA devices (NCCL
+wants a GPU per rank); that path is written to the same contract but has not been run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from april_async.config import LinkConfig  # noqa: E402
+from april_async.learner.actor import LearnerActor  # noqa: E402
+from april_async.learner.checkpoint import TrainerState  # noqa: E402
+from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.weights.flat import buckets  # noqa: E402
+from april_async.wire import messages as m  # noqa: E402
+
+SIZES = {  # Qwen2-shaped (QKV bias, untied head), Llama's 32k vocabulary; name -> shapes
+    "1M": dict(vocab_size=4096, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2),
+    "3M": dict(vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2),
+    "10M": dict(vocab_size=16384, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2),
+    "30M": dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                num_attention_heads=6, num_key_value_heads=2),
+    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                 num_attention_heads=12, num_key_value_heads=4),
+    "300M": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=21,
+                 num_attention_heads=16, num_key_value_heads=4),
+    "1B": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
+               num_attention_heads=16, num_key_value_heads=4),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MEMBER_POLL_S = 0.01
+"""A member's ``WeightSubscriber.poll`` timeout: a received version is loaded within this."""
+HEARTBEAT_INTERVAL_S = 0.5
+LINK = LinkConfig(heartbeat_interval_s=HEARTBEAT_INTERVAL_S, peer_timeout_s=20 * HEARTBEAT_INTERVAL_S)
+"""Every session's timing: a generous timeout, as copying a GB on a busy 2-core machine takes seconds."""
+MIN_RATE_BYTES_S = 20e6
+"""A version (or a raw broadcast) slower than this is taken for a hang: the run fails."""
+START_TIMEOUT_S = 60.0
+"""Child processes must be up (imports, sessions, rendezvous) within this."""
+STOP_TIMEOUT_S = 10.0
+
+
+class BenchError(ValueError):
+    """A setting the benchmark cannot run with; the message names it (exit code 2)."""
+
+
+class RunFailed(RuntimeError):
+    """A child died or the run hung; the message carries the tails of the logs (exit code 1)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+
+
+def model_config(size: str) -> ModelConfig:
+    if size not in SIZES:
+        raise BenchError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    return ModelConfig(model_type="qwen2", tie_word_embeddings=False, **SIZES[size])
+
+
+def make_model(size: str, dtype: torch.dtype, device: torch.device | str = "cpu", *, random: bool) -> CausalLM:
+    """A ``CausalLM`` of ``size`` on ``device``: random weights (the learner's) or zeros (a member's)."""
+    with torch.device("meta"):
+        model = CausalLM(model_config(size))
+    model = model.to(dtype).to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if random else p.zero_()
+    return model
+
+
+def mark(model: CausalLM, version: int) -> None:
+    """Stamp ``version`` into the weights (the final norm), so that a member can check what it got."""
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float(version))
+
+
+def marked(model: CausalLM, version: int) -> bool:
+    return bool((model.model.norm.weight == float(version)).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes: ``bench_broadcast.py _member ...`` and ``bench_broadcast.py _raw ...``
+
+
+def _die_with_parent() -> None:
+    """Runs in a child between fork and exec: SIGTERM when this process dies; own process group,
+    so that Ctrl-C reaches this process only, which then stops its children."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setpgrp()
+
+
+def _report(**fields) -> None:
+    """A child's report to this process: one JSON object per line on its stdout."""
+    print(json.dumps(fields), flush=True)
+
+
+class LoadingEngine:
+    """A generator engine without the decoding: ``load_weights`` as ``TorchEngine``'s (copy into the
+    model's own tensors), then a report of the moment it holds the version."""
+
+    def __init__(self, size: str, dtype: torch.dtype, device: torch.device):
+        self.device = device
+        self.policy_version = 0
+        self.model = make_model(size, dtype, device, random=False)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(state_dict, strict=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.policy_version = version
+        t = time.monotonic()
+        _report(event="loaded", version=version, t=t, ok=marked(self.model, version))
+
+
+def member_main(argv: list[str]) -> int:
+    from april_async.generator.weights import WeightSubscriber
+    from april_async.logs import configure
+    from april_async.runtime import StopFlag
+
+    p = argparse.ArgumentParser(prog="bench_broadcast.py _member")
+    p.add_argument("--name", required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--size", required=True)
+    p.add_argument("--dtype", required=True, choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    stop = StopFlag()
+    configure(level="warning")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sub = WeightSubscriber(args.name, args.endpoint, LINK, LoadingEngine(args.size, DTYPES[args.dtype], device))
+    try:
+        while not stop:
+            sub.poll(MEMBER_POLL_S)
+    finally:
+        sub.close()
+    return 0
+
+
+def raw_main(argv: list[str]) -> int:
+    """One rank of the plain baseline: ``init_process_group`` and ``broadcast``, nothing else."""
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(prog="bench_broadcast.py _raw")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--bucket-bytes", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--reps", type=int, required=True)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--timeout-s", type=float, required=True)
+    args = p.parse_args(argv)
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", args.rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout_s))
+    fill = 0xA5
+    buf = torch.empty(args.bytes, dtype=torch.uint8, device=device).fill_(fill if args.rank == 0 else 0)
+    times: dict[str, list[float]] = {"flat": [], "bucketed": []}
+    for kind in times:
+        for rep in range(args.warmup + args.reps):
+            if args.rank:
+                buf.zero_()
+            dist.barrier()
+            t0 = time.monotonic()
+            if kind == "flat":
+                dist.broadcast(buf, 0)
+            else:
+                for start, stop in buckets(args.bytes, args.bucket_bytes):
+                    dist.broadcast(buf[start:stop], 0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            if rep >= args.warmup:
+                times[kind].append(time.monotonic() - t0)
+    sample = buf[:: max(1, args.bytes // 4096)]  # every rank got rank 0's bytes (a sample, and the last)
+    ok = torch.tensor([int(bool((sample == fill).all()) and buf[-1].item() == fill)], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if args.rank == 0:
+        _report(event="raw", ok=bool(ok.item()), **times)
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# This process: children, broker, learner
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Children:
+    """The child processes of the run: started with their logs in ``logs``, their stdout reports
+    read into one queue, stopped together."""
+
+    logs: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    reports: queue.Queue = field(default_factory=queue.Queue)
+    pids: list[int] = field(default_factory=list)
+
+    def start(self, name: str, cmd: list[str], *, reports: bool) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("w")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if reports else log, stderr=log, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent,
+                                text=True)
+        log.close()
+        self.procs[name] = proc
+        self.pids.append(proc.pid)
+        if reports:
+            threading.Thread(target=self._read, args=(name, proc), daemon=True, name=f"read-{name}").start()
+        return proc
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            try:
+                self.reports.put((name, json.loads(line)))
+            except json.JSONDecodeError:  # something else printed: kept apart from the child's log
+                with (self.logs / f"{name}.stdout.log").open("a") as f:
+                    f.write(line)
+
+    def next_report(self, timeout_s: float) -> tuple[str, dict] | None:
+        try:
+            return self.reports.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def check_alive(self, names) -> None:
+        dead = {n: self.procs[n].returncode for n in names if self.procs[n].poll() is not None}
+        if dead:
+            raise RunFailed(f"child processes exited: {dead}\n{self.tails(dead)}")
+
+    def tails(self, names=None, chars: int = 2000) -> str:
+        names = sorted(self.procs) if names is None else sorted(names)
+        out = []
+        for n in names:
+            path = self.logs / f"{n}.log"
+            text = path.read_text(errors="replace")[-chars:] if path.exists() else ""
+            out.append(f"===== {n} ({path})\n{text}")
+        return "\n".join(out)
+
+    def wait(self, names, timeout_s: float) -> None:
+        """Give ``names`` up to ``timeout_s`` to exit by themselves."""
+        deadline = time.monotonic() + timeout_s
+        for n in names:
+            try:
+                self.procs[n].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return
+
+    def stop(self, names=None) -> dict[str, int]:
+        """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``; returns the exit codes."""
+        names = list(self.procs if names is None else names)
+        for n in names:
+            if self.procs[n].poll() is None:
+                self.procs[n].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        codes = {}
+        for n in names:
+            proc = self.procs[n]
+            try:
+                codes[n] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[n] = proc.wait()
+        return codes
+
+
+class FakeBroker:
+    """A ``Hub`` standing in for the broker: answers every message with a heartbeat and notes
+    when each ``weights_published`` arrives."""
+
+    def __init__(self):
+        from april_async.transport.hub import Hub
+
+        self.hub = Hub("tcp://127.0.0.1:0", link=LINK, name="broker")
+        self.published: dict[int, float] = {}
+
+    def pump(self, timeout_s: float) -> None:
+        for identity, msg in self.hub.poll(timeout_s):
+            if isinstance(msg.body, m.WeightsPublished):
+                self.published.setdefault(msg.body.version, time.monotonic())
+            self.hub.send(identity, m.Heartbeat())
+
+    def close(self) -> None:
+        self.hub.close()
+
+
+class Learner:
+    """The learner's hand-off as ``LearnerActor`` runs it: its own ``publish``, ``_send_weights``
+    and ``_on_broadcaster`` (hello), on an object holding only what they use."""
+
+    publish = LearnerActor.publish
+    _send_weights = LearnerActor._send_weights
+    _on_broadcaster = LearnerActor._on_broadcaster
+
+    def __init__(self, model: CausalLM, name: str, endpoint: str):
+        from april_async.transport.peer import Peer
+
+        self.model = model
+        self.cfg = argparse.Namespace(name=name)
+        self.state = TrainerState()
+        self.bcast = Peer(endpoint, name, link=LINK, on_connect=self._on_broadcaster)
+        self.send_s = 0.0  # seconds of the last ``weights_update`` send (encode + queue), inside ``publish``
+        send = self.bcast.send
+
+        def timed_send(body, parent_id=None):
+            t0 = time.monotonic()
+            seq = send(body, parent_id)
+            if isinstance(body, m.WeightsUpdate):
+                self.send_s = time.monotonic() - t0
+            return seq
+
+        self.bcast.send = timed_send
+
+    def pump(self) -> None:
+        while self.bcast.poll(0.0) is not None:
+            pass
+
+    def close(self) -> None:
+        self.bcast.send(m.Bye(reason="shutdown"))
+        self.bcast.close()
+
+
+def copy_once(model: CausalLM) -> float:
+    """Seconds of one in-memory copy of the weights: all of them into one new flat tensor."""
+    t0 = time.monotonic()
+    flat = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
+    seconds = time.monotonic() - t0
+    del flat
+    return seconds
+
+
+def hang_limit_s(num_bytes: int) -> float:
+    return 30.0 + num_bytes / MIN_RATE_BYTES_S
+
+
+# ---------------------------------------------------------------------------------------------
+# The phases of one size
+
+
+def run_raw(children: Children, size: str, num_bytes: int, args) -> dict:
+    """The plain baseline: 1 + k processes, one gloo (or NCCL) group, the same bytes."""
+    port, world = free_port(), args.k + 1
+    names = []
+    for rank in range(world):
+        name = f"{size}-raw-{rank}"
+        children.start(name, [sys.executable, str(Path(__file__).resolve()), "_raw", "--rank", str(rank),
+                              "--world", str(world), "--port", str(port), "--bytes", str(num_bytes),
+                              "--bucket-bytes", str(bucket_bytes(args)), "--warmup", str(args.warmup),
+                              "--reps", str(args.versions),
+                              "--backend", args.backend, "--timeout-s", str(hang_limit_s(num_bytes))],
+                       reports=rank == 0)
+        names.append(name)
+    broadcasts = 2 * (args.warmup + args.versions)  # flat, then bucketed
+    deadline = time.monotonic() + START_TIMEOUT_S + broadcasts * hang_limit_s(num_bytes)
+    while True:
+        got = children.next_report(0.1)
+        if got is not None and got[0] == names[0] and got[1].get("event") == "raw":
+            result = got[1]
+            break
+        if time.monotonic() > deadline:
+            raise RunFailed(f"the raw broadcast of {size} did not finish in time\n{children.tails(names)}")
+        if got is None:
+            children.check_alive(names)
+    children.wait(names, STOP_TIMEOUT_S)
+    codes = children.stop(names)
+    if any(codes.values()) or not result["ok"]:
+        raise RunFailed(f"the raw broadcast of {size} failed: exit codes {codes}, bytes ok {result['ok']}\n"
+                        f"{children.tails(names)}")
+    return {"flat_s": result["flat"], "bucketed_s": result["bucketed"]}
+
+
+def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int, args) -> list[dict]:
+    """Broadcaster + k members + the learner's hand-off; one row per version (warm-ups too)."""
+    broker = FakeBroker()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    status_file = children.logs / f"{size}-broadcaster.status.json"
+    bname = f"{size}-broadcaster"
+    sets = {"name": "broadcaster", "bind": endpoint, "link.broker": broker.hub.endpoint,
+            "link.heartbeat_interval_s": LINK.heartbeat_interval_s, "link.peer_timeout_s": LINK.peer_timeout_s,
+            "max_update_bytes": max(1 << 30, num_bytes + (1 << 20)), "store_port": free_port(),
+            "backend": args.backend, "bucket_mb": args.bucket_mb, "timeout_s": hang_limit_s(num_bytes),
+            "status_file": str(status_file), "log.json_lines": True, "log.level": "info"}
+    cmd = [sys.executable, "-m", "april_async.cli", "broadcaster"]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={json.dumps(v)}"]  # JSON strings, numbers and booleans are TOML values
+    children.start(bname, cmd, reports=False)
+    members = {f"gen-{i}": f"{size}-gen-{i}" for i in range(args.k)}
+    for i, (member, proc_name) in enumerate(members.items()):
+        device = f"cuda:{i + 1}" if args.backend == "nccl" else "cpu"
+        children.start(proc_name, [sys.executable, str(Path(__file__).resolve()), "_member", "--name", member,
+                                   "--endpoint", endpoint, "--size", size, "--dtype", args.dtype,
+                                   "--device", device], reports=True)
+    names = [bname, *members.values()]
+    by_proc = {v: k for k, v in members.items()}
+    learner = None
+    rows: list[dict] = []
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _status(status_file).get("members", {}).keys() != members.keys():
+            if time.monotonic() > deadline:
+                raise RunFailed(f"the members' sessions did not open; status {_status(status_file)}\n"
+                                f"{children.tails(names)}")
+            broker.pump(0.05)
+            children.check_alive(names)
+        learner = Learner(model, "learner-bench", endpoint)
+        for version in range(1, args.warmup + args.versions + 1):
+            copy_s = copy_once(model)
+            mark(model, version)
+            learner.state.version = version
+            t0, wall0 = time.monotonic(), time.time()
+            learner.publish()
+            stall_s = time.monotonic() - t0
+            loaded: dict[str, float] = {}
+            ok = True
+            deadline = time.monotonic() + hang_limit_s(num_bytes) * (3 if version == 1 else 1)
+            while len(loaded) < args.k or version not in broker.published:
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"version {version} of {size} did not reach every member in time: loaded "
+                                    f"{sorted(loaded)}, status {_status(status_file)}\n{children.tails(names)}")
+                broker.pump(0.01)
+                learner.pump()
+                while (got := children.next_report(0.0)) is not None:
+                    proc_name, rep = got
+                    if proc_name in by_proc and rep.get("event") == "loaded" and rep["version"] == version:
+                        loaded[by_proc[proc_name]] = rep["t"]
+                        ok &= bool(rep["ok"])
+                children.check_alive(names)
+            rows.append({"version": version, "warmup": version <= args.warmup, "copy_s": copy_s,
+                         "stall_s": stall_s, "send_s": learner.send_s,
+                         "end_to_end_s": max(loaded.values()) - t0,
+                         "member_s": {n: t - t0 for n, t in sorted(loaded.items())},
+                         "published_s": broker.published[version] - t0, "verified": ok, "_wall0": wall0})
+    finally:
+        if learner is not None:
+            learner.close()
+        codes = children.stop(names)
+        broker.close()
+    if any(codes.values()):
+        raise RunFailed(f"exit codes {codes} after the {size} run\n{children.tails(names)}")
+    _add_broadcaster_timings(rows, children.logs / f"{bname}.log")
+    return rows
+
+
+def _status(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _add_broadcaster_timings(rows: list[dict], log: Path) -> None:
+    """From the broadcaster's JSON log: when it held each version (``update``) and its collective's
+    time (``round``: ``bcast_s``, ``join_s``)."""
+    events: dict[tuple[str, int], dict] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(e, dict) and e.get("event") in ("update", "round") and "version" in e:
+            events.setdefault((e["event"], e["version"]), e)
+    for row in rows:
+        wall0 = row.pop("_wall0")
+        update, rnd = events.get(("update", row["version"])), events.get(("round", row["version"]))
+        held_at = datetime.datetime.fromisoformat(update["timestamp"]).timestamp() if update else None
+        row["handoff_s"] = held_at - wall0 if held_at is not None else None
+        row["fanout_s"] = rnd.get("bcast_s") if rnd else None
+        row["join_s"] = rnd.get("join_s") if rnd else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(size: str, params: int, tensors: int, num_bytes: int, raw: dict, rows: list[dict],
+              k: int) -> dict:
+    measured = [r for r in rows if not r["warmup"]]
+    e2e = _median(r["end_to_end_s"] for r in measured)
+    raw_flat, raw_bucketed = _median(raw["flat_s"]), _median(raw["bucketed_s"])
+    fanout = _median(r["fanout_s"] for r in measured)
+    stall, copy = _median(r["stall_s"] for r in measured), _median(r["copy_s"] for r in measured)
+    gb = num_bytes / 1e9
+    return {
+        "size": size, "params": params, "tensors": tensors, "bytes": num_bytes, "k": k,
+        "end_to_end_s": e2e, "published_s": _median(r["published_s"] for r in measured),
+        "handoff_s": _median(r["handoff_s"] for r in measured), "fanout_s": fanout,
+        "effective_gb_s": _ratio(gb, e2e), "effective_total_gb_s": _ratio(k * gb, e2e),
+        "raw_flat_s": raw_flat, "raw_flat_gb_s": _ratio(gb, raw_flat),
+        "raw_flat_total_gb_s": _ratio(k * gb, raw_flat),
+        "raw_bucketed_s": raw_bucketed, "raw_bucketed_gb_s": _ratio(gb, raw_bucketed),
+        "fanout_gb_s": _ratio(gb, fanout),
+        "effective_over_raw": _ratio(raw_flat, e2e), "fanout_over_raw_bucketed": _ratio(raw_bucketed, fanout),
+        "stall_s": stall, "send_s": _median(r["send_s"] for r in measured), "copy_s": copy,
+        "stall_over_copy": _ratio(stall, copy),
+        "stall_over_copy_of_minima": _ratio(min(r["stall_s"] for r in measured),
+                                            min(r["copy_s"] for r in measured)),
+        "verified": all(r["verified"] for r in rows),
+        "versions": rows, "raw": raw,
+    }
+
+
+def _f(x, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{fmt}}"
+
+
+def print_tables(results: list[dict], args) -> None:
+    print(f"\nend to end: learner hand-off start → every member holds the version; raw: plain {args.backend} "
+          f"broadcast of the same bytes, 1 + {args.k} processes; medians (GB = 1e9 bytes)")
+    print(f"{'size':<6} {'params':>9} {'MB':>7} | {'e2e s':>7} {'GB/s/mem':>8} {'GB/s all':>8} | "
+          f"{'raw s':>7} {'GB/s/mem':>8} {'GB/s all':>8} | {'eff/raw':>7}")
+    for r in results:
+        print(f"{r['size']:<6} {r['params'] / 1e6:8.1f}M {r['bytes'] / 1e6:7.1f} | "
+              f"{_f(r['end_to_end_s'], '.3f', 7)} "
+              f"{_f(r['effective_gb_s'], '.3f', 8)} {_f(r['effective_total_gb_s'], '.3f', 8)} | "
+              f"{_f(r['raw_flat_s'], '.3f', 7)} {_f(r['raw_flat_gb_s'], '.3f', 8)} "
+              f"{_f(r['raw_flat_total_gb_s'], '.3f', 8)} | {_f(r['effective_over_raw'], '.2f', 7)}")
+    print(f"\nwhere the time goes: hand-off = until the broadcaster holds it; fan-out = its "
+          f"{args.bucket_mb:g} MiB bucketed collective, against the raw bucketed broadcast")
+    print(f"{'size':<6} | {'hand-off s':>10} {'fan-out s':>9} {'GB/s/mem':>8} {'raw bkt s':>9} "
+          f"{'fan/raw':>7} | {'published s':>11}")
+    for r in results:
+        print(f"{r['size']:<6} | {_f(r['handoff_s'], '.3f', 10)} {_f(r['fanout_s'], '.3f', 9)} "
+              f"{_f(r['fanout_gb_s'], '.3f', 8)} {_f(r['raw_bucketed_s'], '.3f', 9)} "
+              f"{_f(r['fanout_over_raw_bucketed'], '.2f', 7)} | {_f(r['published_s'], '.3f', 11)}")
+    print("\nlearner stall: LearnerActor.publish blocking the loop, against one in-memory copy of the weights")
+    print(f"{'size':<6} | {'stall ms':>9} {'of it send':>10} {'copy ms':>9} {'stall/copy':>10} "
+          f"{'of minima':>9} | verified")
+    for r in results:
+        ms = {k: r[k] * 1e3 if r[k] is not None else None for k in ("stall_s", "send_s", "copy_s")}
+        print(f"{r['size']:<6} | {_f(ms['stall_s'], '.1f', 9)} {_f(ms['send_s'], '.1f', 10)} "
+              f"{_f(ms['copy_s'], '.1f', 9)} {_f(r['stall_over_copy'], '.2f', 10)} "
+              f"{_f(r['stall_over_copy_of_minima'], '.2f', 9)} | "
+              f"{'yes' if r['verified'] else 'NO'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry
+
+
+def bucket_bytes(args) -> int:
+    return max(1, int(args.bucket_mb * 1024 * 1024))
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", help=f"comma-separated, of {', '.join(SIZES)} (default 30M,300M)")
+    p.add_argument("--k", type=int, help="generator members (default 2)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--versions", type=int, help="measured versions per size (default 5)")
+    p.add_argument("--warmup", type=int, help="versions handed over first, not measured (default 2)")
+    p.add_argument("--bucket-mb", type=float, help="the broadcaster's bucket_mb (default 32, as it ships)")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--threads", type=int, help="torch threads in this process (default: torch's)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--logs", type=Path, help="child logs here, kept (default: a temporary directory)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: 1M and 3M, k = 1, 1 warm-up + 2 versions, 1 MiB buckets")
+    args = p.parse_args(argv)
+    smoke = {"sizes": "1M,3M", "k": 1, "versions": 2, "warmup": 1, "bucket_mb": 1.0}
+    full = {"sizes": "30M,300M", "k": 2, "versions": 5, "warmup": 2, "bucket_mb": 32.0}
+    for name, value in (smoke if args.smoke else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.size_list = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not args.size_list:
+        raise BenchError(f"--sizes {args.sizes!r} names no size; known: {', '.join(SIZES)}")
+    for s in args.size_list:
+        model_config(s)
+    if args.k < 1:
+        raise BenchError(f"--k must be at least 1, got {args.k}")
+    if args.versions < 1:
+        raise BenchError(f"--versions must be at least 1, got {args.versions}")
+    if args.warmup < 1:
+        raise BenchError(f"--warmup must be at least 1 (the group forms then), got {args.warmup}")
+    if args.bucket_mb <= 0:
+        raise BenchError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if args.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise BenchError("--backend nccl needs CUDA, which this machine or torch build does not have")
+        if torch.cuda.device_count() < args.k + 1:
+            raise BenchError(f"--backend nccl needs one GPU per rank: {args.k + 1} for --k {args.k}, "
+                             f"found {torch.cuda.device_count()}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except BenchError as e:
+        print(f"bench_broadcast: {e}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-broadcast-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    children = Children(logs)
+    dtype = DTYPES[args.dtype]
+    print(f"learner → broadcaster → {args.k} generator{'s' if args.k > 1 else ''}, {args.backend}, "
+          f"{args.dtype}, {args.bucket_mb:g} MiB buckets; {args.versions} versions per size after "
+          f"{args.warmup} warm-up; "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+    results = []
+    try:
+        for size in args.size_list:
+            with torch.device("meta"):
+                shapes = CausalLM(model_config(size)).state_dict()
+            params = sum(t.numel() for t in shapes.values())
+            num_bytes = params * dtype.itemsize  # one dtype: packed back to back (flat.flatten)
+            print(f"{size}: {params / 1e6:.1f}M parameters in {len(shapes)} tensors, {num_bytes / 1e6:.1f} MB: "
+                  f"raw broadcast ...", end="", flush=True)
+            raw = run_raw(children, size, num_bytes, args)
+            print(" pipeline ...", end="", flush=True)
+            model = make_model(size, dtype, random=True)
+            rows = run_pipeline(children, size, model, num_bytes, args)
+            del model
+            results.append(summarize(size, params, len(shapes), num_bytes, raw, rows, args.k))
+            print(" done", flush=True)
+    except RunFailed as e:
+        print(f"\nbench_broadcast: {e}\n(logs kept in {logs})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nbench_broadcast: interrupted (logs kept in {logs})", file=sys.stderr)
+        return 130
+    finally:
+        children.stop()
+    print_tables(results, args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {"k": args.k, "dtype": args.dtype, "versions": args.versions, "warmup": args.warmup,
+                    "bucket_mb": args.bucket_mb,
+                    "backend": args.backend, "cpus": os.cpu_count(), "torch": torch.__version__}
+        args.json.write_text(json.dumps({"settings": settings, "sizes": {r["size"]: r for r in results},
+                                         "pids": children.pids}, indent=2))
+    if args.logs is None:
+        shutil.rmtree(logs, ignore_errors=True)
+    return 0 if all(r["verified"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_member"]:
+        sys.exit(member_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["_raw"]:
+        sys.exit(raw_main(sys.argv[2:]))
+    sys.exit(main())
