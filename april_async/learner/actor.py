@@ -45,6 +45,10 @@ from april_async.model.decoder import CausalLM, CheckpointError
 from april_async.wire import messages as m
 
 
+class BroadcastRefused(RuntimeError):
+    """The broadcaster cannot take this learner's versions (e.g. over its size limit)."""
+
+
 class LearnerConfig(BaseModel):
     """The ``[learner]`` section."""
 
@@ -217,10 +221,16 @@ class LearnerActor:
         self.log.info("stopped", version=self.state.version, steps=self.state.step)
 
     def _pump(self) -> None:
-        """Keep the broadcaster session alive (heartbeats, reconnects); nothing comes in on it."""
-        if self.bcast is not None:
-            while self.bcast.poll(0.0) is not None:
-                pass
+        """Keep the broadcaster session alive (heartbeats, reconnects) and hear its errors."""
+        if self.bcast is None:
+            return
+        while (msg := self.bcast.poll(0.0)) is not None:
+            if not isinstance(msg.body, m.Error):
+                continue
+            if msg.body.code == "too_large":  # every later version would be refused too: stop loudly
+                raise BroadcastRefused(f"the broadcaster refused version {self.state.version}: {msg.body.message}; "
+                                       f"raise broadcaster.max_update_bytes above the model's size")
+            self.log.error("broadcaster_error", code=msg.body.code, error=msg.body.message)
 
     # ------------------------------------------------------------------ one step
 

@@ -1,13 +1,14 @@
 """The learner's step in one process: packing, the step's effects, dynamic sampling, checkpoints."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from april_async.learner import checkpoint as ckpt
-from april_async.learner.actor import LearnerActor, LearnerConfig, PackedBatch, token_logprobs
+from april_async.learner.actor import BroadcastRefused, LearnerActor, LearnerConfig, PackedBatch, token_logprobs
 from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
 from april_async.wire import messages as m
 
@@ -152,3 +153,25 @@ def test_missing_or_broken_checkpoints_are_named(tmp_path, policy):
 def test_gspo_needs_a_small_clip():
     with pytest.raises(ValueError, match="gspo"):
         LearnerConfig(algorithm="gspo", clip_low=0.2)
+
+
+def test_a_version_the_broadcaster_refuses_as_too_large_stops_the_learner_naming_the_setting(policy, tmp_path):
+    class Refusing(FakePeer):
+        def __init__(self, on_connect):
+            super().__init__(on_connect)
+            self.inbox = []
+
+        def send(self, body, parent_id=None):
+            if isinstance(body, m.WeightsUpdate):
+                self.inbox.append(SimpleNamespace(body=m.Error(code="too_large", message="message of 9 bytes is over 8")))
+            return super().send(body, parent_id)
+
+        def poll(self, timeout_s):
+            return self.inbox.pop(0) if self.inbox else None
+
+    cfg = LearnerConfig(checkpoint=str(policy), run_dir=tmp_path / "run", broadcaster="tcp://127.0.0.1:1",
+                        tensorboard=False)
+    actor = LearnerActor(cfg, FakePeer, Refusing)
+    actor.train_on(make_batch([[1.0, 0.0]]))
+    with pytest.raises(BroadcastRefused, match="max_update_bytes"):
+        actor._pump()
