@@ -1,152 +1,529 @@
 """A discrete-event simulation of a cluster around the *real* broker core.
 
-Simulated generators decode with a step time of ``a + b · active_slots`` seconds, and each
-sample has a true response length drawn from a long-tailed distribution (fixed per sample, so a
-resumed partial continues toward the same end). Scoring is instant; the learner trains for
-``train_s`` per batch and then publishes the next version. Everything the broker decides —
-leases, early termination, recycling, staleness — is the real ``BrokerCore``.
+G simulated generators, each with S decode slots, take leases from the real ``BrokerCore``
+(every decision — leases, early termination, recycling, staleness — is the core's, through its
+public methods, with the calls the broker service makes: admit to keep two steps' worth of
+samples queued, lease into free slots, finish, score_lease/scored, pull_batch, publish_version,
+report_batch). Scoring is instant; the learner takes ``train_s`` per batch and then publishes the
+next policy version; generators load it at once.
+
+The generator model. A generator runs decode steps back to back while it has active sequences;
+a step with k active sequences takes ``a + b·k`` seconds and gives each of them one token, made
+by the policy version the generator held when the step began. Sequences that start at a step
+boundary (fresh, or a resumed partial) are first prefilled, ``prefill`` seconds per token of
+prompt and resumed response, while the others wait. Everything that reaches a generator from
+outside — a new lease, an abort, a new version — takes effect at its next step boundary, as on
+a real engine (an aborted sequence keeps the token of the step in flight). Free slots are
+offered leases first come, first served.
+
+Sample lengths come from a workload (``april_async/sim/workload.py``) keyed by the sample id
+(= prompt index · n + k), so every mode, and a resumed partial, sees the same true lengths.
+
+Jumps. Between two events a generator's set of active sequences does not change, so every step
+costs the same and every active sequence gains one token per step: the simulation does not visit
+the steps one by one. A generator's next event is the step boundary at which its earliest
+sequence ends, or the first boundary after something reached it (a lease, an abort, a version:
+a publish gives every busy generator an event at its next boundary, so no jump crosses a
+version change). The tokens in between are counted in bulk: a generator keeps a timeline of the
+step index at which each version began on it, and a sequence's version spans are that timeline
+cut to the steps it was active. ``step_by_step=True`` visits every step and records each token's
+version one at a time: the reference the jumps are tested against (the same core calls, so the
+same counters).
+
+Measured: per mode, over the batches after the warm-up, finished groups and useful tokens (the
+tokens delivered to the learner) per simulated second, the slot idle fraction (1 − busy
+slot-seconds / capacity) and the fraction of generator-time with no active sequence, the
+off-policy token fraction, the tokens dropped by staleness restarts; over the whole run, the
+wall-clock cost of every call into the core (``time.perf_counter`` around each real call, per
+kind of call) and of every full garbage collection (the collector runs as in a broker process).
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
+import time
+from array import array
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.core import AbortLease, BrokerCore
+from april_async.broker.core import AbortLease, BrokerCore, LeaseGrant
+from april_async.sim.costs import COSTS
+from april_async.sim.workload import parse_workload
+
+CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "pull_batch", "pull_empty", "ack_batches",
+              "report_batch", "publish_version")  # pull_empty: a pull_batch call that found no batch
+_TOKEN, _LOGPROB = 7, -1.0
+
+
+class SimError(ValueError):
+    """A setting the simulation cannot run with, or a run that stalled; the message says which."""
 
 
 @dataclass(frozen=True)
 class SimSpec:
-    generators: int = 2
-    slots: int = 16
-    step_a_s: float = 1.4e-3  # fixed cost of one decode step
-    step_b_s: float = 0.23e-3  # cost per active sequence in that step
-    train_s: float = 0.5  # learner time per batch
-    median_len: int = 48  # long tail: lognormal lengths, clipped to max_response_tokens
-    sigma: float = 1.0
-    batches: int = 20
+    """The simulated cluster. The rollout knobs (mode, B, n, r, η, budget) are a ``RolloutConfig``."""
+
+    generators: int = 1000
+    slots: int = 64  # decode slots (concurrent sequences) per generator
+    step_a_s: float = COSTS["gpu"][0]  # fixed cost of one decode step
+    step_b_s: float = COSTS["gpu"][1]  # cost per active sequence in that step
+    prefill_s: float = COSTS["gpu"][2]  # cost per token prefilled when a sequence starts (prompt + resumed)
+    prompt_tokens: int = 256
+    train_s: float = 0.0  # learner time per batch (0: rollout alone, as APRIL's throughput figures)
+    workload: str = "math"  # response lengths, scaled to max_response_tokens (sim/workload.py)
+    batches: int = 2  # batches measured, after the warm-up (april's step lengths alternate: keep it even)
+    warmup: int = 2  # batches run before measuring (april's first steps build up the partials)
     seed: int = 0
+    step_by_step: bool = False  # the reference: one event per decode step, per-token versions
+
+    def check(self) -> None:
+        for name in ("generators", "slots", "batches"):
+            if getattr(self, name) < 1:
+                raise SimError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prompt_tokens < 1:
+            raise SimError(f"prompt_tokens must be at least 1, got {self.prompt_tokens}")
+        for name in ("step_a_s", "step_b_s", "prefill_s", "train_s", "warmup"):
+            if getattr(self, name) < 0:
+                raise SimError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.step_a_s + self.step_b_s <= 0:
+            raise SimError("step_a_s + step_b_s must be positive: a decode step takes time")
 
 
 @dataclass
 class SimResult:
     mode: str
-    sim_seconds: float
+    r: float
+    eta: int
+    sim_seconds: float  # the measured window (batches after the warm-up)
     batches: int
-    useful_tokens: int
-    busy_fraction: float
-    counters: dict = field(repr=False)
+    groups: int
+    useful_tokens: int  # tokens delivered to the learner in the window
+    generated_tokens: int
+    off_policy_tokens: int
+    discarded_tokens: int  # dropped by staleness restarts in the window
+    recycled: int  # partials resumed in the window
+    idle_fraction: float  # 1 − busy slot-seconds / (G · S · seconds)
+    empty_fraction: float  # generator-time with no active sequence
+    wall_s: float
+    latency_us: dict[str, array]  # core call -> its durations, µs (the whole run)
+    gc_pauses_ms: array  # every full (generation 2) garbage collection in the run, ms
+    counters: dict = field(repr=False)  # the core's counters at the end of the run
+    ledger_ok: bool = True
 
     @property
     def groups_per_s(self) -> float:
-        return self.counters["groups_delivered"] / self.sim_seconds
+        return self.groups / self.sim_seconds
 
     @property
     def tokens_per_s(self) -> float:
         return self.useful_tokens / self.sim_seconds
+
+    @property
+    def busy_fraction(self) -> float:
+        return 1.0 - self.idle_fraction
+
+    @property
+    def off_policy_fraction(self) -> float:
+        return self.off_policy_tokens / max(1, self.useful_tokens)
+
+    @property
+    def discarded_fraction(self) -> float:
+        return self.discarded_tokens / max(1, self.generated_tokens)
+
+    def latency(self, call: str) -> tuple[float, float, int]:
+        """p50 and p99 of one kind of core call (µs), and how many there were."""
+        xs = sorted(self.latency_us.get(call, ()))
+        if not xs:
+            return math.nan, math.nan, 0
+        return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))], len(xs)
+
+    def row(self) -> dict:
+        """The numbers as a flat dict (JSON, CSV)."""
+        out = {"mode": self.mode, "r": self.r, "eta": self.eta, "sim_seconds": self.sim_seconds,
+               "batches": self.batches, "groups_per_s": self.groups_per_s, "tokens_per_s": self.tokens_per_s,
+               "idle_fraction": self.idle_fraction, "empty_fraction": self.empty_fraction,
+               "off_policy_fraction": self.off_policy_fraction, "discarded_tokens": self.discarded_tokens,
+               "discarded_fraction": self.discarded_fraction, "recycled": self.recycled, "wall_s": self.wall_s,
+               "ledger_ok": self.ledger_ok, "gc_full": len(self.gc_pauses_ms),
+               "gc_full_ms": sum(self.gc_pauses_ms), "gc_full_max_ms": max(self.gc_pauses_ms, default=0.0)}
+        for call in CORE_CALLS:
+            p50, p99, n = self.latency(call)
+            out[f"{call}_p50_us"], out[f"{call}_p99_us"], out[f"{call}_calls"] = p50, p99, n
+        return out
 
 
 @dataclass
 class _Slot:
     lease_id: int
     sample_id: int
-    done: int  # tokens of the response so far (resumed ones included)
-    target: int
-    new_tokens: list = field(default_factory=list)
-    new_versions: list = field(default_factory=list)
+    offset: int  # tokens the sample held when this lease started (a resumed partial's)
+    start: int  # the generator's step count when this sequence started decoding
+    end: int  # the step count at which it reaches its true length
+    versions: list[int] | None = None  # step_by_step only: the version of each new token
+
+
+@dataclass
+class _Gen:
+    index: int
+    name: str
+    slots: dict[int, _Slot] = field(default_factory=dict)  # decoding now
+    ends: list[tuple[int, int]] = field(default_factory=list)  # heap of (end step, lease id); stale ones skipped
+    incoming: list[LeaseGrant] = field(default_factory=list)  # leased, start at the next boundary
+    aborts: set[int] = field(default_factory=set)  # to stop at the next boundary
+    steps: int = 0  # decode steps done as of ``at``
+    at: float = 0.0  # the time of its last event: always a step boundary
+    seg_t: float = 0.0  # steps of equal cost have run since this time...
+    seg_steps: int = 0  # ...from this step count on,
+    seg_k: int = 0  # with this many active sequences
+    prefill: int = 0  # tokens to prefill before the next step (sequences started at this boundary)
+    version: int = 0  # the policy version it holds
+    tl_steps: list[int] = field(default_factory=lambda: [0])  # the step index at which...
+    tl_versions: list[int] = field(default_factory=lambda: [0])  # ...each version began here
+    epoch: int = 0  # only its newest scheduled event is live
+    slot_s: float = 0.0  # active sequences × seconds, up to ``at``
+    busy_s: float = 0.0  # seconds with at least one active sequence, up to ``at``
+
+
+_PUBLISH, _GEN = 0, 1  # event kinds; at equal times a publish goes first, then generators by index
 
 
 class Simulation:
-    def __init__(self, rollout: RolloutConfig, spec: SimSpec):
+    """One mode: ``spec.generators`` simulated generators around one real ``BrokerCore``."""
+
+    def __init__(self, rollout: RolloutConfig, spec: SimSpec = SimSpec()):
+        spec.check()
+        if spec.generators * spec.slots < rollout.group_size:
+            raise SimError(f"{spec.generators} generators × {spec.slots} slots cannot hold a group of "
+                           f"{rollout.group_size}")
         self.cfg, self.spec = rollout, spec
         self.core = BrokerCore(rollout)
+        self.workload = parse_workload(spec.workload, max_tokens=rollout.max_response_tokens, seed=spec.seed)
         self.rng = random.Random(spec.seed)
+        self.gens = [_Gen(i, f"gen-{i}") for i in range(spec.generators)]
+        self.by_name = {g.name: g for g in self.gens}
+        self.hungry: dict[int, None] = {}  # generators with free slots, first come first served
+        self.events: list[tuple[float, int, int, int, int, int]] = []  # (time, kind, index, seq, epoch, steps)
+        self.seq = 0
         self.now = 0.0
-        self.slots: dict[str, dict[int, _Slot]] = {f"gen-{i}": {} for i in range(spec.generators)}
-        self.lengths: dict[int, int] = {}
-        self.busy_slot_seconds = 0.0
-        self.learner_busy_until: float | None = None
+        self.current: _Gen | None = None  # the generator whose boundary is being processed
+        self.learning: int | None = None  # the batch the learner trains on
         self.next_prompt = 0
+        self.queue_target = 2 * rollout.max_inflight_groups * rollout.group_size  # like the service
+        self.lengths: dict[int, int] = {}
+        self.prompt = [1] * spec.prompt_tokens
+        self.latency: dict[str, array] = {c: array("d") for c in CORE_CALLS}  # µs per call
+        self.marks: list[tuple[float, dict, float, float]] = []  # (time, counters, slot_s, busy_s) per batch
+        self.gc_pauses = array("d")  # ms of each full garbage collection during the run
+        self._gc_t0 = 0.0
+
+    # ------------------------------------------------------------------ calls into the core
+
+    def _call(self, kind: str, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.latency[kind].append((time.perf_counter() - t0) * 1e6)
+        return out
 
     def _length(self, sample_id: int) -> int:
-        if sample_id not in self.lengths:
-            raw = self.spec.median_len * math.exp(self.rng.gauss(0.0, self.spec.sigma))
-            self.lengths[sample_id] = max(1, min(self.cfg.max_response_tokens, round(raw)))
-        return self.lengths[sample_id]
+        n = self.lengths.get(sample_id)
+        if n is None:
+            n = self.lengths[sample_id] = self.workload.length(sample_id)
+        return n
 
-    def _keep_queue_full(self) -> None:
-        want = 2 * self.cfg.max_inflight_groups
-        while self.core.place_counts()["queued"] < want * self.cfg.group_size:
-            self.core.admit(f"sim-{self.next_prompt}", [1, 2, 3, 4], self.now)
+    def _admit(self) -> None:
+        core = self.core
+        while core.place_counts()["queued"] < self.queue_target:
+            self._call("admit", core.admit, f"sim-{self.next_prompt}", self.prompt, self.now)
             self.next_prompt += 1
 
-    def _apply(self, effects: list[AbortLease]) -> None:
-        for e in effects:
-            slot = self.slots[e.generator].pop(e.lease_id, None)
-            if slot is not None:
-                self._report(slot, "abort")
+    def _report(self, g: _Gen, slot: _Slot, reason: str) -> None:
+        n = g.steps - slot.start
+        if slot.versions is not None:
+            spans: list[list[int]] = []
+            for v in slot.versions:
+                if spans and spans[-1][0] == v:
+                    spans[-1][1] += 1
+                else:
+                    spans.append([v, 1])
+        else:
+            spans = self._spans(g, slot.start, g.steps)
+        if reason != "abort" and slot.offset + n >= self.cfg.max_response_tokens:
+            reason = "length"
+        effects = self._call("finish", self.core.finish, slot.lease_id, slot.offset, [_TOKEN] * n, [_LOGPROB] * n,
+                             spans, reason, self.now)
+        self._effects(effects)
 
-    def _report(self, slot: _Slot, reason: str) -> list[AbortLease]:
-        toks = slot.new_tokens
+    @staticmethod
+    def _spans(g: _Gen, start: int, stop: int) -> list[list[int]]:
+        """Version spans of the steps [start, stop) on ``g``, from its version timeline."""
         spans: list[list[int]] = []
-        for v in slot.new_versions:
-            if spans and spans[-1][0] == v:
-                spans[-1][1] += 1
+        i = bisect_right(g.tl_steps, start) - 1
+        pos, last = start, len(g.tl_steps) - 1
+        while pos < stop:
+            upto = stop if i == last else min(stop, g.tl_steps[i + 1])
+            if upto > pos:
+                spans.append([g.tl_versions[i], upto - pos])
+            pos, i = max(pos, upto), i + 1
+        return spans
+
+    def _effects(self, effects: list[AbortLease]) -> None:
+        touched: dict[int, _Gen] = {}
+        for e in effects:
+            g = self.by_name[e.generator]
+            g.aborts.add(e.lease_id)
+            if g is not self.current:
+                touched[g.index] = g
+        for g in touched.values():
+            self._schedule(g)
+
+    def _score_and_learn(self) -> None:
+        core = self.core
+        for task in self._call("score_lease", core.score_lease, "scorer", 1 << 30, self.now):
+            self._effects(self._call("scored", core.scored, task.sample_id, task.lease_id,
+                                     float(self.rng.random() < 0.5), self.now))
+        if self.learning is None:  # the learner waits for a batch: the service tries on every tick
+            t0 = time.perf_counter()
+            batch = core.pull_batch(self.now)
+            self.latency["pull_empty" if batch is None else "pull_batch"].append((time.perf_counter() - t0) * 1e6)
+            if batch is not None:
+                self._call("ack_batches", core.ack_batches, batch.batch_id)  # the learner holds it
+                self._mark()
+                self.learning = batch.batch_id
+                self._push(self.now + self.spec.train_s, _PUBLISH, 0, 0)
+
+    def _publish(self) -> None:
+        core = self.core
+        version = core.version + 1
+        self._effects(self._call("publish_version", core.publish_version, version, self.now))
+        self._call("report_batch", core.report_batch, self.learning, version, [], "")
+        self.learning = None
+        for g in self.gens:  # every generator loads the new version at its next step boundary
+            if g.slots:
+                self._schedule(g)
             else:
-                spans.append([v, 1])
-        offset = slot.done - len(toks)
-        return self.core.finish(slot.lease_id, offset, toks, [-1.0] * len(toks), spans, reason, self.now)
+                self._load_version(g)
+        self._score_and_learn()
+        self._offer()
 
-    def _fill(self, gen: str) -> None:
-        free = self.spec.slots - len(self.slots[gen])
-        for g in self.core.lease(gen, free, self.now):
-            self.slots[gen][g.lease_id] = _Slot(g.lease_id, g.sample_id, len(g.resume), self._length(g.sample_id))
+    # ------------------------------------------------------------------ generators
 
-    def _score_and_train(self) -> None:
-        for t in self.core.score_lease("scorer", 1 << 30, self.now):
-            self._apply(self.core.scored(t.sample_id, t.lease_id, self.rng.random(), self.now))
-        if self.learner_busy_until is None and self.core.pull_batch(self.now) is not None:
-            self.learner_busy_until = self.now + self.spec.train_s
+    def _offer(self) -> None:
+        """Lease to generators with free slots, first come first served, while the core gives any."""
+        while self.hungry:
+            i = next(iter(self.hungry))
+            g = self.gens[i]
+            free = self.spec.slots - len(g.slots) - len(g.incoming)
+            if free <= 0:
+                del self.hungry[i]
+                continue
+            grants = self._call("lease", self.core.lease, g.name, free, self.now)
+            if not grants:
+                break  # the core's answer does not depend on who asks: nobody else gets one now
+            if len(grants) == free:
+                del self.hungry[i]
+            if g.slots and g.at < self.now:  # mid-step: they start at its next boundary
+                g.incoming.extend(grants)
+                self._schedule(g)
+            else:  # idle, or at a boundary right now: they start now
+                self._advance(g, self.now, g.steps)
+                self._load_version(g)
+                self._start(g, grants)
+                if g is not self.current:
+                    self._schedule(g)
+            self._admit()  # the service keeps the queue topped up the same way
+
+    def _start(self, g: _Gen, grants: list[LeaseGrant]) -> None:
+        exact = self.spec.step_by_step
+        for grant in grants:
+            held = len(grant.resume)
+            left = min(self._length(grant.sample_id), self.cfg.max_response_tokens) - held
+            if left <= 0:
+                raise SimError(f"sample {grant.sample_id} resumed at {held} tokens, past its length "
+                               f"{self._length(grant.sample_id)}")
+            g.slots[grant.lease_id] = _Slot(grant.lease_id, grant.sample_id, held, g.steps, g.steps + left,
+                                            [] if exact else None)
+            heapq.heappush(g.ends, (g.steps + left, grant.lease_id))
+            g.prefill += len(grant.prompt) + held
+
+    def _load_version(self, g: _Gen) -> None:
+        """``g`` is at a step boundary: it takes the newest version (weights load instantly)."""
+        v = self.core.version
+        if v == g.version:
+            return
+        g.version = v
+        if g.tl_steps[-1] == g.steps:
+            g.tl_versions[-1] = v
+        else:
+            g.tl_steps.append(g.steps)
+            g.tl_versions.append(v)
+
+    def _advance(self, g: _Gen, t: float, steps: int) -> None:
+        """Account the time from ``g.at`` to ``t`` (a step boundary, ``steps`` steps done)."""
+        k = len(g.slots)
+        elapsed = t - g.at
+        if k:
+            g.slot_s += elapsed * k
+            g.busy_s += elapsed
+            if self.spec.step_by_step:
+                for _ in range(g.steps, steps):  # at most one step: every boundary is an event
+                    for slot in g.slots.values():
+                        slot.versions.append(g.version)
+        g.steps, g.at = steps, t
+
+    @staticmethod
+    def _first_end(g: _Gen) -> float:
+        """The step count at which the earliest active sequence of ``g`` ends (inf: none)."""
+        ends, slots = g.ends, g.slots
+        while ends and ends[0][1] not in slots:  # ended or aborted since
+            heapq.heappop(ends)
+        return ends[0][0] if ends else math.inf
+
+    def _dt(self, k: int) -> float:
+        return self.spec.step_a_s + self.spec.step_b_s * k
+
+    def _next_boundary(self, g: _Gen) -> tuple[float, int]:
+        """The first step boundary of ``g`` at or after now: (time, steps done by then)."""
+        if not g.slots:
+            return self.now, g.steps
+        dt = self._dt(g.seg_k)
+        j = max(g.steps - g.seg_steps, math.ceil((self.now - g.seg_t) / dt - 1e-9))
+        return g.seg_t + j * dt, g.seg_steps + j
+
+    def _schedule(self, g: _Gen) -> None:
+        """Push ``g``'s next event (its older ones are dropped when popped)."""
+        if not g.slots:
+            if g.incoming or g.aborts:  # cannot happen: an idle generator starts its leases at once
+                raise SimError(f"{g.name} is idle with work pending")
+            g.epoch += 1
+            return
+        if g.at == self.now and (g.seg_k != len(g.slots) or g.prefill):
+            # At a boundary: steps of a new cost start here, after prefilling what started here
+            # (more sequences started at this same boundary add to a prefill begun here).
+            begin = g.seg_t if g.seg_steps == g.steps and g.seg_t > self.now else self.now
+            g.seg_t, g.seg_steps, g.seg_k = begin + self.spec.prefill_s * g.prefill, g.steps, len(g.slots)
+            g.prefill = 0
+        if g.incoming or g.aborts or g.version != self.core.version:
+            t, steps = self._next_boundary(g)
+        else:  # the boundary where its earliest sequence ends (step_by_step: the next one)
+            steps = g.steps + 1 if self.spec.step_by_step else self._first_end(g)
+            t = g.seg_t + (steps - g.seg_steps) * self._dt(g.seg_k)
+        g.epoch += 1
+        self._push(t, _GEN, g.index, g.epoch, steps)
+
+    def _push(self, t: float, kind: int, index: int, epoch: int, steps: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, kind, index, self.seq, epoch, steps))
+
+    def _boundary(self, g: _Gen, steps: int) -> None:
+        """``g`` reached a step boundary: report what ended, apply what reached it, lease, go on."""
+        self.current = g
+        self._advance(g, self.now, steps)
+        changed = False
+        while self._first_end(g) <= g.steps:
+            slot = g.slots.pop(heapq.heappop(g.ends)[1])
+            self._report(g, slot, "stop")
+            changed = True
+        while g.aborts:
+            lid = g.aborts.pop()
+            slot = g.slots.pop(lid, None)
+            if slot is not None:
+                self._report(g, slot, "abort")
+                changed = True
+                continue
+            for grant in g.incoming:
+                if grant.lease_id == lid:  # aborted before it started: nothing to report but that
+                    g.incoming.remove(grant)
+                    effects = self._call("finish", self.core.finish, lid, len(grant.resume), [], [], [], "abort",
+                                         self.now)
+                    self._effects(effects)
+                    changed = True
+                    break
+        self._load_version(g)
+        if g.incoming:
+            self._start(g, g.incoming)
+            g.incoming = []
+            changed = True
+        if changed:
+            self._score_and_learn()
+            if len(g.slots) < self.spec.slots:
+                self.hungry[g.index] = None
+            self._offer()
+        self.current = None
+        self._schedule(g)
+
+    # ------------------------------------------------------------------ the run
+
+    def _mark(self) -> None:
+        slot_s = busy_s = 0.0
+        for g in self.gens:  # the accounts of every generator, carried to now
+            k = len(g.slots)
+            slot_s += g.slot_s + (self.now - g.at) * k
+            busy_s += g.busy_s + (self.now - g.at if k else 0.0)
+        self.marks.append((self.now, self.core.counters.as_dict(), slot_s, busy_s))
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif info["generation"] == 2:
+            self.gc_pauses.append((time.perf_counter() - self._gc_t0) * 1e3)
 
     def run(self) -> SimResult:
-        events: list[tuple[float, int, str]] = []
-        for i, gen in enumerate(self.slots):
-            heapq.heappush(events, (0.0, i, gen))
-        order = len(self.slots)
-        while self.core.counters.batches_delivered < self.spec.batches:
-            t, _, gen = heapq.heappop(events)
-            if self.learner_busy_until is not None and self.learner_busy_until <= t:
-                self.now = self.learner_busy_until
-                self.learner_busy_until = None
-                self._apply(self.core.publish_version(self.core.version + 1, self.now))
-                self._score_and_train()
-            self.now = t
-            self._keep_queue_full()
-            self._fill(gen)
-            active = self.slots[gen]
-            if not active:  # idle: look again after one step's time
-                order += 1
-                heapq.heappush(events, (t + self.spec.step_a_s, order, gen))
-                continue
-            step = self.spec.step_a_s + self.spec.step_b_s * len(active)
-            self.busy_slot_seconds += step * len(active)
-            self.now = t + step
-            for lid, slot in list(active.items()):
-                if lid not in active:  # aborted by an early termination earlier in this step
+        """Run until ``warmup + batches`` batches went out. Python's cyclic garbage collector
+        runs as usual (it is part of what a broker process pays); its full collections are timed."""
+        gc.collect()  # each mode starts clean, not with the garbage of the one before
+        gc.callbacks.append(self._on_gc)
+        try:
+            return self._run()
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def _run(self) -> SimResult:
+        spec = self.spec
+        wall0 = time.perf_counter()
+        self._mark()  # the start: time 0, nothing done
+        self._admit()
+        self.hungry = dict.fromkeys(range(spec.generators))
+        self._offer()
+        want = spec.warmup + spec.batches
+        events = self.events
+        while self.core.counters.batches_delivered < want:
+            if not events:
+                raise SimError(f"mode {self.cfg.mode}: the run stalled after {self.core.counters.batches_delivered} "
+                               f"batches (nothing in flight, nothing to lease)")
+            t, kind, index, _, epoch, steps = heapq.heappop(events)
+            if kind == _GEN:
+                g = self.gens[index]
+                if epoch != g.epoch:
                     continue
-                slot.new_tokens.append(7)
-                slot.new_versions.append(self.core.version)
-                slot.done += 1
-                if slot.done >= slot.target:
-                    del active[lid]
-                    self._apply(self._report(slot, "stop"))
-            self._score_and_train()
-            order += 1
-            heapq.heappush(events, (self.now, order, gen))
-        capacity = self.now * self.spec.generators * self.spec.slots
-        c = self.core.counters.as_dict()
-        return SimResult(self.cfg.mode, self.now, c["batches_delivered"], c["tokens_delivered"],
-                         self.busy_slot_seconds / capacity if capacity else 0.0, c)
+                self.now = t
+                self._boundary(g, steps)
+            else:
+                self.now = t
+                self._publish()
+        return self._result(time.perf_counter() - wall0)
+
+    def _result(self, wall_s: float) -> SimResult:
+        spec, cfg = self.spec, self.cfg
+        (t0, c0, s0, b0), (t1, c1, s1, b1) = self.marks[spec.warmup], self.marks[-1]
+        span = t1 - t0
+        if span <= 0:
+            raise SimError(f"mode {cfg.mode}: the measured batches took no simulated time")
+        d = {k: c1[k] - c0[k] for k in ("groups_delivered", "tokens_delivered", "tokens_generated",
+                                         "off_policy_tokens", "tokens_discarded", "partials_recycled")}
+        core = self.core
+        ledger_ok = sum(core.place_counts().values()) == len(core.samples) == \
+            core.counters.groups_admitted * cfg.group_size
+        return SimResult(
+            mode=cfg.mode, r=cfg.over_provision, eta=cfg.staleness_bound, sim_seconds=span,
+            batches=len(self.marks) - 1 - spec.warmup, groups=d["groups_delivered"],
+            useful_tokens=d["tokens_delivered"], generated_tokens=d["tokens_generated"],
+            off_policy_tokens=d["off_policy_tokens"], discarded_tokens=d["tokens_discarded"],
+            recycled=d["partials_recycled"],
+            idle_fraction=max(0.0, 1.0 - (s1 - s0) / (span * spec.generators * spec.slots)),
+            empty_fraction=max(0.0, 1.0 - (b1 - b0) / (span * spec.generators)),
+            wall_s=wall_s, latency_us=self.latency, gc_pauses_ms=self.gc_pauses, counters=core.counters.as_dict(),
+            ledger_ok=ledger_ok)

@@ -1,38 +1,128 @@
-"""The main job so far: ``april simulate`` runs the real broker core in every mode."""
+"""The simulator: the real broker core around simulated generators that jump from event to event."""
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from april_async.broker.config import RolloutConfig
+from april_async.broker.core import Place
 from april_async.cli import main
-from april_async.sim.engine import Simulation, SimSpec
+from april_async.sim.engine import SimError, Simulation, SimSpec
 
-SPEC = SimSpec(generators=2, slots=8, batches=4, median_len=24, train_s=0.05)
-
-
-def run(mode, **kw):
-    cfg = RolloutConfig(mode=mode, batch_groups=4, group_size=2, max_response_tokens=128, **kw)
-    return Simulation(cfg, SPEC).run()
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = SimSpec(generators=3, slots=8, step_a_s=0.01, step_b_s=0.002, prefill_s=1e-4, prompt_tokens=8,
+               workload="math", batches=4, warmup=1)
+MODES = [("sync", 1.0, 0), ("april", 1.5, 1), ("april", 2.0, 2), ("async", 2.0, 1)]
 
 
-def test_every_mode_delivers_its_batches_and_the_ledger_balances():
-    for mode, kw in [("sync", dict(over_provision=1.0, staleness_bound=0)), ("april", {}), ("async", {})]:
-        r = run(mode, **kw)
-        c = r.counters
-        assert r.batches == SPEC.batches and c["groups_delivered"] == 4 * SPEC.batches
-        assert c["samples_delivered"] == 2 * c["groups_delivered"]
-        assert 0 < r.busy_fraction <= 1
+def cfg(mode, r, eta, **kw):
+    knobs = dict(batch_groups=4, group_size=3, max_response_tokens=160) | kw
+    return RolloutConfig(mode=mode, over_provision=r, staleness_bound=eta, **knobs)
+
+
+@pytest.mark.parametrize("mode,r,eta", MODES)
+def test_every_mode_delivers_its_batches_and_the_ledger_balances(mode, r, eta):
+    sim = Simulation(cfg(mode, r, eta), SPEC)
+    res = sim.run()
+    c = res.counters
+    assert res.ledger_ok
+    places = sim.core.place_counts()
+    assert sum(places.values()) == len(sim.core.samples) == 3 * c["groups_admitted"]
+    assert c["batches_delivered"] == SPEC.warmup + SPEC.batches and res.batches == SPEC.batches
+    assert c["groups_delivered"] == 4 * c["batches_delivered"] and c["samples_delivered"] == 3 * c["groups_delivered"]
+    assert res.groups == 4 * SPEC.batches and res.useful_tokens > 0 and res.sim_seconds > 0
+    # Every token a generator reported is delivered, dropped by a restart or retirement, or still held.
+    held = sum(len(s.tokens) for s in sim.core.samples.values() if s.place is not Place.RETIRED)
+    assert c["tokens_generated"] == c["tokens_delivered"] + c["tokens_discarded"] + c["tokens_retired"] + held
+    assert c["tokens_duplicate"] == c["chunk_gaps"] == c["stale_reports"] == 0  # every report was on time
+    assert max(c["staleness_samples"]) <= eta  # nothing delivered past η
+    assert 0.0 <= res.idle_fraction <= 1.0 and 0.0 <= res.empty_fraction <= res.idle_fraction + 1e-9
+    for call in ("lease", "finish", "scored", "pull_batch", "publish_version"):
+        p50, p99, n = res.latency(call)
+        assert n > 0 and 0 < p50 <= p99, call
 
 
 def test_april_recycles_partials_and_sync_never_does():
-    assert run("sync", over_provision=1.0, staleness_bound=0).counters["partials_recycled"] == 0
-    april = run("april", over_provision=2.0, staleness_bound=2).counters
-    assert april["early_terminations"] > 0 and april["partials_recycled"] > 0
+    sync = Simulation(cfg("sync", 1.0, 0), SPEC).run()
+    april = Simulation(cfg("april", 2.0, 2), SPEC).run()
+    assert sync.counters["partials_recycled"] == 0 and sync.counters["early_terminations"] == 0
+    assert sync.off_policy_tokens == 0
+    assert april.counters["early_terminations"] > 0 and april.counters["partials_recycled"] > 0
+    assert april.tokens_per_s > sync.tokens_per_s  # the long tail, recycled
+
+
+@pytest.mark.parametrize("mode,r,eta,train_s", [("sync", 1.0, 0, 0.0), ("april", 2.0, 0, 0.0),
+                                                ("april", 1.5, 2, 0.3), ("async", 2.0, 1, 0.3), ("async", 1.5, 0, 0.0)])
+def test_jumps_give_what_a_step_by_step_run_gives(mode, r, eta, train_s):
+    """The jump-ahead engine against the reference that visits every decode step and records each
+    token's version one at a time: the same core calls, so the same counters — tokens delivered,
+    their versions (the staleness histograms), restarts, recycled partials — and the same clock."""
+    for workload in ("math", "pareto:min=4,alpha=1.1"):
+        spec = replace(SPEC, workload=workload, train_s=train_s)
+        jump = Simulation(cfg(mode, r, eta), spec).run()
+        step = Simulation(cfg(mode, r, eta), replace(spec, step_by_step=True)).run()
+        assert jump.counters == step.counters
+        assert jump.sim_seconds == pytest.approx(step.sim_seconds, rel=1e-12)
+        assert jump.idle_fraction == pytest.approx(step.idle_fraction, abs=1e-9)
+        assert sum(len(v) for v in step.latency_us.values()) > 0
+        if mode == "async" and train_s:
+            assert len(jump.counters["staleness_tokens"]) > 1  # versions changed under running leases
+
+
+def test_a_constant_workload_takes_exactly_its_decode_steps():
+    """sync, every response 50 tokens, one sample per slot: a batch is one prefill and 50 full steps."""
+    spec = SimSpec(generators=2, slots=4, step_a_s=0.01, step_b_s=0.001, prefill_s=0.0005, prompt_tokens=6,
+                   workload="const:50", batches=3, warmup=1)
+    res = Simulation(cfg("sync", 1.0, 0, batch_groups=4, group_size=2), spec).run()
+    per_batch = 4 * 6 * 0.0005 + 50 * (0.01 + 4 * 0.001)  # prefill 4 prompts, then 50 steps of 4
+    assert res.sim_seconds == pytest.approx(3 * per_batch)
+    assert res.useful_tokens == 3 * 8 * 50 and res.idle_fraction == pytest.approx(0.0, abs=1e-9)
+
+
+def test_bad_spec_and_impossible_cluster_are_refused_naming_the_setting():
+    with pytest.raises(SimError, match="slots"):
+        Simulation(cfg("sync", 1.0, 0), replace(SPEC, slots=0))
+    with pytest.raises(SimError, match="train_s"):
+        Simulation(cfg("sync", 1.0, 0), replace(SPEC, train_s=-1))
+    with pytest.raises(SimError, match="cannot hold a group"):
+        Simulation(cfg("sync", 1.0, 0, group_size=30), SPEC)
 
 
 def test_cli_prints_one_row_per_mode(capsys):
-    assert main(["simulate", "--batches", "2", "--slots", "8", "--median-len", "16"]) == 0
-    rows = capsys.readouterr().out.strip().splitlines()
-    assert [r.split()[0] for r in rows] == ["mode", "sync", "april", "async"]
+    assert main(["simulate", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("mode "))
+    rows = [ln.split() for ln in lines[head + 1:head + 5]]
+    assert [(r[0], float(r[1])) for r in rows] == [("sync", 1.0), ("april", 1.5), ("april", 2.0), ("async", 2.0)]
+    assert rows[0][6] == "1.00x" and all(float(r[5]) > 0 for r in rows)
+    assert "april (r=2) / sync = " in out and "p50 / p99" in out
 
 
-def test_cli_refuses_a_bad_knob_naming_it(capsys):
-    assert main(["simulate", "--modes", "april", "--r", "0.5"]) == 2
-    assert "over_provision" in capsys.readouterr().err
+def test_tools_simulate_runs_from_a_checkout_and_writes_json(tmp_path):
+    out = subprocess.run([sys.executable, "tools/simulate.py", "--smoke", "--modes", "sync,april:2",
+                          "--json", str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(r["mode"], r["r"]) for r in rows] == [("sync", 1.0), ("april", 2.0)]
+    assert rows[0]["vs_base"] == 1.0 and all(r["ledger_ok"] and r["tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--modes", "april:0.5"], "over_provision"),
+    (["--modes", "april,turbo"], "unknown mode 'turbo'"),
+    (["--modes", "sync:2"], "over_provision = 1"),
+    (["--eta", "-1"], "--eta"),
+    (["--generators", "0"], "generators"),
+    (["--step-a", "-0.1"], "step_a_s"),
+    (["--workload", "zipf:a=2"], "unknown kind 'zipf'"),
+])
+def test_cli_refuses_a_bad_knob_in_one_line_naming_it(capsys, argv, named):
+    assert main(["simulate", "--generators", "2", "--slots", "4", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1, err

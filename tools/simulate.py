@@ -1,0 +1,100 @@
+"""The cluster-scale simulator: the real broker core driving 1,000 simulated generators.
+
+    .venv/bin/python tools/simulate.py                  # the default: 1,000 generators × 64 slots (4.5 min)
+    .venv/bin/python tools/simulate.py --generators 100 # the same ratios in ~15 s
+    .venv/bin/python tools/simulate.py --smoke          # seconds (CI)
+    .venv/bin/python tools/simulate.py --costs cpu --modes sync,april:2 --eta 1 --json out.json
+
+(``april simulate`` takes the same flags.) Every mode — ``sync``, ``april`` at r = 1.5 and 2,
+``async`` at r = 2 — runs the same cluster around the real ``BrokerCore``: every lease, early
+termination, recycled partial and staleness restart is the core's decision, and each call into
+it is timed (``april_async/sim/engine.py`` describes the generator model and how it jumps from
+event to event instead of visiting every decode step). Each sample's true length comes from the
+workload (``april_async/sim/workload.py``), keyed by its id, so every mode sees the same lengths.
+
+The default cluster: 1,000 generators × 64 slots with GPU-like step costs (``--costs gpu``,
+``april_async/sim/costs.py``: 25 ms + 0.02 ms per sequence, prefill 0.02 ms per token); a batch
+of B = 4,000 groups × n = 16 samples, which fills every slot once (``--batch-groups 0``: G·S/n);
+APRIL-like long responses: the ``math`` workload with a budget of 8,192 tokens (median 1,240,
+p90 4,549, 3 % run into the budget); η = 4; the learner takes no time (``--train-s 0``), so
+this is rollout throughput, as APRIL's figures are. Two warm-up batches and two measured ones per
+mode (april's step lengths alternate long/short: a window of two is stable).
+
+Reported per mode: simulated seconds of the measured batches; finished groups/s and useful
+tokens/s (tokens delivered to the learner); the ratio to the first mode; ``idle`` = 1 − busy
+slot-seconds / capacity and ``empty`` = the share of generator-time with no active sequence;
+the off-policy share of the delivered tokens; tokens dropped by staleness restarts; partials
+resumed. Then the broker core's wall-clock cost per call (p50 / p99 µs, measured with
+``time.perf_counter`` around each real call; ``pull_batch`` counts the calls that returned a
+batch) and the full garbage collections of the run.
+
+What it finds, in useful tokens/s against sync. The default at 1,000 generators (4 min 28 s,
+4.5 GB): sync 578k tokens/s with 77 % of slot time idle; april r=1.5 1.19x, r=2 1.87x (54 % idle,
+77 % of its tokens off-policy); async r=2 2.26x. The variations below ran at ``--generators 100``
+(15 s each), which gives the default's ratios within 0.05:
+
+    default (gpu, math, budget 8192, n 16, B·n = slots, η 4)   april r=1.5 1.14x  r=2 1.87x  async 2.28x
+    n = 8                                                       1.62x  2.12x  3.29x
+    B·n = 4 × slots (--batch-groups 1600)                       1.52x  1.75x  1.77x
+    budget 16384                                                1.14x  1.88x  2.28x
+    no tail (uniform 0.05–0.4 of the budget)                    1.04x  1.57x  1.80x
+    heavier tail (pareto:min=0.02max,alpha=1.2)                 2.24x  3.46x  3.75x
+    learner 60 s per batch (--train-s 60)                       1.11x  1.54x  3.01x
+    η = 1                                                       1.14x  1.42x  1.31x
+    η = 0                                                       0.99x  0.97x  0.73x
+    cpu costs (--costs cpu)                                     1.20x  1.21x  1.42x
+
+So the project goal — april at r = 2 reaching at least 1.44× sync, APRIL's best published gain —
+holds at the default (1.87×) and in every row with GPU costs but η ≤ 1. Why the gain is what
+it is:
+
+* Sync waits for its longest response. With 64,000 samples a step, some sample always runs into
+  the budget, so every sync step lasts budget × step time; the slots are busy only mean/budget of
+  it (77 % idle here). That idle share bounds any scheduler: at most 1/(1 − idle) ≈ 4.2×.
+* A group is complete only when its slowest sample is. At n = 16 and 3 % of samples at the
+  budget, 1 − 0.97^16 = 39 % of groups hold a budget-length sample. April ends a step once B of
+  its r·B groups are complete, so at r = 1.5 it needs 67 % of them — more than the 61 % that are
+  short — and waits for budget-length samples almost as sync does (1.14×); at r = 2 it needs
+  half (1.87×); at n = 8 only 22 % of groups are long and r = 1.5 already gains 1.62×.
+* The in-flight bound is per group: a group with one long straggler holds its place among the
+  r·B, so even async leaves ~40 % of slots idle at r = 2. A batch bigger than the cluster
+  (B·n = 4 × slots) keeps sync busier (44 % idle) and lets april fill every slot: 1.75×.
+* η must let a long response span steps. April's steps are far shorter than a budget-length
+  response (8,192 steps ≈ 205 s), which grows over several steps as a partial; with η ≤ 1 it is
+  restarted before it finishes (η = 0: every partial is, and april is sync with extra work). At
+  η = 4 nothing is restarted, and 77 % of the delivered tokens are off-policy, nearly all of
+  them one version old (no lag above 2).
+* Costs: on a CPU a step costs ~0.23 ms per sequence on top of 1.4 ms, so a half-empty batch is
+  also a cheaper step and the tail wastes less (1.21×). Learner time that the generators wait
+  through (``--train-s``) dilutes the gain of april, not of async, which trains while it
+  generates.
+
+APRIL reports up to 44 % on real clusters; this simulator gives more at the default because it
+leaves out what a real engine adds: decode cost that grows with context, recomputing a partial's
+KV cache beyond the prefill charge, weight transfer, and any training time the rollout waits for.
+
+At 1,000 generators a mode costs 50–95 s of wall time on one core (4.5 min for the four), most
+of it inside the broker core's own calls — the cost this tool exists to show:
+
+* Python's full garbage collections walk every token list the ledger holds: 15–16 per mode, up
+  to 3.3 s each, ~20 % of the run; one that lands in a call is that call's latency (the
+  ``pull_batch`` p50 of seconds). Token arrays that the collector does not track (``array``,
+  numpy) would remove most of it.
+* ``lease`` takes the sample at the front of a dict used as a FIFO queue, and iterating a dict
+  first skips the deleted entries at its front: p50 6 µs at 100 generators, 40–70 µs (p99 1–2 ms)
+  at 1,000, where two batches' worth of samples stay queued. An ``OrderedDict`` (iterated
+  along its linked list) or a deque with lazy deletion would keep it flat.
+* ``publish_version`` visits every live sample (queued ones included): 30–240 ms a version here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from april_async.sim.report import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(prog="simulate"))
