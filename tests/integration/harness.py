@@ -26,6 +26,25 @@ from april_async.transport.peer import Peer
 FAST_LINK = {"link.heartbeat_interval_s": 0.1, "link.peer_timeout_s": 0.8}
 
 
+TINY_POLICY_TOML = """[warmstart]      # a tiny policy in seconds: these tests are about the plumbing, not the reward
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 64
+max_steps = 4
+eval_problems = 4
+max_response_tokens = 32
+prompts = {{ kind = "addchain", seed = 1000 }}
+
+[broker]
+prompts = {{ kind = "addchain", seed = 0 }}
+
+"""
+"""The ``[warmstart]`` and ``[broker]`` sections of a tiny ``april up`` run, as a ``str.format``
+template piece (braces doubled) for the tests that start whole runs."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

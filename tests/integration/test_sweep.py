@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.harness import TINY_POLICY_TOML
+
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -39,21 +41,7 @@ actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
 duration_s = 120
 final_sync_s = 15
 
-[warmstart]      # a tiny policy in about a second: the test is about the sweep, not the reward
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-max_steps = 4
-eval_problems = 4
-max_response_tokens = 32
-prompts = {{ kind = "addchain", seed = 1000 }}
-
-[broker]
-prompts = {{ kind = "addchain", seed = 0 }}
-
-[broker.rollout]
+""" + TINY_POLICY_TOML + """[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2

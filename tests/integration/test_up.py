@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import free_port
+from tests.integration.harness import TINY_POLICY_TOML, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -39,21 +39,7 @@ max_steps = {steps}
 duration_s = 240
 final_sync_s = 30
 
-[warmstart]      # a tiny policy in a few seconds: the test is about the plumbing, not the reward
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-max_steps = 4
-eval_problems = 4
-max_response_tokens = 32
-prompts = {{ kind = "addchain", seed = 1000 }}
-
-[broker]
-prompts = {{ kind = "addchain", seed = 0 }}
-
-[broker.rollout]
+""" + TINY_POLICY_TOML + """[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2
