@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from april_async.broker.config import RolloutConfig  # noqa: E402
 from april_async.broker.core import AbortLease, BrokerCore  # noqa: E402
-from april_async.generator.engine import EngineRequest  # noqa: E402
+from april_async.generator.engine import EngineRequest, version_runs  # noqa: E402
 from april_async.generator.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.sim.workload import WorkloadError, parse_workload  # noqa: E402
@@ -138,12 +138,7 @@ class Bench:
 
     def _report(self, g: _Gen, lease_id: int, reason: str) -> None:
         lease = g.leases.pop(lease_id)
-        spans: list[list[int]] = []
-        for v in lease.versions:
-            if spans and spans[-1][0] == v:
-                spans[-1][1] += 1
-            else:
-                spans.append([v, 1])
+        spans = version_runs(lease.versions)
         self._apply(self.core.finish(lease_id, lease.offset, lease.tokens, lease.logprobs, spans, reason, self.now))
 
     def _fill(self, g: _Gen) -> float:

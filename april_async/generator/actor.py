@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from april_async.config import LinkConfig, LogConfig
-from april_async.generator.engine import Engine, EngineOutput, EngineRequest
+from april_async.generator.engine import Engine, EngineOutput, EngineRequest, version_runs
 from april_async.generator.scripted import ScriptedEngineConfig
 from april_async.generator.torch_engine import TorchEngineConfig
 from april_async.logs import get_logger
@@ -56,13 +56,7 @@ class LeaseWork:
 
 
 def spans_of(versions: list[int]) -> list[m.VersionSpan]:
-    spans: list[list[int]] = []
-    for v in versions:
-        if spans and spans[-1][0] == v:
-            spans[-1][1] += 1
-        else:
-            spans.append([v, 1])
-    return [m.VersionSpan(v, c) for v, c in spans]
+    return [m.VersionSpan(v, c) for v, c in version_runs(versions)]
 
 
 class GeneratorActor:

@@ -50,3 +50,14 @@ class Engine(Protocol):
         """Stop a request now; its output (finish = "abort") or None if it is not active."""
 
     def active(self) -> int: ...
+
+
+def version_runs(versions: list[int]) -> list[list[int]]:
+    """Per-token policy versions as runs ``[[version, count], ...]``: the spans a report carries."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from april_async.broker.config import RolloutConfig
 from april_async.broker.core import AbortLease, BrokerCore, LeaseGrant
+from april_async.generator.engine import version_runs
 from april_async.sim.costs import COSTS
 from april_async.sim.workload import parse_workload
 
@@ -243,12 +244,7 @@ class Simulation:
     def _report(self, g: _Gen, slot: _Slot, reason: str) -> None:
         n = g.steps - slot.start
         if slot.versions is not None:
-            spans: list[list[int]] = []
-            for v in slot.versions:
-                if spans and spans[-1][0] == v:
-                    spans[-1][1] += 1
-                else:
-                    spans.append([v, 1])
+            spans = version_runs(slot.versions)
         else:
             spans = self._spans(g, slot.start, g.steps)
         if reason != "abort" and slot.offset + n >= self.cfg.max_response_tokens:
