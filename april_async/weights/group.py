@@ -91,6 +91,12 @@ class WeightGroup:
         return cls(device=device, store=store, store_host=host)
 
     @property
+    def store(self) -> dist.TCPStore | None:
+        """The TCPStore this process hosts (rank 0) or is connected to; other groups may share it
+        under their own key prefix (``weights.custom_group``)."""
+        return self._store
+
+    @property
     def store_address(self) -> str | None:
         """``host:port`` of the store this process hosts (rank 0), else None."""
         return self._store_address

@@ -107,6 +107,9 @@ class Hello(Body):
     engine: str | None = None
     policy_version: int | None = None  # the version whose weights the sender holds
     inflight: list[InflightLease] = []
+    # since 1.2, generator → broadcaster: the base URLs of the inference servers behind a server
+    # engine (sglang); the broadcaster updates their weights itself, over their own API
+    servers: list[str] = []
 
 
 class Welcome(Body):
