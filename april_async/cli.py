@@ -62,7 +62,13 @@ def _run_actor(args: argparse.Namespace, model, build) -> int:
     except ValueError as e:  # a setting that only fails when used: a reward path, a journal directory
         print(f"april {args.command}: {e}", file=sys.stderr)
         return 2
-    actor.run(args.stop)
+    from april_async.runtime import ActorFailed
+
+    try:
+        actor.run(args.stop)
+    except ActorFailed as e:  # a peer that refuses the actor's work for good: say why and stop
+        print(f"april {args.command}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -90,6 +96,10 @@ def _generator(args: argparse.Namespace) -> int:
             if not cfg.torch.checkpoint:
                 raise ValueError("torch.checkpoint is not set: give a Hugging Face checkpoint directory")
             engine = TorchEngine.from_config(cfg.torch)
+        elif cfg.engine == "sglang":
+            from april_async.generator.sglang_engine import SGLangEngine
+
+            engine = SGLangEngine(cfg.sglang, instance=cfg.name)
         else:
             from april_async.generator.scripted import ScriptedEngine
 
@@ -174,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the actors to start here, e.g. broker,broadcaster,learner,scorer or generator:2 "
                         "(default: [run] actors, normally all of them)")
     u.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    u.add_argument("--warm-start-only", action="store_true",
+                   help="make the initial policy (<run.dir>/init) if there is none, then exit: e.g. to start "
+                        "SGLang servers from it")
     u.set_defaults(func=_up)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines "
                                          "(tools/simulate.py)")

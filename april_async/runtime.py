@@ -1,4 +1,4 @@
-"""What every actor process shares: a stop flag set by SIGINT/SIGTERM."""
+"""What every actor process shares: a stop flag set by SIGINT/SIGTERM, and the error that stops one."""
 
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ class StopFlag:
 
     def __bool__(self) -> bool:
         return self._event.is_set()
+
+
+class ActorFailed(RuntimeError):
+    """Raised out of an actor's loop for a failure that retrying cannot mend (a server that refuses
+    every request as configured); the actor's command prints it and exits with status 2."""

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from april_async.config import LinkConfig, LogConfig
 from april_async.generator.engine import Engine, EngineOutput, EngineRequest, version_runs
 from april_async.generator.scripted import ScriptedEngineConfig
+from april_async.generator.sglang_engine import SGLangEngineConfig
 from april_async.generator.torch_engine import TorchEngineConfig
 from april_async.logs import get_logger
 from april_async.wire import messages as m
@@ -31,10 +32,11 @@ class GeneratorConfig(BaseModel):
     name: str = "gen-0"
     """Unique among the run's actors; a restarted process SHOULD keep it (its old leases are reclaimed)."""
     link: LinkConfig = LinkConfig()
-    engine: Literal["torch", "scripted"] = "torch"
-    """``torch``: the embedded PyTorch engine; ``scripted``: the scripted test engine
-    (deterministic tokens, for runtime tests)."""
+    engine: Literal["torch", "sglang", "scripted"] = "torch"
+    """``torch``: the embedded PyTorch engine; ``sglang``: SGLang servers over HTTP (``[generator.sglang]``);
+    ``scripted``: the scripted test engine (deterministic tokens, for runtime tests)."""
     torch: TorchEngineConfig = TorchEngineConfig()
+    sglang: SGLangEngineConfig = SGLangEngineConfig()
     scripted: ScriptedEngineConfig = ScriptedEngineConfig()
     broadcaster: str | None = None
     """The broadcaster's endpoint: new weights arrive over its ``torch.distributed`` group. None:
@@ -71,9 +73,16 @@ class GeneratorActor:
         self.unacked_seq: list[int] = []
         self.sessions = 0
         self.min_version: dict[int, int] = {}  # lease -> the policy version it must start from
+        self.aborting: set[int] = set()  # leases whose abort a server engine will report through step()
+        self.capacity = engine.slots  # what the broker was told (a server engine's shrinks while one is down)
         self.holds_weights = getattr(engine, "load_weights", None) is not None
+        self.server_engine = getattr(engine, "servers", None) is not None  # its servers hold the weights
         self.weights = None
-        if cfg.broadcaster is not None and not self.holds_weights:
+        if cfg.broadcaster is not None and self.server_engine:
+            from april_async.generator.weights import ServerWeightsLink
+
+            self.weights = ServerWeightsLink(cfg.name, cfg.broadcaster, cfg.link, engine)
+        elif cfg.broadcaster is not None and not self.holds_weights:
             self.log.warning("broadcaster_ignored", reason=f"the {engine.name} engine holds no weights")
         elif cfg.broadcaster is not None:
             from april_async.generator.weights import WeightSubscriber
@@ -86,12 +95,7 @@ class GeneratorActor:
     def _on_connect(self, peer) -> None:
         """(Re)open the session: re-report live leases, re-send unacknowledged finishes."""
         self.sessions += 1
-        # Unacknowledged finishes count as in flight: the broker must keep their leases open
-        # until the re-sent ``finished`` arrives.
-        inflight = [m.InflightLease(w.lease_id, w.sample_id, w.start + len(w.tokens)) for w in self.work.values()]
-        inflight += [m.InflightLease(f.lease_id, f.sample_id, f.offset + len(f.tokens)) for f in self.unacked]
-        peer.send(m.Hello(role="generator", instance=self.cfg.name, capacity=self.engine.slots, engine=self.engine.name,
-                          policy_version=self.engine.policy_version, inflight=inflight))
+        self._hello(peer)
         for w in self.work.values():
             w.sent = 0  # the broker may have lost chunks: send the lease's tokens again from its start
         resend, self.unacked, self.unacked_seq = self.unacked, [], []
@@ -99,6 +103,17 @@ class GeneratorActor:
             self._send_finished(fin, peer)
         if self.sessions > 1:
             self.log.info("reconnected", leases=len(self.work), resent_finishes=len(resend))
+
+    def _hello(self, peer) -> None:
+        """Register with the broker: capacity, version, and every lease this process still holds.
+        Unacknowledged finishes count as in flight: the broker must keep their leases open until
+        the re-sent ``finished`` arrives. Sent again mid-session when the engine's capacity
+        changes (a ``hello`` re-registers; the broker keeps the leases it lists)."""
+        self.capacity = self.engine.slots
+        inflight = [m.InflightLease(w.lease_id, w.sample_id, w.start + len(w.tokens)) for w in self.work.values()]
+        inflight += [m.InflightLease(f.lease_id, f.sample_id, f.offset + len(f.tokens)) for f in self.unacked]
+        peer.send(m.Hello(role="generator", instance=self.cfg.name, capacity=self.capacity, engine=self.engine.name,
+                          policy_version=self.engine.policy_version, inflight=inflight))
 
     def _send_finished(self, fin: m.Finished, peer=None) -> None:
         self.unacked_seq.append((peer or self.peer).send(fin))
@@ -115,6 +130,9 @@ class GeneratorActor:
                 msg = self.peer.poll(0.0)
             if self.weights is not None:
                 self.weights.poll(0.0)  # a new version loads here, between decode steps
+            if self.engine.slots != self.capacity:  # a server engine lost or regained a server
+                self.log.info("capacity", was=self.capacity, now=self.engine.slots)
+                self._hello(self.peer)
             self._start_waiting()
             for out in self.engine.step():
                 self._progress(out)
@@ -123,12 +141,15 @@ class GeneratorActor:
         self.peer.close()
         if self.weights is not None:
             self.weights.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
         self.log.info("stopped", leases=len(self.work), version=self.engine.policy_version)
 
     def handle(self, msg) -> None:
         body = msg.body
         if isinstance(body, m.Generate):
-            if self.holds_weights:
+            if self.holds_weights or self.server_engine:
                 self.min_version[body.lease_id] = body.min_policy_version
             else:  # the scripted test engine has no weights to wait for
                 self.engine.policy_version = max(self.engine.policy_version, body.min_policy_version)
@@ -139,8 +160,9 @@ class GeneratorActor:
                 stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed))
             self.work[body.lease_id] = LeaseWork(body.lease_id, body.sample_id, len(body.resume))
         elif isinstance(body, m.Abort):
-            targets = list(self.work) if body.all else body.lease_ids
-            for lid in targets:
+            if body.all and getattr(self.engine, "abort_all", None) is not None:
+                self._abort_all()
+            for lid in list(self.work) if body.all else body.lease_ids:
                 self._abort(lid)
         elif isinstance(body, m.Heartbeat):
             if body.ack_seq is not None:
@@ -155,6 +177,9 @@ class GeneratorActor:
     def _new_weights(self, body: m.WeightsPublished) -> None:
         """Load policy ``body.version`` from its checkpoint directory (between decode steps)."""
         if body.version <= self.engine.policy_version:
+            return
+        if self.server_engine:  # its servers get weights from the broadcaster: read their versions now
+            self.engine.refresh_versions()
             return
         if not self.holds_weights:  # the scripted test engine holds no weights
             self.engine.policy_version = body.version
@@ -183,14 +208,28 @@ class GeneratorActor:
             if req.lease_id in self.work:  # not aborted while it waited
                 self.engine.submit(req)
 
+    def _abort_all(self) -> None:
+        """Every started lease at once, with one call per server (a server engine's ``abort_all``);
+        their ends come through ``step``."""
+        started = [lid for lid in self.work if lid not in self.aborting
+                   and not any(r.lease_id == lid for r in self.waiting)]
+        self.engine.abort_all()
+        self.aborting.update(started)
+
     def _abort(self, lease_id: int) -> None:
         w = self.work.get(lease_id)
-        if w is None:
+        if w is None or lease_id in self.aborting:
             return
-        self.engine.abort(lease_id)
-        self.waiting = deque(r for r in self.waiting if r.lease_id != lease_id)
-        self.min_version.pop(lease_id, None)
-        self._finish(w, "abort")
+        if any(r.lease_id == lease_id for r in self.waiting):  # never started: nothing to stop
+            self.waiting = deque(r for r in self.waiting if r.lease_id != lease_id)
+            self.min_version.pop(lease_id, None)
+            self._finish(w, "abort")
+            return
+        out = self.engine.abort(lease_id)
+        if out is None:  # a server engine: its last tokens and the end come through step()
+            self.aborting.add(lease_id)
+        else:
+            self._progress(out)
 
     def _progress(self, out: EngineOutput) -> None:
         w = self.work.get(out.lease_id)
@@ -200,6 +239,7 @@ class GeneratorActor:
         w.logprobs += out.logprobs
         w.versions += out.versions
         if out.finish:
+            self.aborting.discard(out.lease_id)
             self._finish(w, out.finish)
 
     def _flush_chunks(self) -> None:

@@ -3,6 +3,12 @@
 An engine owns decode slots. The actor submits leased requests, calls ``step`` to advance every
 active request by one decode step, and may abort any request between steps; the engine returns
 each new token with its behaviour log-prob and the policy version that produced it.
+
+Two kinds of engine keep this contract. An *embedded* engine (``torch``, the scripted test
+engine) decodes inside ``step`` and ends an abort at once. A *server* engine (``sglang``) decodes
+elsewhere: ``step`` collects what the servers streamed since the last call (waiting a moment
+when nothing came), an abort is reported later through ``step`` with the tokens the server still
+returned, and ``slots`` shrinks while a server is down.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ class Engine(Protocol):
         """One decode step for every active request; outputs only for requests that made tokens."""
 
     def abort(self, lease_id: int) -> EngineOutput | None:
-        """Stop a request now; its output (finish = "abort") or None if it is not active."""
+        """Stop a request. Its last output (finish = "abort") now, or None when the engine reports
+        the end later through ``step`` (a server engine, whose server may still send tokens)."""
 
     def active(self) -> int: ...
 

@@ -89,7 +89,6 @@ class ScriptedEngine:
             outs.append(out)
         return outs
 
-    def abort(self, lease_id: int) -> EngineOutput | None:
-        if self._active.pop(lease_id, None) is None:
-            return None
+    def abort(self, lease_id: int) -> EngineOutput:
+        self._active.pop(lease_id, None)
         return EngineOutput(lease_id, finish="abort")

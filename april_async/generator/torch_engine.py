@@ -123,11 +123,10 @@ class TorchEngine:
                 slot.next_logits = logits[row, -1].float()
         return outs
 
-    def abort(self, lease_id: int) -> EngineOutput | None:
+    def abort(self, lease_id: int) -> EngineOutput:
         idx = self._by_lease.get(lease_id)
-        if idx is None:
-            return None
-        self._release(idx)
+        if idx is not None:
+            self._release(idx)
         return EngineOutput(lease_id, finish="abort")
 
     def _release(self, idx: int) -> None:

@@ -160,3 +160,43 @@ class WeightSubscriber:
                 self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0))
             else:
                 self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0))
+
+
+class ServerWeightsLink:
+    """A server engine's session with the broadcaster (``engine.servers``: the SGLang servers).
+
+    ``hello`` names the servers' URLs; the broadcaster then updates their weights itself, through
+    SGLang's distributed weight update, and this process receives nothing. A broadcaster heartbeat
+    naming a version newer than the engine's makes the engine read its servers' versions at once
+    (``refresh_versions``), so leases waiting for that version start without waiting for the next
+    liveness probe.
+    """
+
+    def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *, peer_factory=None):
+        self.name, self.engine = name, engine
+        self.log = get_logger(actor="generator", instance=name, component="weights")
+        if peer_factory is None:
+            from april_async.transport.peer import Peer
+
+            def peer_factory(on_connect):
+                return Peer(endpoint, name, link=link, on_connect=on_connect)
+        self.peer = peer_factory(self._on_connect)
+
+    def _on_connect(self, peer) -> None:
+        peer.send(m.Hello(role="generator", instance=self.name, engine=self.engine.name,
+                          policy_version=self.engine.policy_version, servers=[s.url for s in self.engine.servers]))
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        msg = self.peer.poll(timeout_s)
+        while msg is not None:
+            body = msg.body
+            if isinstance(body, m.Heartbeat) and (body.policy_version or -1) > self.engine.policy_version:
+                self.engine.refresh_versions()
+            elif isinstance(body, m.Error):
+                self.log.warning("broadcaster_error", code=body.code, message=body.message)
+            msg = self.peer.poll(0.0)
+        return False
+
+    def close(self) -> None:
+        self.peer.send(m.Bye(reason="shutdown"))
+        self.peer.close()

@@ -1,0 +1,158 @@
+"""Control calls to one SGLang server: liveness, versions, aborts, pauses and weight updates.
+
+Every call has a time limit and either returns the parsed answer or raises ``SGLangError``
+naming the server and the endpoint; none retries (the callers decide). Generation itself is
+streamed by the generator's engine (``april_async.generator.sglang_engine``).
+
+Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.post1, 0.5.23):
+
+    GET  /model_info                  liveness and ``weight_version`` (``/get_model_info`` before
+                                      0.5.10; ``/get_weight_version`` is gone since then)
+    GET  /server_info                 ``tp_size``, ``dp_size`` (``/get_server_info`` alias)
+    POST /abort_request               ``{"rid"}`` or ``{"abort_all": true}``
+    POST /pause_generation            ``{"mode": "abort" | "retract" | "in_place"}``
+    POST /continue_generation         ``{}``
+    POST /init_weights_update_group   master_address, master_port, rank_offset, world_size,
+                                      group_name, backend
+    POST /destroy_weights_update_group  group_name
+    POST /begin_weight_update, /end_weight_update   0.5.23 only: an update must run between
+                                      them; older servers answer 404, which ``begin`` reports
+    POST /update_weights_from_distributed  names, dtypes, shapes, group_name, flush_cache,
+                                      abort_all_requests, weight_version: every tensor then
+                                      comes as one broadcast from rank 0, in ``names`` order
+
+``/health`` is not used for liveness: it generates a token, which blocks while generation is
+paused for a weight update, so a long update would read as a dead server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from april_async.sglang.api import SGLangError, parse_weight_version
+
+
+class ServerClient:
+    def __init__(self, url: str, *, timeout_s: float, connect_timeout_s: float = 5.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+
+    def close(self) -> None:
+        self.http.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def call(self, method: str, endpoint: str, body: dict | None = None, *, timeout_s: float | None = None,
+             expect_success: bool = False) -> Any:
+        """One request; the JSON answer (None for an empty body). ``expect_success``: the answer is
+        SGLang's ``{"success", "message"}`` and ``success`` must be true."""
+        kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+        try:
+            r = self.http.request(method, endpoint, json=body, **kwargs)
+        except httpx.TimeoutException as e:
+            raise SGLangError(self.url, endpoint, f"no answer within {timeout_s or self.timeout_s:g} s "
+                                                  f"({type(e).__name__})") from None
+        except httpx.HTTPError as e:
+            raise SGLangError(self.url, endpoint, f"{type(e).__name__}: {e}") from None
+        try:
+            data = r.json() if r.content else None
+        except ValueError:
+            data = r.text[:300]
+        if r.status_code != 200:
+            raise SGLangError(self.url, endpoint, f"HTTP {r.status_code}: {_message(data)}", status=r.status_code)
+        if expect_success and not (isinstance(data, dict) and data.get("success") is True):
+            raise SGLangError(self.url, endpoint, f"refused: {_message(data)}", status=r.status_code)
+        return data
+
+    def _get_either(self, endpoint: str, old: str) -> dict:
+        try:
+            data = self.call("GET", endpoint)
+        except SGLangError as e:
+            if e.status != 404:
+                raise
+            data = self.call("GET", old)
+        if not isinstance(data, dict):
+            raise SGLangError(self.url, endpoint, f"expected a JSON object, got {data!r:.100}")
+        return data
+
+    # ------------------------------------------------------------------ state
+
+    def model_info(self) -> dict:
+        return self._get_either("/model_info", "/get_model_info")
+
+    def weight_version(self) -> int | None:
+        """The server's weight version as a policy version (None: ``"default"``, never updated)."""
+        return parse_weight_version(self.model_info().get("weight_version"))
+
+    def ranks(self) -> int:
+        """How many ranks this server puts in a weight-update group (its tensor-parallel workers)."""
+        info = self._get_either("/server_info", "/get_server_info")
+        tp, dp = info.get("tp_size", 1), info.get("dp_size", 1)
+        if not isinstance(tp, int) or tp < 1:
+            raise SGLangError(self.url, "/server_info", f"tp_size is {tp!r}")
+        if dp not in (1, None):
+            raise SGLangError(self.url, "/server_info", f"dp_size is {dp}: SGLang updates weights over a group "
+                                                        f"only with dp_size 1")
+        return tp
+
+    # ------------------------------------------------------------------ generation control
+
+    def abort(self, rid: str) -> None:
+        self.call("POST", "/abort_request", {"rid": rid})
+
+    def abort_all(self) -> None:
+        self.call("POST", "/abort_request", {"rid": "", "abort_all": True})
+
+    def pause(self, mode: str, *, timeout_s: float | None = None) -> None:
+        self.call("POST", "/pause_generation", {"mode": mode}, timeout_s=timeout_s)
+
+    def resume(self) -> None:
+        self.call("POST", "/continue_generation", {})
+
+    # ------------------------------------------------------------------ weights
+
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float) -> None:
+        self.call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend},
+            timeout_s=timeout_s, expect_success=True)
+
+    def destroy_group(self, group_name: str) -> None:
+        self.call("POST", "/destroy_weights_update_group", {"group_name": group_name}, expect_success=True)
+
+    def begin_update(self) -> bool:
+        """Open an update session (SGLang 0.5.23); False when the server has none (older versions)."""
+        try:
+            self.call("POST", "/begin_weight_update", {"selector": "all"}, expect_success=True)
+        except SGLangError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def end_update(self) -> None:
+        self.call("POST", "/end_weight_update", {}, expect_success=True)
+
+    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                group_name: str, flush_cache: bool, weight_version: str | None,
+                                timeout_s: float) -> None:
+        self.call("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "abort_all_requests": False, "weight_version": weight_version},
+            timeout_s=timeout_s, expect_success=True)
+
+
+def _message(data: Any) -> str:
+    """The human part of an SGLang error answer, whatever its shape."""
+    if isinstance(data, dict):
+        for key in ("message", "error", "detail"):
+            value = data.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)[:300]
+    return str(data)[:300]
