@@ -20,6 +20,11 @@ A round, top to bottom (``tick``):
                take part and do not reload), within ``timeout_s`` of the broadcast;
     publish    ``weights_published`` to the broker once the round is over and a member holds it.
 
+Generators on SGLang servers (their ``hello`` names the servers) take part differently: the same
+round pushes the version to their servers through SGLang's own distributed weight update
+(``broadcaster/sglang.py``), after the group broadcast, on the same worker thread; such a member
+is acked when its servers took the version, and counts as failed (to be retried) otherwise.
+
 With no generator the version is published at once. A late-joining generator makes the next
 round re-form the group, so it gets the held version before its first lease (the generator
 does not start a lease needing a newer version than it holds). A member that fails the
@@ -48,6 +53,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from april_async.broadcaster.sglang import SGLangFanout, SGLangFanoutConfig
 from april_async.weights.flat import check_layout
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.config import LinkConfig, LogConfig
@@ -85,6 +91,8 @@ class BroadcasterConfig(BaseModel):
     """Limit of every collective and rendezvous, and of the wait for each member's ack."""
     status_file: Path | None = None
     """Where to keep a JSON status: held version, published version, epoch, each member's version."""
+    sglang: SGLangFanoutConfig = SGLangFanoutConfig()
+    """How versions reach the SGLang servers of generators on the ``sglang`` engine."""
     log: LogConfig = LogConfig()
 
     @property
@@ -110,6 +118,7 @@ class Session:
     joined: float = 0.0
     heard: float = 0.0  # last message from it
     last_sent: float = 0.0
+    servers: tuple[str, ...] = ()  # a generator on SGLang servers: their URLs (it receives nothing itself)
 
 
 @dataclass
@@ -129,6 +138,7 @@ class Round:
     rejoin: bool
     started: float
     job: _Job
+    servers: dict[str, list[str]] = field(default_factory=dict)  # SGLang members and their servers
     collective_end: float | None = None
     timings: tuple[float, float] = (0.0, 0.0)  # (join, broadcast) seconds
     failed: str | None = None
@@ -224,6 +234,7 @@ class BroadcasterActor:
         self.failed_rounds = 0
         self._status_dirty = True
         self.broker = BrokerLink(cfg.name, broker_peer_factory, cfg.link.heartbeat_interval_s / 4)
+        self.fanout: SGLangFanout | None = None  # made when the first SGLang generator says hello
 
     # ------------------------------------------------------------------ loop
 
@@ -241,6 +252,8 @@ class BroadcasterActor:
     def close(self) -> None:
         if self.round is not None and not self.round.job.wait(min(self.cfg.timeout_s, 5.0)):
             self.log.warning("collective_abandoned", version=self.round.version, epoch=self.round.epoch)
+        if self.fanout is not None:
+            self.fanout.close()
         self.group.close()
         self.broker.close()
         self.hub.close()
@@ -281,7 +294,12 @@ class BroadcasterActor:
             return
         version = body.policy_version if body.policy_version is not None else -1
         old = self.sessions.get(sender)
-        self.sessions[sender] = Session(body.role, identity, version, joined=old.joined if old else now, heard=now)
+        self.sessions[sender] = Session(body.role, identity, version, joined=old.joined if old else now, heard=now,
+                                        servers=tuple(body.servers) if body.role == "generator" else ())
+        if body.servers and self.fanout is None:
+            host, _, port = self.group.store_address.rpartition(":")
+            self.fanout = SGLangFanout(self.cfg.sglang, store=self.group.store, store_host=host, store_port=int(port),
+                                       backend=self.backend, timeout_s=self.cfg.timeout_s, name=self.cfg.name)
         self._send(sender, m.Welcome(
             broker_epoch=self.epoch_id, policy_version=self.held.version if self.held else max(self.published, 0),
             heartbeat_interval_s=self.cfg.link.heartbeat_interval_s, peer_timeout_s=self.cfg.link.peer_timeout_s,
@@ -364,44 +382,66 @@ class BroadcasterActor:
         members = tuple(g for g in gens if now - self.sessions[g].heard <= fresh_s)
         if not any(self.sessions[g].version < held.version for g in members):
             return  # those that need it are quiet: wait until they speak again or expire
-        rejoin = members != self.group_members or not self.group_ok
+        servers = {g: list(self.sessions[g].servers) for g in members if self.sessions[g].servers}
+        receivers = tuple(g for g in members if g not in servers)  # members of the torch.distributed group
+        rejoin = bool(receivers) and (receivers != self.group_members or not self.group_ok)
         if rejoin:
             self.epoch += 1
-            self.group_members, self.group_ok = members, True
-        world = len(members) + 1
+            self.group_members, self.group_ok = receivers, True
+        world = len(receivers) + 1
         store = self.group.store_address
-        for rank, name in enumerate(members, start=1):
+        for rank, name in enumerate(receivers, start=1):
             self._send(name, m.WeightsAnnounce(
                 version=held.version, tensors=held.tensors, num_bytes=held.buffer.numel(),
                 bucket_bytes=self.cfg.bucket_bytes, group=m.GroupSpec(
                     epoch=self.epoch, rank=rank, world_size=world, store=store, backend=self.backend,
                     timeout_s=self.cfg.timeout_s)))
-        root = m.GroupSpec(epoch=self.epoch, rank=0, world_size=world, store=store, backend=self.backend,
-                           timeout_s=self.cfg.timeout_s)
-        job = _Job(self._collective, root, held.buffer, self.cfg.bucket_bytes, held.version, rejoin)
-        self.round = Round(held.version, self.epoch, members, held, rejoin, now, job)
-        self.log.debug("round_started", version=held.version, epoch=self.epoch, members=list(members), rejoin=rejoin)
+        root = None
+        if receivers:
+            root = m.GroupSpec(epoch=self.epoch, rank=0, world_size=world, store=store, backend=self.backend,
+                               timeout_s=self.cfg.timeout_s)
+        job = _Job(self._collective, root, held, self.cfg.bucket_bytes, rejoin, servers)
+        self.round = Round(held.version, self.epoch, members, held, rejoin, now, job, servers=servers)
+        self.log.debug("round_started", version=held.version, epoch=self.epoch, members=list(members), rejoin=rejoin,
+                       sglang=sorted(servers))
 
-    def _collective(self, spec: m.GroupSpec, buffer: torch.Tensor, bucket_bytes: int, version: int,
-                    rejoin: bool) -> tuple[float, float]:
-        """Worker thread: (re-)join the group if needed, then broadcast; returns the seconds of each."""
-        t0 = time.monotonic()
-        if rejoin:
-            self.group.join(spec)
-        t1 = time.monotonic()
-        self.group.broadcast(buffer, bucket_bytes, tag=version)
-        return t1 - t0, time.monotonic() - t1
+    def _collective(self, spec: m.GroupSpec | None, held: Held, bucket_bytes: int, rejoin: bool,
+                    servers: dict[str, list[str]]) -> tuple[float, float, str | None, dict[str, str | None]]:
+        """Worker thread: (re-)join the group if needed and broadcast (``spec``: there are members
+        to receive), then push to the SGLang servers. Returns the seconds of the join and of the
+        broadcast, the broadcast's failure (None: fine), and each SGLang member's failure."""
+        t0 = t1 = time.monotonic()
+        failed = None
+        if spec is not None:
+            try:
+                if rejoin:
+                    self.group.join(spec)
+                t1 = time.monotonic()
+                self.group.broadcast(held.buffer, bucket_bytes, tag=held.version)
+            except GroupError as e:
+                failed = str(e)
+        t2 = time.monotonic() if spec is not None else t1  # no broadcast: no rate to report
+        pushed = {}
+        if servers:
+            pushed = self.fanout.push(servers, held.version, held.tensors, held.buffer, bucket_bytes)
+        return t1 - t0, t2 - t1, failed, pushed
 
     def _progress(self, r: Round, now: float) -> None:
         if r.collective_end is None:
             if not r.job.done:
                 return
             r.collective_end = now
-            if r.job.error is not None:
+            if r.job.error is not None:  # a bug, not a failed collective: every member counts as failed
                 err = r.job.error
-                r.failed = str(err) if isinstance(err, GroupError) else f"{type(err).__name__}: {err}"
+                r.failed = f"{type(err).__name__}: {err}"
+                r.nacked.update(r.servers)
             else:
-                r.timings = r.job.result
+                join_s, bcast_s, r.failed, pushed = r.job.result
+                r.timings = (join_s, bcast_s)
+                for name, why in pushed.items():  # SGLang members answer through the push itself
+                    if why is None and name in self.sessions:
+                        self.sessions[name].version = r.version
+                    (r.acked if why is None else r.nacked).add(name)
         present = {n for n in r.members if n in self.sessions}
         pending = present - r.acked - r.nacked
         if pending and now < r.collective_end + self.cfg.timeout_s:

@@ -1,0 +1,227 @@
+"""The broadcaster's side of SGLang's distributed weight update.
+
+Generators on the ``sglang`` engine name their servers in ``hello`` (``servers``). The
+broadcaster pushes each version to those servers itself, as SGLang's trainer side: it is rank 0
+of SGLang's weight-update group and the servers' tensor-parallel workers are ranks 1..N. Each
+push, top to bottom (``SGLangFanout.push``):
+
+    group     when the servers changed or the last push failed: ``/destroy_weights_update_group``
+              of the old group (best effort), then ``/init_weights_update_group`` on every server
+              at once (rank offsets from each server's ``tp_size``) while this process joins as
+              rank 0 on the TCPStore it already hosts (``weights.custom_group``);
+    pause     ``/pause_generation`` in ``pause`` mode (``abort`` by default: in-flight requests end
+              with their tokens and the generator resumes them on the new weights, so every
+              token's version is exact);
+    session   ``/begin_weight_update`` (SGLang 0.5.23; older servers have none);
+    buckets   for each bucket of whole tensors (``bucket_mb``), one
+              ``/update_weights_from_distributed`` call per server (HF names, dtypes, shapes; the
+              last bucket sets ``weight_version``), sent from worker threads while this thread
+              broadcasts the bucket's tensors from rank 0, one collective each, in ``names`` order
+              — what the server posts receives for;
+    resume    ``/end_weight_update``, then ``/continue_generation``.
+
+A server whose push fails at any step is left paused — its weights may be half new, and tokens
+from them must not be labelled with either version — and the next push re-forms the group and
+sends every tensor again. Connection errors are typed ``SGLangError``s, logged, never raised
+past ``push``. The push runs on the broadcaster's collective thread, not its loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from april_async.logs import get_logger
+from april_async.sglang.api import SGLangError
+from april_async.sglang.client import ServerClient
+from april_async.weights.custom_group import join_custom_group, leave_custom_group
+from april_async.weights.flat import unflatten
+from april_async.wire.messages import TensorSpec
+
+
+class SGLangFanoutConfig(BaseModel):
+    """The ``[broadcaster.sglang]`` section: how versions reach SGLang servers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pause: Literal["abort", "retract", "in_place", "none"] = "abort"
+    """``/pause_generation`` mode around an update. ``abort``: requests in flight end with their
+    tokens and are resumed on the new weights (exact per-token versions; the prefix cache is
+    flushed). ``retract``/``in_place``: they wait and go on with the new weights, their later
+    tokens tagged with the version the server reports. ``none``: no pause (SGLang's own lock then
+    waits for every request in flight to end before loading)."""
+    call_timeout_s: float = Field(30.0, gt=0)
+    """Limit of every control call (info, pause, continue, begin/end, destroy)."""
+    update_timeout_s: float = Field(600.0, gt=0)
+    """Limit of one bucket's ``/update_weights_from_distributed`` call and of forming the group."""
+
+
+def tensor_buckets(tensors: list[TensorSpec], sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``tensors`` in consecutive buckets of at most ``bucket_bytes`` (a larger tensor
+    goes alone)."""
+    out: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if out and size + n <= bucket_bytes:
+            out[-1].append(i)
+            size += n
+        else:
+            out.append([i])
+            size = n
+    return out
+
+
+class SGLangFanout:
+    def __init__(self, cfg: SGLangFanoutConfig, *, store: dist.Store, store_host: str, store_port: int,
+                 backend: str, timeout_s: float, name: str = "broadcaster"):
+        self.cfg = cfg
+        self.store, self.store_host, self.store_port = store, store_host, store_port
+        self.backend, self.timeout_s = backend, timeout_s
+        self.log = get_logger(actor="broadcaster", instance=name, component="sglang")
+        self.clients: dict[str, ServerClient] = {}
+        self.urls: tuple[str, ...] = ()  # the current group's servers, in rank order
+        self.group_name: str | None = None
+        self.pg = None
+        self.formed = 0  # groups formed so far (each gets a fresh name)
+        self.paused: set[str] = set()  # servers left paused by a failed push
+        self._prefix = f"april-{os.urandom(3).hex()}"
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bcast-sglang")
+
+    def _client(self, url: str) -> ServerClient:
+        if url not in self.clients:
+            self.clients[url] = ServerClient(url, timeout_s=self.cfg.call_timeout_s)
+        return self.clients[url]
+
+    def _each(self, urls, fn, *args, **kwargs) -> dict[str, Future]:
+        """``fn(client, ...)`` on every server at once, from worker threads."""
+        return {u: self._pool.submit(fn, self._client(u), *args, **kwargs) for u in urls}
+
+    # ------------------------------------------------------------------ group
+
+    def _leave(self) -> None:
+        if self.group_name is not None:
+            _errors(self._each(self.urls, ServerClient.destroy_group, self.group_name))  # best effort: may be gone
+        leave_custom_group(self.pg)
+        self.pg, self.group_name, self.urls = None, None, ()
+
+    def _form(self, urls: tuple[str, ...]) -> None:
+        """A new group of rank 0 and every server's workers; ``SGLangError`` naming what failed."""
+        self._leave()
+        ranks: dict[str, int] = {}
+        for url in urls:
+            ranks[url] = self._client(url).ranks()
+        world = 1 + sum(ranks.values())
+        self.formed += 1
+        name = f"{self._prefix}-{self.formed}"
+        offsets, offset = {}, 1
+        for url in urls:
+            offsets[url], offset = offset, offset + ranks[url]
+        t0 = time.monotonic()
+        calls = {u: self._pool.submit(self._client(u).init_group, master_address=self.store_host,
+                                      master_port=self.store_port, rank_offset=offsets[u], world_size=world,
+                                      group_name=name, backend=self.backend, timeout_s=self.cfg.update_timeout_s)
+                 for u in urls}  # each blocks until the group is formed: sent before this rank joins
+        try:
+            pg = join_custom_group(backend=self.backend, world_size=world, rank=0, group_name=name,
+                                   timeout_s=self.timeout_s, store=self.store)
+        except Exception as e:  # a server that never came: its own call says why
+            errors = _errors(calls)
+            why = "; ".join(str(err) for err in errors.values() if err) or f"{type(e).__name__}: {e}"
+            raise SGLangError(",".join(urls), "/init_weights_update_group", f"group {name} not formed: {why}") from None
+        errors = _errors(calls)
+        if any(errors.values()):
+            leave_custom_group(pg)
+            raise next(err for err in errors.values() if err)
+        self.pg, self.group_name, self.urls = pg, name, urls
+        self.log.info("group_formed", group=name, servers=list(urls), world_size=world,
+                      s=round(time.monotonic() - t0, 3))
+
+    # ------------------------------------------------------------------ push
+
+    def push(self, servers: dict[str, list[str]], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
+             bucket_bytes: int) -> dict[str, str | None]:
+        """Bring every server of ``servers`` (member name -> its URLs) to ``version``; per member,
+        None when all its servers hold it, else what failed."""
+        urls = tuple(u for member in sorted(servers) for u in servers[member])
+        failed: dict[str, str] = {}
+        t0 = time.monotonic()
+        try:
+            if urls != self.urls or self.pg is None:
+                self._form(urls)
+            failed = self._update(urls, version, tensors, buffer, bucket_bytes)
+        except SGLangError as e:
+            failed = {u: str(e) for u in urls}
+        except Exception as e:  # a collective that failed or timed out: every server of the group
+            failed = {u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls}
+        if failed:
+            self._leave()  # re-formed at the next push
+        out = {member: "; ".join(failed[u] for u in us if u in failed) or None for member, us in servers.items()}
+        if failed:
+            self.log.warning("push_failed", version=version, failed=failed, paused=sorted(self.paused))
+        else:
+            self.log.info("pushed", version=version, servers=len(urls), bytes=buffer.numel(),
+                          s=round(time.monotonic() - t0, 3))
+        return out
+
+    def _update(self, urls: tuple[str, ...], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
+                bucket_bytes: int) -> dict[str, str]:
+        failed: dict[str, str] = {}
+
+        def note(errors: dict[str, SGLangError | None]) -> None:
+            failed.update({u: str(e) for u, e in errors.items() if e is not None and u not in failed})
+
+        if self.cfg.pause != "none":
+            note(_errors(self._each(urls, ServerClient.pause, self.cfg.pause, timeout_s=self.cfg.update_timeout_s)))
+            self.paused.update(urls)
+        begun = self._each([u for u in urls if u not in failed], ServerClient.begin_update)
+        errors = _errors(begun)
+        note(errors)
+        with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
+        views = unflatten(tensors, buffer)
+        sizes = [views[t.name].numel() * views[t.name].element_size() for t in tensors]
+        parts = tensor_buckets(tensors, sizes, bucket_bytes)
+        for i, part in enumerate(parts):
+            if failed:  # every server is in the collective: one failure stops the rest
+                break
+            last = i == len(parts) - 1
+            specs = [tensors[j] for j in part]
+            calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
+                                          dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
+                                          group_name=self.group_name,
+                                          flush_cache=last and self.cfg.pause == "abort",
+                                          weight_version=str(version) if last else None,
+                                          timeout_s=self.cfg.update_timeout_s) for u in urls}
+            for t in specs:
+                dist.broadcast(views[t.name], src=0, group=self.pg)
+            note(_errors(calls))
+        if with_session:
+            note(_errors(self._each(with_session, ServerClient.end_update)))
+        good = [u for u in urls if u not in failed]
+        if self.cfg.pause != "none":
+            note(_errors(self._each(good, ServerClient.resume)))
+        self.paused.difference_update(u for u in urls if u not in failed)
+        return failed
+
+    def close(self) -> None:
+        self._leave()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients.values():
+            c.close()
+
+
+def _errors(futures: dict[str, Future]) -> dict[str, SGLangError | None]:
+    """Wait for every call; each one's ``SGLangError`` or None (any other error propagates)."""
+    out: dict[str, SGLangError | None] = {}
+    for url, f in futures.items():
+        try:
+            f.result()
+            out[url] = None
+        except SGLangError as e:
+            out[url] = e
+    return out
