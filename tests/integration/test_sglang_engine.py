@@ -1,0 +1,345 @@
+"""The ``sglang`` engine and the broadcaster's SGLang push, against stand-in SGLang servers.
+
+SGLang cannot run on the CPU-only CI machines. These tests run the real client code against
+``tests/sglang_standin.py``: a **stand-in** HTTP server (named so everywhere) that implements
+SGLang's documented HTTP contract on top of the embedded engine. The contract was read from
+SGLang 0.5.10.post1, 0.5.15.post1 and 0.5.23 (``python/sglang/srt/entrypoints/http_server.py``,
+``managers/io_struct.py``, ``managers/tokenizer_manager.py``, ``utils/common.py``). Endpoints
+exercised: ``/generate`` (streamed and not, cumulative and incremental), ``/abort_request``,
+``/pause_generation``, ``/continue_generation``, ``/model_info``, ``/server_info``,
+``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/begin_weight_update``, ``/end_weight_update``. Weight
+updates go over a real gloo group formed the way SGLang forms its own.
+
+``test_real_sglang_server`` runs the same engine against a real SGLang server, and is marked
+``gpu``: it runs where SGLang and a CUDA device are present.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from april_async.broadcaster.sglang import SGLangFanout, SGLangFanoutConfig
+from april_async.generator.engine import EngineOutput, EngineRequest
+from april_async.generator.sglang_engine import SGLangEngine, SGLangEngineConfig
+from april_async.generator.torch_engine import TorchEngine
+from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.weights.flat import flatten
+from tests.integration.harness import free_port
+from tests.integration.standin import start_standin
+
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+PROMPTS = [[5, 17, 33, 2], [9, 9, 40], [120, 3, 77, 61, 8], [44]]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        CausalLM(TINY).save_pretrained(root / f"v{seed}")
+    return root
+
+
+@pytest.fixture
+def standins(ckpts, tmp_path):
+    started = []
+
+    def start(*args, ckpt="v0"):
+        s = start_standin(ckpts / ckpt, tmp_path, "--max-seq-len", "512", "--slots", "8", *args)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def greedy(ckpt, prompt, n, resume=()):
+    """The reference: the embedded engine, greedy, on the same checkpoint."""
+    engine = TorchEngine(CausalLM.from_pretrained(ckpt), slots=1, max_seq_len=512)
+    engine.submit(EngineRequest(0, 0, list(prompt), list(resume), n, temperature=0.0))
+    out = EngineOutput(0)
+    while engine.active():
+        for o in engine.step():
+            out.tokens += o.tokens
+            out.logprobs += o.logprobs
+    return out
+
+
+def make_engine(*urls, **settings) -> SGLangEngine:
+    cfg = dict(servers=list(urls), slots_per_server=4, health_interval_s=0.2, dead_after=2, abort_wait_s=2.0)
+    return SGLangEngine(SGLangEngineConfig(**{**cfg, **settings}), instance="test")
+
+
+def request(lease, prompt, n, resume=()):
+    return EngineRequest(lease, lease, list(prompt), list(resume), n, temperature=0.0)
+
+
+def drive(engine, requests, *, each_step=None, timeout_s=60.0) -> dict[int, EngineOutput]:
+    """Submit ``requests``, step until every one ended; ``each_step(outputs)`` runs after each step."""
+    got = {r.lease_id: EngineOutput(r.lease_id) for r in requests}
+    for r in requests:
+        engine.submit(r)
+    deadline = time.monotonic() + timeout_s
+    while any(o.finish is None for o in got.values()):
+        assert time.monotonic() < deadline, {k: (len(o.tokens), o.finish) for k, o in got.items()}
+        for o in engine.step():
+            g = got[o.lease_id]
+            g.tokens += o.tokens
+            g.logprobs += o.logprobs
+            g.versions += o.versions
+            g.finish = o.finish or g.finish
+        if each_step is not None:
+            each_step(got)
+    return got
+
+
+@pytest.mark.parametrize("stream, flags", [(True, ()), (True, ("--incremental-streaming-output",)), (False, ())],
+                         ids=["stream-cumulative", "stream-incremental", "whole-answers"])
+def test_tokens_and_logprobs_equal_the_embedded_engines(ckpts, standins, stream, flags):
+    server = standins(*flags)
+    engine = make_engine(server.url, stream=stream)
+    try:
+        got = drive(engine, [request(i, p, 24) for i, p in enumerate(PROMPTS)])
+    finally:
+        engine.close()
+    for i, p in enumerate(PROMPTS):
+        ref = greedy(ckpts / "v0", p, 24)
+        assert got[i].tokens == ref.tokens and got[i].finish == "length"
+        assert max(abs(a - b) for a, b in zip(got[i].logprobs, ref.logprobs)) < 1e-4
+        assert got[i].versions == [0] * 24  # weight version "default": the configured initial version
+
+
+def test_an_abort_keeps_the_partial_and_a_resume_continues_it_exactly(ckpts, standins):
+    server = standins()
+    engine = make_engine(server.url)
+    n = 300
+    try:
+        def abort_early(got):
+            if len(got[0].tokens) >= 5 and got[0].finish is None:
+                assert engine.abort(0) is None  # reported later, through step()
+        partial = drive(engine, [request(0, PROMPTS[0], n)], each_step=abort_early)[0]
+        assert partial.finish == "abort" and 5 <= len(partial.tokens) < n, (partial.finish, len(partial.tokens))
+        rest = drive(engine, [request(1, PROMPTS[0], n - len(partial.tokens), resume=partial.tokens)])[1]
+    finally:
+        engine.close()
+    assert partial.tokens + rest.tokens == greedy(ckpts / "v0", PROMPTS[0], n).tokens
+
+
+def test_abort_all_ends_every_request_with_its_tokens(ckpts, standins):
+    server = standins()
+    engine = make_engine(server.url)
+    n = 300
+    asked = []
+
+    def abort_all_once(got):
+        if not asked and min(len(o.tokens) for o in got.values()) >= 3:
+            asked.append(engine.abort_all())
+    try:
+        got = drive(engine, [request(i, p, n) for i, p in enumerate(PROMPTS)], each_step=abort_all_once)
+    finally:
+        engine.close()
+    for i, p in enumerate(PROMPTS):
+        assert got[i].finish == "abort" and 3 <= len(got[i].tokens) < n
+        assert got[i].tokens == greedy(ckpts / "v0", p, n).tokens[: len(got[i].tokens)]
+    assert engine.resumed == 0  # asked for: not resumed
+
+
+def test_a_pause_that_aborts_everything_is_resumed_with_no_token_lost(ckpts, standins):
+    server = standins()
+    engine = make_engine(server.url)
+    n = 300
+    paused = []
+
+    def pause_once(got):
+        if not paused and min(len(o.tokens) for o in got.values()) >= 3:
+            paused.append(httpx.post(f"{server.url}/pause_generation", json={"mode": "abort"}, timeout=10).status_code)
+            threading.Timer(0.3, lambda: httpx.post(f"{server.url}/continue_generation", json={}, timeout=10)).start()
+    try:
+        got = drive(engine, [request(i, p, n) for i, p in enumerate(PROMPTS[:3])], each_step=pause_once)
+    finally:
+        engine.close()
+    assert paused == [200] and engine.resumed >= 1
+    for i, p in enumerate(PROMPTS[:3]):
+        assert got[i].finish == "length" and got[i].tokens == greedy(ckpts / "v0", p, n).tokens
+
+
+def test_a_dead_server_returns_its_requests_as_partials_and_its_slots(ckpts, standins):
+    doomed, healthy = standins(), standins()
+    engine = make_engine(doomed.url, healthy.url)
+    n = 400
+    assert engine.slots == 8
+    killed = []
+
+    def kill_once(got):
+        if not killed and min(len(o.tokens) for o in got.values()) >= 3:
+            doomed.kill()
+            killed.append(time.monotonic())
+    try:
+        got = drive(engine, [request(i, PROMPTS[i % 4], n) for i in range(4)], each_step=kill_once)
+        deadline = time.monotonic() + 10
+        while engine.slots != 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.slots == 4, "the dead server's slots are still counted"
+    finally:
+        engine.close()
+    ends = sorted(o.finish for o in got.values())
+    assert ends == ["abort", "abort", "length", "length"], ends  # two leases on each server
+    for i, o in got.items():  # a partial keeps every token it had, each one right
+        ref = greedy(ckpts / "v0", PROMPTS[i % 4], n).tokens
+        assert o.tokens == ref[: len(o.tokens)] and (o.finish == "abort" or len(o.tokens) == n)
+    assert engine.lost == 2
+
+
+def test_a_refused_request_stops_the_generator_with_the_servers_reason(standins):
+    from april_async.runtime import ActorFailed
+
+    server = standins()
+    engine = make_engine(server.url)
+    try:
+        with pytest.raises(ActorFailed, match="refused a request.*HTTP 400"):
+            drive(engine, [request(0, PROMPTS[0], 5000)], timeout_s=20)  # longer than the server's 512
+    finally:
+        engine.close()
+
+
+def test_bad_engine_settings_are_refused():
+    with pytest.raises(ValueError, match="sglang.servers is empty"):
+        SGLangEngine(SGLangEngineConfig())
+
+
+# ---------------------------------------------------------------------- weights
+
+
+@pytest.fixture
+def store():
+    port = free_port()
+    s = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    return s, port
+
+
+def fanout_for(store, **settings) -> SGLangFanout:
+    s, port = store
+    return SGLangFanout(SGLangFanoutConfig(**settings), store=s, store_host="127.0.0.1", store_port=port,
+                        backend="gloo", timeout_s=30)
+
+
+def test_a_push_updates_every_server_in_buckets_and_generation_follows(ckpts, standins, store):
+    a, b = standins(), standins("--weight-update-session")  # b: SGLang 0.5.23's begin/end sessions
+    fanout = fanout_for(store)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    try:
+        result = fanout.push({"gen-a": [a.url], "gen-b": [b.url]}, 1, specs, buffer, bucket_bytes=64 * 1024)
+        assert result == {"gen-a": None, "gen-b": None}
+        assert all(httpx.get(f"{s.url}/model_info").json()["weight_version"] == "1" for s in (a, b))
+        engine = make_engine(a.url, b.url)
+        try:
+            assert engine.policy_version == 1
+            got = drive(engine, [request(i, p, 16) for i, p in enumerate(PROMPTS)])
+        finally:
+            engine.close()
+        for i, p in enumerate(PROMPTS):
+            assert got[i].tokens == greedy(ckpts / "v1", p, 16).tokens and set(got[i].versions) == {1}
+        # a second version over the same group: no re-forming
+        formed = fanout.formed
+        specs0, buffer0 = flatten(CausalLM.from_pretrained(ckpts / "v0").state_dict())
+        assert fanout.push({"gen-a": [a.url], "gen-b": [b.url]}, 2, specs0, buffer0, 1 << 20) == \
+            {"gen-a": None, "gen-b": None}
+        assert fanout.formed == formed
+    finally:
+        fanout.close()
+
+
+def test_an_update_in_flight_splits_a_response_between_two_exact_versions(ckpts, standins, store):
+    server = standins()
+    fanout = fanout_for(store)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    engine = make_engine(server.url)
+    n = 300
+    pushed = []
+
+    def push_once(got):
+        if not pushed and len(got[0].tokens) >= 4:
+            pushed.append(fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20))
+    try:
+        out = drive(engine, [request(0, PROMPTS[1], n)], each_step=push_once)[0]
+    finally:
+        engine.close()
+        fanout.close()
+    assert pushed == [{"gen": None}] and out.finish == "length" and len(out.tokens) == n
+    k = out.versions.index(1)  # tokens before the update: version 0, after it: version 1
+    assert k >= 4 and out.versions == [0] * k + [1] * (n - k)
+    assert out.tokens[:k] == greedy(ckpts / "v0", PROMPTS[1], k).tokens
+    assert out.tokens[k:] == greedy(ckpts / "v1", PROMPTS[1], n - k, resume=out.tokens[:k]).tokens
+
+
+def test_a_failed_push_names_the_server_leaves_it_paused_and_the_next_push_reforms(ckpts, standins, store):
+    good, bad = standins(), standins()
+    fanout = fanout_for(store)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    try:
+        assert fanout.push({"g0": [good.url], "g1": [bad.url]}, 1, specs, buffer, 1 << 20) == {"g0": None, "g1": None}
+        bad.kill()
+        result = fanout.push({"g0": [good.url], "g1": [bad.url]}, 2, specs, buffer, 1 << 20)
+        assert result["g1"] is not None and bad.url in result["g1"], result
+        assert fanout.pg is None  # left: the next push forms a new group
+        result = fanout.push({"g0": [good.url]}, 3, specs, buffer, 1 << 20)
+        assert result == {"g0": None}
+        assert httpx.get(f"{good.url}/model_info").json()["weight_version"] == "3"
+    finally:
+        fanout.close()
+
+
+# ---------------------------------------------------------------------- the real thing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None or not torch.cuda.is_available(),
+                    reason="needs SGLang installed (pip install -e '.[sglang]') and a CUDA device")
+def test_real_sglang_server(ckpts, tmp_path):
+    """The engine against a real SGLang server on a tiny Qwen2 checkpoint written here."""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "qwen2"
+    torch.manual_seed(0)
+    CausalLM(ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).save_pretrained(ckpt)
+    port = free_port()
+    log = (tmp_path / "sglang.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--port",
+                             str(port), "--skip-tokenizer-init", "--mem-fraction-static", "0.3",
+                             "--disable-cuda-graph"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "sglang.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/model_info", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "SGLang did not start"
+            time.sleep(1)
+        engine = make_engine(url)
+        try:
+            got = drive(engine, [request(i, p, 16) for i, p in enumerate(PROMPTS)], timeout_s=120)
+        finally:
+            engine.close()
+        for i, p in enumerate(PROMPTS):
+            assert got[i].finish == "length" and len(got[i].tokens) == 16
+            assert got[i].tokens == greedy(ckpt, p, 16).tokens
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -1,0 +1,514 @@
+"""The SGLang stand-in (``tests/sglang_standin.py``) as a real process, checked with plain HTTP.
+
+These tests pin the stand-in to SGLang's contract (see its docstring), so that tests of our SGLang
+client against it mean something. Two servers serve the module: ``server`` (defaults: cumulative
+streaming, no weight-update session) and ``session_server`` (``--incremental-streaming-output
+--weight-update-session``, sglang 0.5.23's behaviour). Both decode a tiny model written here; the
+model's eos is a token that greedy decoding of the test prompts never reaches, so greedy requests
+end by length or by a stop token chosen from the greedy continuation. This process plays rank 0 of
+the weight-update groups and checks the served outputs against a local copy of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import http.client
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.weights.custom_group import join_custom_group, leave_custom_group
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+SHORT, LONG = [1, 2, 3, 4], [5, 6, 7]
+LONG_N = 200  # tokens of the requests that must still be running when something happens to them
+
+
+@torch.no_grad()
+def greedy(model: CausalLM, prompt: list[int], n: int, eos: int | None) -> tuple[list[int], list[float]]:
+    """Reference greedy decoding by full forwards (no cache); stops after eos."""
+    ids, out, lps = list(prompt), [], []
+    for _ in range(n):
+        lp = torch.log_softmax(model(torch.tensor([ids]))[0][0, -1].float(), -1)
+        tok = int(lp.argmax())
+        out.append(tok)
+        lps.append(float(lp[tok]))
+        ids.append(tok)
+        if tok == eos:
+            break
+    return out, lps
+
+
+@dataclasses.dataclass
+class Model:
+    path: Path
+    model: CausalLM
+    eos: int
+    short: list[int]  # greedy continuation of SHORT (16 tokens)
+    long: list[int]  # greedy continuation of LONG (LONG_N tokens)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Model:
+    torch.manual_seed(1234)
+    model = CausalLM(CFG).eval()
+    short, long = greedy(model, SHORT, 16, None)[0], greedy(model, LONG, LONG_N, None)[0]
+    eos = max(t for t in range(CFG.vocab_size) if t not in set(short) | set(long))
+    model.config = dataclasses.replace(CFG, eos_token_id=eos)
+    path = tmp_path_factory.mktemp("standin") / "ckpt"
+    model.save_pretrained(path)
+    return Model(path, model, eos, short, long)
+
+
+class Standin:
+    """One ``python -m tests.sglang_standin`` process; stopped with SIGTERM (killed if it hangs)."""
+
+    def __init__(self, checkpoint: Path, log: Path, *flags: str):
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.sglang_standin", "--checkpoint", str(checkpoint), "--port", "0",
+             *flags],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=60)
+        except queue.Empty:
+            line = ""
+        if not line.startswith("standin listening on http://"):
+            self.stop()
+            raise RuntimeError(f"the stand-in did not start ({line!r}):\n{log.read_text()}")
+        self.url = line.split()[-1]
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    s = Standin(ckpt.path, tmp_path_factory.mktemp("logs") / "standin.log", "--slots", "4",
+                "--max-seq-len", "256", "--step-delay-s", "0.005")
+    yield s
+    s.http.close()
+    assert s.stop() == 0, s.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def session_server(ckpt, tmp_path_factory):
+    s = Standin(ckpt.path, tmp_path_factory.mktemp("logs") / "standin-session.log", "--max-seq-len", "256",
+                "--incremental-streaming-output", "--weight-update-session", "--weight-version", "v0",
+                "--group-timeout-s", "20")
+    yield s
+    s.http.close()
+    assert s.stop() == 0, s.log_path.read_text()
+
+
+def gen(prompt, max_new_tokens, **sampling):
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, **sampling},
+            "return_logprob": True, "logprob_start_len": -1}
+
+
+def events(response) -> list[dict]:
+    """The JSON events of a server-sent-event stream; it must end with ``data: [DONE]``."""
+    out, done = [], False
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: ") and not done, line
+        if line == "data: [DONE]":
+            done = True
+        else:
+            out.append(json.loads(line[6:]))
+    assert done
+    return out
+
+
+def in_thread(fn, *args, **kwargs):
+    ex = ThreadPoolExecutor(1)
+    fut = ex.submit(fn, *args, **kwargs)
+    ex.shutdown(wait=False)
+    return fut
+
+
+def wait_idle(s: Standin, timeout_s: float = 5.0) -> None:
+    """Until ``/flush_cache`` succeeds: nothing running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    while s.http.post("/flush_cache").status_code != 200:
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- plain endpoints
+
+
+def test_info_and_errors(server, ckpt):
+    h = server.http
+    for path in ("/model_info", "/get_model_info"):
+        info = h.get(path).json()
+        assert info["model_path"] == str(ckpt.path) and info["is_generation"] is True
+        assert info["tokenizer_path"] is None and info["preferred_sampling_params"] is None
+        assert isinstance(info["weight_version"], str)
+    for path in ("/server_info", "/get_server_info"):
+        info = h.get(path).json()
+        got = (info["tp_size"], info["dp_size"], info["max_running_requests"], info["version"])
+        assert got == (1, 1, 4, "standin")
+    assert h.get("/health").status_code == 200 and h.get("/health_generate").status_code == 200
+    r = h.post("/flush_cache")
+    assert (r.status_code, r.text) == (200, "Cache flushed.")
+    r = h.get("/no/such/path")
+    assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
+    r = h.post("/begin_weight_update", json={"selector": "all"})  # 0.5.15 behaviour without the flag
+    assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
+    r = h.post("/generate", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "message" in r.json()["error"]
+    r = h.post("/pause_generation", json={"mode": "sideways"})
+    assert r.status_code == 400
+    r = h.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": "1",
+                                                   "rank_offset": 1, "world_size": 2, "group_name": "g-nccl"})
+    assert r.status_code == 400 and r.json()["success"] is False  # nccl without CUDA
+    assert r.json()["message"].startswith("Failed to initialize custom process group: ")
+    r = h.post("/destroy_weights_update_group", json={"group_name": "nope"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    r = h.post("/update_weight_version", json={"new_version": "3"})
+    assert r.json() == {"success": True, "message": "Weight version updated to 3", "new_version": "3"}
+    assert h.get("/model_info").json()["weight_version"] == "3"
+
+
+def test_keep_alive_reuses_one_connection(server):
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=10)
+    try:
+        conn.request("GET", "/model_info")
+        assert conn.getresponse().read()
+        sock = conn.sock
+        conn.request("POST", "/generate", json.dumps({**gen(SHORT, 3, temperature=0), "stream": True}))
+        r = conn.getresponse()
+        assert r.getheader("Transfer-Encoding") == "chunked" and r.read().endswith(b"data: [DONE]\n\n")
+        conn.request("POST", "/generate", json.dumps(gen(SHORT, 2, temperature=0)))
+        assert json.loads(conn.getresponse().read())["meta_info"]["completion_tokens"] == 2
+        conn.request("GET", "/nothing")
+        assert conn.getresponse().read() and conn.sock is sock
+    finally:
+        conn.close()
+
+
+def test_validation(server):
+    h = server.http
+    r = h.post("/generate", json=gen(SHORT, 4, top_k=0))
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("top_k must be -1 (disable) or at least 1")
+    r = h.post("/generate", json=gen(SHORT, 4, bogus=1))
+    assert (r.status_code, r.json()) == (400, {"error": "unknown field `bogus`"})
+    for bad in (gen(SHORT, 4, top_p=0.0), gen(SHORT, 4, temperature=-1.0), gen(SHORT, 300),
+                gen([[1, 2], [3]], 4), {**gen(SHORT, 4), "text": "hello"}, {"text": "hello"},
+                gen(SHORT, 4, n=2), gen(SHORT, 4, frequency_penalty=0.5), gen([1, 64], 4)):
+        r = h.post("/generate", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["message"], bad
+    r = h.post("/generate", json=gen(SHORT, 300))
+    assert "256" in r.json()["error"]["message"] and "300" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- generation
+
+
+def test_generate_length(server, ckpt):
+    body = {**gen(SHORT, 8, temperature=0.0, frequency_penalty=0.0), "rid": "len-1", "unknown_key": 1}
+    r = server.http.post("/generate", json=body)
+    assert r.status_code == 200
+    body = r.json()
+    ref, ref_lp = greedy(ckpt.model, SHORT, 8, ckpt.eos)
+    assert body["text"] == "" and body["output_ids"] == ref
+    meta = body["meta_info"]
+    assert meta["id"] == "len-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (len(SHORT), 8, 0)
+    assert meta["weight_version"] == server.http.get("/model_info").json()["weight_version"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ref
+    assert all(text is None for _, _, text in meta["output_token_logprobs"])
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(ref_lp, abs=1e-4)
+    # Without return_logprob: no log-probs; a default rid.
+    r = server.http.post("/generate", json={"input_ids": SHORT, "sampling_params": {"max_new_tokens": 2}})
+    meta = r.json()["meta_info"]
+    assert "output_token_logprobs" not in meta and meta["id"] and meta["completion_tokens"] == 2
+
+
+def test_generate_stop_token(server, ckpt):
+    stop = ckpt.short[3]
+    cut = ckpt.short.index(stop) + 1
+    r = server.http.post("/generate", json=gen(SHORT, 16, temperature=0.0, stop_token_ids=[stop],
+                                                skip_special_tokens=False, no_stop_trim=True))
+    body = r.json()
+    assert body["output_ids"] == ckpt.short[:cut]  # the stop token is kept
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert body["meta_info"]["completion_tokens"] == cut == len(body["meta_info"]["output_token_logprobs"])
+
+
+def test_cumulative_and_incremental_streams_agree(server, session_server):
+    body = {**gen(LONG, 12, temperature=1.0, top_k=20, sampling_seed=7), "stream": True}
+    with server.http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        cumulative = events(r)
+    with session_server.http.stream("POST", "/generate", json=body) as r:
+        incremental = events(r)
+    tokens = cumulative[-1]["output_ids"]
+    for i, ev in enumerate(cumulative):  # every event: all tokens so far
+        meta = ev["meta_info"]
+        assert ev["output_ids"] == tokens[:len(ev["output_ids"])]
+        assert meta["completion_tokens"] == len(ev["output_ids"]) == len(meta["output_token_logprobs"])
+        assert (meta["finish_reason"] is None) == (i < len(cumulative) - 1)
+    assert len(cumulative) == len(tokens)  # one event per decode step
+    total, lps = [], []
+    for ev in incremental:  # every event: only the new tokens; completion_tokens is the running total
+        total += ev["output_ids"]
+        lps += [lp for lp, _, _ in ev["meta_info"]["output_token_logprobs"]]
+        assert ev["meta_info"]["completion_tokens"] == len(total)
+    assert total == tokens
+    ref = [lp for lp, _, _ in cumulative[-1]["meta_info"]["output_token_logprobs"]]
+    assert lps == pytest.approx(ref, abs=1e-5)
+    assert incremental[-1]["meta_info"]["finish_reason"] == cumulative[-1]["meta_info"]["finish_reason"]
+    plain = server.http.post("/generate", json={**body, "stream": False}).json()
+    assert plain["output_ids"] == tokens
+
+
+def test_abort_running_stream_by_rid_prefix(server, ckpt):
+    body = {**gen(LONG, LONG_N, temperature=0.0), "stream": True, "rid": "abort-me:7;"}
+    with server.http.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+        assert server.http.post("/abort_request", json={"rid": "abort-me:"}).status_code == 200
+        rest = [json.loads(line[6:]) for line in lines if line and line != "data: [DONE]"]
+    last = rest[-1]
+    n = last["meta_info"]["completion_tokens"]
+    assert 0 < n < LONG_N and last["output_ids"] == ckpt.long[:n]
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                  "err_type": None}
+    wait_idle(server)
+    # An unknown rid and an empty rid are no-ops.
+    for body in ({"rid": "nobody"}, {}):
+        r = server.http.post("/abort_request", json=body)
+        assert (r.status_code, r.content) == (200, b"")
+
+
+def test_client_disconnect_aborts_the_request(server):
+    body = {**gen(LONG, LONG_N, temperature=0.0), "stream": True, "rid": "gone-1;"}
+    with server.http.stream("POST", "/generate", json=body) as r:
+        next(line for line in r.iter_lines() if line)
+    deadline = time.monotonic() + 5
+    while "request gone-1; ended: abort" not in server.log_path.read_text():
+        assert time.monotonic() < deadline, server.log_path.read_text()
+        time.sleep(0.02)
+    wait_idle(server)
+
+
+def test_pause_abort_waiting_and_continue(server, ckpt):
+    h = server.http
+    streamed = queue.Queue()
+
+    def stream_long():
+        with httpx.stream("POST", server.url + "/generate", timeout=30,
+                          json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
+            evs = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    evs.append(json.loads(line[6:]))
+                    streamed.put(len(evs))
+            return evs
+
+    running = in_thread(stream_long)
+    streamed.get(timeout=10)
+    r = h.post("/pause_generation", json={"mode": "abort"})
+    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    last = running.result(5)[-1]  # abort mode returns after the aborted requests were answered
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["output_ids"] == ckpt.long[:len(last["output_ids"])]
+    assert h.get("/health").status_code == 503
+
+    # While paused a request waits; aborting it answers "Abort in waiting queue".
+    waiting = in_thread(httpx.post, server.url + "/generate", timeout=30,
+                        json={**gen(SHORT, 4, temperature=0.0), "rid": "w1"})
+    later = in_thread(httpx.post, server.url + "/generate", timeout=30,
+                      json={**gen(SHORT, 5, temperature=0.0), "rid": "w2"})
+    time.sleep(0.5)
+    assert not waiting.done() and not later.done()
+    # They wait before SGLang's scheduler (in its tokenizer manager): for a flush, nothing is in flight.
+    assert h.post("/flush_cache").status_code == 200
+    h.post("/abort_request", json={"rid": "w1"})
+    assert waiting.result(10).json()["meta_info"]["finish_reason"] == {"type": "abort",
+                                                                       "message": "Abort in waiting queue"}
+    assert not later.done()
+    assert h.post("/continue_generation", json={}).json() == {"message": "Generation continued successfully.",
+                                                              "status": "ok"}
+    body = later.result(10).json()
+    assert body["output_ids"] == ckpt.short[:5] and body["meta_info"]["finish_reason"]["type"] == "length"
+    assert h.get("/health").status_code == 200
+
+
+def test_pause_in_place_keeps_the_request(server, ckpt):
+    h = server.http
+    seen = queue.Queue()
+
+    def stream(n):
+        with httpx.stream("POST", server.url + "/generate", timeout=30,
+                          json={**gen(LONG, n, temperature=0.0), "stream": True}) as r:
+            out = None
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    out = json.loads(line[6:])
+                    seen.put(out["meta_info"]["completion_tokens"])
+            return out
+
+    fut = in_thread(stream, 60)
+    at_pause = seen.get(timeout=10)
+    assert h.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    time.sleep(0.2)
+    while not seen.empty():
+        at_pause = seen.get()
+    time.sleep(0.3)
+    assert seen.empty() and not fut.done()  # no decoding while paused
+    assert h.post("/flush_cache").status_code == 400
+    h.post("/continue_generation", json={})
+    last = fut.result(10)
+    assert at_pause < 60 and last["output_ids"] == ckpt.long[:60]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+
+
+# ---------------------------------------------------------------------- weight updates
+
+
+def form_group(s: Standin, name: str):
+    """Rank 0 here (hosting the TCPStore), rank 1 the server; both join at the same time."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=20),
+                          wait_for_workers=False)
+    fut = in_thread(s.http.post, "/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
+        "group_name": name, "backend": "gloo"})
+    pg = join_custom_group(backend="gloo", world_size=2, rank=0, group_name=name, timeout_s=20, store=store)
+    r = fut.result(30)
+    assert r.status_code == 200
+    assert r.json() == {"success": True, "message": "Succeeded to initialize custom process group."}
+    return pg, store
+
+
+def push_weights(s: Standin, pg, group: str, state: dict[str, torch.Tensor], version: str) -> httpx.Response:
+    names = list(state)
+    fut = in_thread(s.http.post, "/update_weights_from_distributed", json={
+        "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(state[n].shape) for n in names],
+        "group_name": group, "flush_cache": True, "abort_all_requests": False, "weight_version": version,
+        "load_format": None})
+    for n in names:  # one broadcast per tensor, in the order of ``names``
+        dist.broadcast(state[n].detach().float().contiguous(), src=0, group=pg)
+    return fut.result(30)
+
+
+def check_greedy(s: Standin, model: CausalLM, eos: int, version: str) -> None:
+    for prompt in (SHORT, LONG):
+        body = s.http.post("/generate", json=gen(prompt, 12, temperature=0.0)).json()
+        assert body["output_ids"] == greedy(model, prompt, 12, eos)[0]
+        assert body["meta_info"]["weight_version"] == version
+    assert s.http.get("/model_info").json()["weight_version"] == version
+
+
+def new_model(seed: int, eos: int) -> CausalLM:
+    torch.manual_seed(seed)
+    return CausalLM(dataclasses.replace(CFG, eos_token_id=eos)).eval()
+
+
+def test_weight_update_over_gloo(server, ckpt):
+    pg, store = form_group(server, "standin-test-a")
+    try:
+        fresh = new_model(99, ckpt.eos)
+        # An update waits for the requests in flight (SGLang's writer lock): this one ends on the old weights.
+        before = in_thread(server.http.post, "/generate", json=gen(LONG, 60, temperature=0.0))
+        time.sleep(0.05)
+        r = push_weights(server, pg, "standin-test-a", fresh.state_dict(), "1")
+        assert before.result(10).json()["output_ids"] == ckpt.long[:60]
+        assert r.status_code == 200
+        assert r.json() == {"success": True, "message": "Succeeded to update parameter online from "
+                                                        "distributed. Weight version updated to 1."}
+        check_greedy(server, fresh, ckpt.eos, "1")
+        # A second update in the same group puts the original weights back.
+        r = push_weights(server, pg, "standin-test-a", ckpt.model.state_dict(), "2")
+        assert r.status_code == 200 and r.json()["success"] is True
+        check_greedy(server, ckpt.model, ckpt.eos, "2")
+        # Paused in place with a request held: the update goes ahead, but the cache is not flushed.
+        seen = queue.Queue()
+
+        def stream():
+            with httpx.stream("POST", server.url + "/generate", timeout=30,
+                              json={**gen(LONG, 60, temperature=0.0), "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        seen.put(json.loads(line[6:]))
+            return seen.queue[-1]
+
+        held = in_thread(stream)
+        seen.get(timeout=10)
+        assert server.http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        r = push_weights(server, pg, "standin-test-a", fresh.state_dict(), "3")
+        assert r.status_code == 400
+        assert r.json() == {"success": False, "message": "Weights were updated, but the cache was not "
+                                                         "flushed because requests are in flight."}
+        server.http.post("/continue_generation", json={})
+        last = held.result(10)
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        assert last["meta_info"]["weight_version"] == "3"
+        r = push_weights(server, pg, "standin-test-a", ckpt.model.state_dict(), "2")
+        assert r.status_code == 200
+        # A name the model does not have is refused, after its tensor was received.
+        r = push_weights(server, pg, "standin-test-a", {"model.no_such.weight": torch.zeros(3)}, "x")
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert "model.no_such.weight" in r.json()["message"]
+        r = server.http.post("/destroy_weights_update_group", json={"group_name": "standin-test-a"})
+        assert r.status_code == 200 and r.json()["success"] is True
+    finally:
+        leave_custom_group(pg)
+        del store
+
+
+def test_weight_update_session(session_server, ckpt):
+    s = session_server
+    pg, store = form_group(s, "standin-test-b")
+    try:
+        fresh = new_model(7, ckpt.eos)
+        state = fresh.state_dict()
+        names = list(state)
+        body = {"names": names, "dtypes": ["float32"] * len(names), "group_name": "standin-test-b",
+                "shapes": [list(state[n].shape) for n in names], "weight_version": "v1"}
+        # Outside begin/end: refused at once, nothing received (the group stays usable).
+        r = s.http.post("/update_weights_from_distributed", json=body, timeout=5)
+        assert r.status_code == 400
+        assert r.json() == {"success": False, "message": "update_weights_from_distributed must run between "
+                                                         "begin_weight_update() and end_weight_update()"}
+        assert s.http.post("/begin_weight_update", json={"selector": "all"}).json()["success"] is True
+        r = push_weights(s, pg, "standin-test-b", state, "v1")
+        assert r.status_code == 200 and r.json()["message"].endswith(" Weight version updated to v1.")
+        assert s.http.post("/end_weight_update", json={}).json()["success"] is True
+        check_greedy(s, fresh, ckpt.eos, "v1")
+    finally:
+        leave_custom_group(pg)
+        del store

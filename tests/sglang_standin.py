@@ -1,0 +1,694 @@
+"""A stand-in SGLang server for tests: SGLang's HTTP contract on top of the embedded TorchEngine.
+
+Real SGLang needs a GPU; these machines have none. This module is a *test stand-in*: a real HTTP
+server process that answers the part of SGLang's native HTTP API that ``april_async.sglang``
+uses, so that the client can be tested against a live server. It is not SGLang and shares no code
+with it. The contract was read from sglang 0.5.10.post1, 0.5.15.post1 and 0.5.23
+(``python/sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py``,
+``managers/tokenizer_manager.py``, ``sampling/sampling_params.py`` and ``utils/common.py``
+``init_custom_process_group``).
+
+    python -m tests.sglang_standin --checkpoint DIR --port PORT [options]
+
+prints ``standin listening on http://HOST:PORT`` once it serves (``--port 0``: any free port).
+
+Endpoints:
+    POST /generate                        one request of ``input_ids``, streamed (server-sent
+                                          events, cumulative or ``--incremental-streaming-output``)
+                                          or not; ``return_logprob`` gives output-token log-probs
+    POST /abort_request                   by rid prefix, or ``abort_all``
+    POST /pause_generation                mode abort | retract | in_place
+    POST /continue_generation
+    GET  /model_info, /get_model_info, /server_info, /get_server_info, /health, /health_generate
+    GET|POST /flush_cache
+    POST /init_weights_update_group, /destroy_weights_update_group  (gloo on CPU; the group is
+                                          formed with ``join_custom_group``, SGLang's recipe)
+    POST /update_weights_from_distributed one broadcast from rank 0 per tensor, in ``names`` order
+    POST /begin_weight_update, /end_weight_update   only with ``--weight-update-session``
+                                          (0.5.23); without it they answer 404 (0.5.15)
+    POST /update_weight_version
+
+Left out: batches of requests (lists of prompts, ``n`` > 1), ``text`` input and any text output
+(there is no tokenizer: ``text`` is always ""), input-token log-probs (``logprob_start_len`` must
+be -1 or past the prompt), ``ignore_eos``, ``min_new_tokens`` > 0, penalties, ``min_p``, stop
+strings and constrained decoding (their SGLang fields are accepted only at their neutral values),
+tensor parallelism > 1, data parallelism, LoRA, multimodal input, every other weight-loading
+path (``load_format``, from disk, from tensors), and prefix caching (``cached_tokens`` is 0).
+Pause modes ``retract`` and ``in_place`` both keep each request's KV cache in the stand-in. A
+/generate that arrives while paused waits before the engine, as SGLang's tokenizer manager holds
+it before its scheduler sees it: it does not count as in flight for a cache flush (/flush_cache,
+or the flush after a weight update), though /abort_request can end it ("Abort in waiting queue").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from april_async.generator.engine import EngineRequest
+from april_async.generator.torch_engine import TorchEngine
+from april_async.model.decoder import CausalLM
+from april_async.weights.custom_group import join_custom_group, leave_custom_group
+
+ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+# SGLang sampling fields the stand-in implements, with SGLang's defaults.
+SAMPLING_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                     "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True,
+                     "no_stop_trim": False, "min_new_tokens": 0, "sampling_seed": None, "n": 1}
+# Other SGLang sampling fields: accepted only at a value that changes nothing.
+SAMPLING_NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "min_p": (0,),
+                    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
+                    "spaces_between_special_tokens": (True,), "regex": (None,), "json_schema": (None,),
+                    "ebnf": (None,), "structural_tag": (None,),
+                    "custom_params": (None,), "logit_bias": (None, {}), "stream_interval": (None,)}
+
+
+def engine_error(e: Exception) -> dict:
+    return {"type": "abort", "message": f"stand-in engine error: {e!r}", "status_code": 500,
+            "err_type": "InternalServerError"}
+
+
+def log(message: str) -> None:
+    print(f"standin: {message}", file=sys.stderr, flush=True)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, body):
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+def bad(message: str) -> HTTPError:
+    """SGLang's answer to an invalid request."""
+    return HTTPError(400, {"error": {"message": message}})
+
+
+def refused(message: str) -> HTTPError:
+    """SGLang's answer to a control call that failed."""
+    return HTTPError(400, {"success": False, "message": message})
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def field_of(body: dict, key: str, check, what: str, default=None, required: bool = False):
+    if key not in body or (body[key] is None and not required):
+        if required:
+            raise bad(f"field `{key}` is required")
+        return default
+    if not check(body[key]):
+        raise bad(f"field `{key}` must be {what}, got {body[key]!r:.80}")
+    return body[key]
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt: list[int]
+    params: dict
+    seq: int = 0
+    lease: int = -1
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+    parked: bool = False  # arrived while paused: SGLang holds it before its scheduler sees it
+    # From the engine thread: the token count after each decode step, then None when it ended.
+    events: queue.Queue = field(default_factory=queue.Queue)
+    answered: threading.Event = field(default_factory=threading.Event)
+
+
+class Core:
+    """The engine, its request queue and the server's state; one lock guards all of it."""
+
+    def __init__(self, model: CausalLM, args):
+        self.args = args
+        self.engine = TorchEngine(model, slots=args.slots, max_seq_len=args.max_seq_len)
+        self.vocab = model.config.vocab_size
+        self.params = dict(model.state_dict())
+        self.cv = threading.Condition()
+        self.waiting: deque[Req] = deque()
+        self.running: dict[int, Req] = {}  # lease id -> request
+        self.rids: set[str] = set()
+        self.paused = False
+        self.gate: int | None = None  # while an update waits for in-flight requests: admit seq < gate only
+        self.seq = self.lease = 0
+        self.weight_version = args.weight_version
+        self.stopping = False
+        self.update_lock = threading.Lock()
+        self.groups: dict[str, object] = {}  # name -> process group (None while it forms)
+        self.session = False
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, req: Req) -> None:
+        with self.cv:
+            if req.rid in self.rids:
+                raise bad(f"Duplicate request ID detected: {req.rid}")
+            self.rids.add(req.rid)
+            req.seq, self.seq = self.seq, self.seq + 1
+            req.parked = self.paused
+            self.waiting.append(req)
+            self.cv.notify_all()
+
+    def _admissible(self) -> bool:
+        return bool(self.waiting) and (self.gate is None or self.waiting[0].seq < self.gate)
+
+    def _end(self, req: Req, finish: dict) -> None:
+        req.finish = finish
+        self.rids.discard(req.rid)
+        req.events.put(None)
+        log(f"request {req.rid} ended: {finish['type']} after {len(req.ids)} tokens")
+
+    def run(self) -> None:
+        """The engine thread: admit waiting requests, step, hand each request its tokens."""
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.stopping or (
+                    not self.paused and (self.running or self._admissible())))
+                if self.stopping:
+                    return
+                while self._admissible() and len(self.running) < self.engine.slots:
+                    req = self.waiting.popleft()
+                    p = req.params
+                    if p["max_new_tokens"] == 0:
+                        self._end(req, {"type": "length", "length": 0})
+                        continue
+                    req.lease, self.lease = self.lease, self.lease + 1
+                    try:
+                        self.engine.submit(EngineRequest(
+                            req.lease, req.lease, req.prompt, [], p["max_new_tokens"], p["temperature"],
+                            p["top_p"], p["top_k"], p["stop"], p["seed"]))
+                    except Exception as e:  # a bug: answer rather than hang the client
+                        traceback.print_exc()
+                        self._end(req, engine_error(e))
+                        continue
+                    self.running[req.lease] = req
+                try:
+                    outs = self.engine.step() if self.running else []
+                except Exception as e:  # a bug: end what runs rather than hang its clients
+                    traceback.print_exc()
+                    for lease in list(self.running):
+                        self.engine.abort(lease)
+                        self._end(self.running.pop(lease), engine_error(e))
+                    outs = []
+                for out in outs:
+                    req = self.running[out.lease_id]
+                    req.ids += out.tokens
+                    req.logprobs += out.logprobs
+                    if out.finish is None:
+                        req.events.put(len(req.ids))
+                        continue
+                    del self.running[out.lease_id]
+                    if out.finish == "stop":
+                        self._end(req, {"type": "stop", "matched": req.ids[-1]})
+                    else:
+                        self._end(req, {"type": "length", "length": req.params["max_new_tokens"]})
+                self.cv.notify_all()
+            if self.args.step_delay_s:
+                time.sleep(self.args.step_delay_s)
+
+    def abort(self, match) -> list[Req]:
+        """End every running or waiting request ``match(req)`` accepts; they keep their tokens."""
+        with self.cv:
+            hit = [r for r in self.running.values() if match(r)]
+            for req in hit:
+                self.engine.abort(req.lease)
+                del self.running[req.lease]
+                self._end(req, ABORT_RUNNING)
+            queued = [r for r in self.waiting if match(r)]
+            for req in queued:
+                self.waiting.remove(req)
+                self._end(req, ABORT_WAITING)
+            self.cv.notify_all()
+            return hit + queued
+
+    def abort_all(self) -> list[Req]:
+        return self.abort(lambda r: True)
+
+    def in_flight(self) -> bool:
+        """Requests SGLang's scheduler holds: running, or queued before a pause (not parked)."""
+        return bool(self.running) or any(not r.parked for r in self.waiting)
+
+    def payload(self, req: Req, start: int, end: int, final: bool, logprobs: bool) -> dict:
+        meta = {"id": req.rid, "finish_reason": req.finish if final else None,
+                "prompt_tokens": len(req.prompt), "completion_tokens": end, "cached_tokens": 0,
+                "weight_version": self.weight_version}
+        if logprobs:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                             zip(req.logprobs[start:end], req.ids[start:end])]
+        return {"text": "", "output_ids": req.ids[start:end], "meta_info": meta}
+
+    # ------------------------------------------------------------------ weights
+
+    def init_group(self, body: dict) -> dict:
+        addr = field_of(body, "master_address", lambda v: isinstance(v, str), "a string", required=True)
+        port = field_of(body, "master_port", lambda v: is_int(v) or (isinstance(v, str) and v.isdigit()),
+                        "an integer", required=True)
+        rank = field_of(body, "rank_offset", is_int, "an integer", required=True)
+        world = field_of(body, "world_size", is_int, "an integer", required=True)
+        name = field_of(body, "group_name", lambda v: isinstance(v, str), "a string", "weight_update_group")
+        backend = field_of(body, "backend", lambda v: isinstance(v, str), "a string", "nccl")
+        with self.cv:
+            taken = name in self.groups
+            if not taken:
+                self.groups[name] = None
+        try:
+            if taken:
+                raise ValueError(f"a group named {name!r} already exists")
+            if backend == "nccl" and not torch.cuda.is_available():
+                raise RuntimeError("backend nccl needs CUDA, which this stand-in does not have (use gloo)")
+            t0 = time.monotonic()
+            pg = join_custom_group(backend=backend, world_size=world, rank=rank, group_name=name,
+                                   timeout_s=self.args.group_timeout_s,
+                                   init_method=f"tcp://{addr}:{int(port)}")
+        except Exception as e:
+            if not taken:
+                with self.cv:
+                    self.groups.pop(name, None)
+            log(f"weight group {name!r}: failed: {e}")
+            raise refused(f"Failed to initialize custom process group: {e}.") from None
+        with self.cv:
+            self.groups[name] = pg
+        log(f"weight group {name!r} formed: rank {rank} of {world}, {backend}, {time.monotonic() - t0:.2f} s")
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict) -> dict:
+        name = field_of(body, "group_name", lambda v: isinstance(v, str), "a string", "weight_update_group")
+        with self.cv:
+            pg = self.groups.get(name)
+            if pg is None:
+                raise refused(f"Failed to destroy custom process group: no group named {name!r}.")
+            del self.groups[name]
+        leave_custom_group(pg)
+        log(f"weight group {name!r} destroyed")
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_weights(self, body: dict) -> dict:
+        def strings(v):
+            return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+        def sizes(v):
+            return isinstance(v, list) and all(is_int(n) and n >= 0 for n in v)
+
+        names = field_of(body, "names", strings, "a list of strings", required=True)
+        dtypes = field_of(body, "dtypes", strings, "a list of strings", required=True)
+        shapes = field_of(body, "shapes", lambda v: isinstance(v, list) and all(map(sizes, v)),
+                          "a list of shapes", required=True)
+        name = field_of(body, "group_name", lambda v: isinstance(v, str), "a string", "weight_update_group")
+        flush = field_of(body, "flush_cache", lambda v: isinstance(v, bool), "a boolean", True)
+        abort_first = field_of(body, "abort_all_requests", lambda v: isinstance(v, bool), "a boolean", False)
+        version = field_of(body, "weight_version", lambda v: isinstance(v, str), "a string")
+        if body.get("load_format") is not None:
+            raise refused(f"load_format {body['load_format']!r} is not supported by the stand-in")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise refused(f"names, dtypes and shapes differ in length "
+                          f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+        types = [getattr(torch, d, None) for d in dtypes]
+        if not all(isinstance(t, torch.dtype) for t in types):
+            raise refused(f"unknown dtype in {dtypes}")
+        with self.update_lock:
+            if self.args.weight_update_session and not self.session:
+                raise refused("update_weights_from_distributed must run between begin_weight_update() and "
+                              "end_weight_update()")
+            pg = self.groups.get(name)
+            if pg is None:
+                raise refused(f"Failed to update weights: no weight update group named {name!r}.")
+            if abort_first:
+                self.abort_all()
+            t0 = time.monotonic()
+            try:
+                with self.cv:  # SGLang's writer lock: wait for the requests already in flight
+                    if not self.paused:
+                        self.gate = self.seq
+                        self.cv.wait_for(lambda: self.paused or self.stopping or not (
+                            self.running or any(r.seq < self.gate for r in self.waiting)))
+                received = {}
+                try:
+                    for n, dt, shape in zip(names, types, shapes):
+                        t = torch.empty(shape, dtype=dt)
+                        dist.broadcast(t, src=0, group=pg)
+                        received[n] = t
+                except Exception as e:
+                    raise refused(f"Failed to update weights: receiving tensor {len(received) + 1} "
+                                  f"({names[len(received)]!r}) failed: {e}.")
+                for n, t in received.items():
+                    if n not in self.params:
+                        raise refused(f"Failed to update weights: the model has no parameter {n!r}.")
+                    if tuple(t.shape) != tuple(self.params[n].shape):
+                        raise refused(f"Failed to update weights: {n!r} has shape {list(t.shape)}, "
+                                      f"the model's is {list(self.params[n].shape)}.")
+                with self.cv:  # between two decode steps
+                    self.engine.load_weights(received, self.engine.policy_version + 1)
+                    if version is not None:
+                        self.weight_version = version
+                    busy = self.in_flight()
+            finally:
+                with self.cv:
+                    self.gate = None
+                    self.cv.notify_all()
+        log(f"weights updated: {len(received)} tensors from group {name!r} in {time.monotonic() - t0:.2f} s, "
+            f"weight_version {self.weight_version!r}")
+        if flush and busy:
+            raise refused("Weights were updated, but the cache was not flushed because requests are in "
+                          "flight.")
+        message = "Succeeded to update parameter online from distributed."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return {"success": True, "message": message}
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.abort_all()
+        groups = [pg for pg in self.groups.values() if pg is not None]
+        leaving = threading.Thread(target=lambda: [leave_custom_group(pg) for pg in groups], daemon=True)
+        leaving.start()
+        leaving.join(5)
+
+
+# ---------------------------------------------------------------------- HTTP
+
+
+def parse_generate(core: Core, body: dict) -> tuple[Req, bool, bool]:
+    if body.get("text") is not None:
+        raise bad("the stand-in has no tokenizer: send `input_ids`, not `text`")
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        raise bad("batches of requests are not supported by the stand-in")
+    if not (isinstance(ids, list) and ids and all(is_int(t) and 0 <= t < core.vocab for t in ids)):
+        raise bad(f"`input_ids` must be a non-empty list of token ids in [0, {core.vocab})")
+    sp = body.get("sampling_params") or {}
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(sp, dict) or not isinstance(rid, str):
+        raise bad("batches of requests are not supported by the stand-in")
+    logprobs = field_of(body, "return_logprob", lambda v: isinstance(v, bool), "a boolean", False)
+    stream = field_of(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    start = field_of(body, "logprob_start_len", is_int, "an integer", -1)
+    if start != -1 and start < len(ids):
+        raise bad("input-token log-probs are not supported by the stand-in: logprob_start_len must be -1")
+    for key, value in sp.items():
+        if key in SAMPLING_NEUTRAL:
+            if value not in SAMPLING_NEUTRAL[key]:
+                raise bad(f"sampling param `{key}` = {value!r:.40} is not supported by the stand-in")
+        elif key not in SAMPLING_DEFAULTS:
+            raise HTTPError(400, {"error": f"unknown field `{key}`"})
+    p = {**SAMPLING_DEFAULTS, **{k: v for k, v in sp.items() if v is not None}}
+    if not is_int(p["max_new_tokens"]) or p["max_new_tokens"] < 0:
+        raise bad(f"max_new_tokens must be at least 0, got {p['max_new_tokens']!r}")
+    if not is_num(p["temperature"]) or p["temperature"] < 0:
+        raise bad(f"temperature must be non-negative, got {p['temperature']!r}")
+    if not is_num(p["top_p"]) or not 0 < p["top_p"] <= 1:
+        raise bad(f"top_p must be in (0, 1], got {p['top_p']!r}")
+    if not is_int(p["top_k"]) or (p["top_k"] < 1 and p["top_k"] != -1):
+        raise bad(f"top_k must be -1 (disable) or at least 1, got {p['top_k']!r}")
+    stop = sp.get("stop_token_ids") or []
+    if not isinstance(stop, list) or not all(is_int(t) for t in stop):
+        raise bad("stop_token_ids must be a list of token ids")
+    if p["ignore_eos"] is not False or p["min_new_tokens"] != 0:
+        raise bad("ignore_eos and min_new_tokens are not supported by the stand-in")
+    if p["n"] != 1:
+        raise bad("n > 1 is not supported by the stand-in")
+    if p["sampling_seed"] is not None and not is_int(p["sampling_seed"]):
+        raise bad("sampling_seed must be an integer")
+    if len(ids) + p["max_new_tokens"] > core.args.max_seq_len:
+        raise bad(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({p['max_new_tokens']}) is "
+                  f"{len(ids) + p['max_new_tokens']} tokens, more than the stand-in's --max-seq-len "
+                  f"{core.args.max_seq_len}")
+    params = {"max_new_tokens": p["max_new_tokens"], "temperature": 0.0 if p["temperature"] < 1e-6 else float(
+        p["temperature"]), "top_p": float(p["top_p"]), "top_k": max(p["top_k"], 0), "stop": tuple(stop),
+              "seed": p["sampling_seed"]}
+    return Req(rid, list(ids), params), stream, logprobs
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "sglang-standin"
+    disable_nagle_algorithm = True  # as uvicorn: else a reused connection waits ~40 ms per answer (delayed ACK)
+    core: Core
+
+    def log_message(self, format, *args):  # noqa: A002 - one line per request end instead
+        pass
+
+    def do_GET(self):
+        self.dispatch("GET")
+
+    def do_POST(self):
+        self.dispatch("POST")
+
+    def dispatch(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            route = ROUTES.get(path)
+            if route is None or (route[1] == "session" and not self.core.args.weight_update_session):
+                raise HTTPError(404, {"detail": "Not Found"})
+            if method not in route[0]:
+                raise HTTPError(405, {"detail": "Method Not Allowed"})
+            try:
+                body = json.loads(raw) if raw.strip() else {}
+            except ValueError as e:
+                raise bad(f"the body is not valid JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise bad("the body must be a JSON object")
+            result = route[2](self, body)
+            if result is not None:
+                self.send(200, result)
+        except HTTPError as e:
+            self.send(e.status, e.body)
+        except (BrokenPipeError, ConnectionResetError, ClientGone):
+            self.close_connection = True
+        except Exception as e:
+            traceback.print_exc()
+            self.send(500, {"error": {"message": f"stand-in error: {e!r}"}})
+
+    def send(self, status: int, body) -> None:
+        if body is None:
+            data, kind = b"", "application/json"
+        elif isinstance(body, str):
+            data, kind = body.encode(), "text/plain; charset=utf-8"
+        else:
+            data, kind = json.dumps(body).encode(), "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def client_gone(self) -> bool:
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def next_event(self, req: Req):
+        while True:
+            try:
+                return req.events.get(timeout=0.25)
+            except queue.Empty:
+                if self.client_gone():
+                    raise ClientGone
+
+    def generate(self, body: dict) -> dict | None:
+        core = self.core
+        req, stream, logprobs = parse_generate(core, body)
+        core.submit(req)
+        try:
+            if not stream:
+                while self.next_event(req) is not None:
+                    pass
+                return core.payload(req, 0, len(req.ids), True, logprobs)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            last = 0
+            while True:
+                n = self.next_event(req)
+                final = n is None
+                n = len(req.ids) if final else n
+                if not final and n - last < core.args.stream_interval:
+                    continue
+                start = last if core.args.incremental_streaming_output else 0
+                event = core.payload(req, start, n, final, logprobs)
+                self.chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+                last = n
+                if final:
+                    break
+            self.chunk(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            return None
+        except (ClientGone, BrokenPipeError, ConnectionResetError):
+            if req.finish is None:
+                log(f"request {req.rid}: the client went away")
+            core.abort(lambda r: r is req)
+            raise
+        finally:
+            req.answered.set()
+
+    def chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def abort_request(self, body: dict) -> str:
+        rid = field_of(body, "rid", lambda v: isinstance(v, str), "a string", "")
+        if field_of(body, "abort_all", lambda v: isinstance(v, bool), "a boolean", False):
+            self.core.abort_all()
+        elif rid:
+            self.core.abort(lambda r: r.rid.startswith(rid))
+        return ""
+
+    def pause(self, body: dict) -> dict:
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise bad(f"mode must be abort, retract or in_place, got {mode!r}")
+        with self.core.cv:  # taken between two decode steps: none runs after this
+            self.core.paused = True
+        if mode == "abort":
+            for req in self.core.abort_all():
+                req.answered.wait(30)
+        log(f"generation paused ({mode})")
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self, body: dict) -> dict:
+        with self.core.cv:
+            self.core.paused = False
+            for req in self.core.waiting:
+                req.parked = False
+            self.core.cv.notify_all()
+        log("generation continued")
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def model_info(self, body: dict) -> dict:
+        return {"model_path": self.core.args.checkpoint, "tokenizer_path": None, "is_generation": True,
+                "weight_version": self.core.weight_version, "preferred_sampling_params": None}
+
+    def server_info(self, body: dict) -> dict:
+        return {"tp_size": 1, "dp_size": 1, "model_path": self.core.args.checkpoint,
+                "max_running_requests": self.core.args.slots, "weight_version": self.core.weight_version,
+                "version": "standin"}
+
+    def health(self, body: dict) -> None:
+        self.send(503 if self.core.paused else 200, None)
+
+    def flush_cache(self, body: dict) -> str:
+        if self.core.in_flight():
+            raise HTTPError(400, "Cache not flushed: requests are running or waiting.")
+        return "Cache flushed."
+
+    def begin_update(self, body: dict) -> dict:
+        if body.get("selector", "all") != "all":
+            raise refused(f"selector {body['selector']!r} is not supported by the stand-in (only \"all\")")
+        with self.core.update_lock:
+            if self.core.session:
+                raise refused("a weight update session is already open")
+            self.core.session = True
+        return {"success": True, "message": "Weight update session began."}
+
+    def end_update(self, body: dict) -> dict:
+        with self.core.update_lock:
+            if not self.core.session:
+                raise refused("no weight update session is open")
+            self.core.session = False
+        return {"success": True, "message": "Weight update session ended."}
+
+    def update_version(self, body: dict) -> dict:
+        version = field_of(body, "new_version", lambda v: isinstance(v, str), "a string", required=True)
+        if field_of(body, "abort_all_requests", lambda v: isinstance(v, bool), "a boolean", True):
+            self.core.abort_all()
+        self.core.weight_version = version
+        log(f"weight_version set to {version!r}")
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+
+GET, POST = ("GET",), ("POST",)
+ROUTES = {  # path -> (methods, kind, handler)
+    "/generate": (POST, "", Handler.generate),
+    "/abort_request": (POST, "", Handler.abort_request),
+    "/pause_generation": (POST, "", Handler.pause),
+    "/continue_generation": (POST, "", Handler.resume),
+    "/model_info": (GET, "", Handler.model_info),
+    "/get_model_info": (GET, "", Handler.model_info),
+    "/server_info": (GET, "", Handler.server_info),
+    "/get_server_info": (GET, "", Handler.server_info),
+    "/health": (GET, "", Handler.health),
+    "/health_generate": (GET, "", Handler.health),
+    "/flush_cache": (GET + POST, "", Handler.flush_cache),
+    "/init_weights_update_group": (POST, "", lambda h, b: h.core.init_group(b)),
+    "/destroy_weights_update_group": (POST, "", lambda h, b: h.core.destroy_group(b)),
+    "/update_weights_from_distributed": (POST, "", lambda h, b: h.core.update_weights(b)),
+    "/begin_weight_update": (POST, "session", Handler.begin_update),
+    "/end_weight_update": (POST, "session", Handler.end_update),
+    "/update_weight_version": (POST, "", Handler.update_version),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tests.sglang_standin", description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
+    ap.add_argument("--port", type=int, required=True, help="0: any free port")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--slots", type=int, default=16, help="max running requests; more wait (FIFO)")
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--stream-interval", type=int, default=1)
+    ap.add_argument("--incremental-streaming-output", action="store_true")
+    ap.add_argument("--weight-update-session", action="store_true", help="sglang 0.5.23's begin/end")
+    ap.add_argument("--group-timeout-s", type=float, default=60.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--step-delay-s", type=float, default=0.0,
+                    help="sleep after each decode step (tests that need requests to stay running)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    core = Core(CausalLM.from_pretrained(Path(args.checkpoint)), args)
+    Handler.core = core
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=core.run, name="engine", daemon=True).start()
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"standin listening on http://{args.host}:{server.server_address[1]}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    log("stopping")
+    server.shutdown()
+    core.stop()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # handler threads may sit in a socket or a collective: don't wait for them
+
+
+if __name__ == "__main__":
+    main()
