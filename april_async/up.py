@@ -199,10 +199,16 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
                                                       checkpoint=policy, run_dir=str(run_dir),
                                                       broadcaster=bcast_ep, temperature=temperature))
         else:
+            gen = doc.get("generator", {})
+            servers = gen.get("sglang", {}).get("servers", [])
+            if gen.get("engine") == "sglang" and len(servers) < count:
+                raise ConfigError(f"generator:{count} on the sglang engine needs at least {count} servers in "
+                                  f"generator.sglang.servers (each generator owns its own), got {len(servers)}")
             for i in range(count):
                 name = f"{prefix}gen-{i}"
+                own = {"sglang__servers": servers[i::count]} if gen.get("engine") == "sglang" else {}
                 add(kind, name, section("generator", name=name, link=link, broadcaster=bcast_ep,
-                                        torch__checkpoint=generator_ckpt or str(init)))
+                                        torch__checkpoint=generator_ckpt or str(init), **own))
     return run, children, configs
 
 
@@ -408,6 +414,9 @@ def main(args) -> int:
     except ConfigError as e:
         print(f"april up: {e}", file=sys.stderr)
         return 2
+    if args.warm_start_only:  # e.g. before starting SGLang servers from <run.dir>/init
+        print(f"april up: initial policy ready in {sup.dir / 'init'}", flush=True)
+        return 0
     code = 0
     try:
         sup.start()

@@ -1,10 +1,12 @@
 """``april up`` and ``launch/cluster.sh`` for real: six OS processes on loopback, a tiny model.
 
 The first test is the CI check of the whole loop: a short run of broker, broadcaster, scorer,
-learner and two embedded-engine generators, started from one TOML file (warm start included),
-that must take at least three learner steps, end with a balanced ledger (every admitted sample
-delivered, retired with a reason, or still buffered), keep every delivered token within the
-staleness bound, and stop with every generator holding the learner's last version. The others
+learner and two generators, started from one TOML file, that must take at least three learner
+steps, end with a balanced ledger (every admitted sample delivered, retired with a reason, or
+still buffered), keep every delivered token within the staleness bound, and stop with every
+generator holding the learner's last version. It runs once per engine: the embedded ``torch``
+engine (warm start included), and ``sglang`` against two stand-in SGLang servers
+(``tests/sglang_standin.py``), whose weights the broadcaster pushes over a gloo group. The others
 stop runs from outside (Ctrl-C, a killed supervisor) and check that no child outlives them, and
 run the same loop as a two-"host" cluster where both hosts are this machine.
 """
@@ -20,9 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.integration.harness import TINY_POLICY_TOML, free_port
+from tests.integration.standin import start_standin
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -134,24 +138,44 @@ def check_finished_run(run_dir: Path, out: str, generators: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_april_up_runs_the_whole_loop_and_stops_clean(tmp_path):
+@pytest.mark.parametrize("engine", ["torch", "sglang"])
+def test_april_up_runs_the_whole_loop_and_stops_clean(tmp_path, request, engine):
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path, run_dir)
+    servers, args = [], []
+    if engine == "torch":
+        config = write_config(tmp_path, run_dir)  # the warm start makes the initial policy
+    else:  # the servers must start from the initial policy: make it first
+        policy = request.getfixturevalue("policy")
+        config = write_config(tmp_path, run_dir, checkpoint=policy)
+        servers = [start_standin(policy, tmp_path, "--slots", "8", "--max-seq-len", "256", name=f"standin-{i}")
+                   for i in range(2)]
+        urls = "[" + ", ".join(f'"{s.url}"' for s in servers) + "]"
+        for setting in ['generator.engine="sglang"', f"generator.sglang.servers={urls}",
+                        "generator.sglang.slots_per_server=8", "generator.sglang.health_interval_s=0.5",
+                        'broadcaster.backend="gloo"']:
+            args += ["--set", setting]
     log = tmp_path / "up.log"
-    proc = up(config, log=log)
+    proc = up(config, *args, log=log)
     try:
         rc = proc.wait(timeout=300)
+        out = log.read_text()
+        assert rc == 0, f"april up exited {rc}\n{out}\n{logs_of(run_dir)}"
+        if engine == "torch":
+            assert "warm start done" in out
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["stop"] == "learner finished" and summary["steps"] == STEPS, summary
+        assert set(summary["exit_codes"].values()) == {0}, summary
+        assert re.search(r"step +\d+ v\d+ \| reward", out), "no console progress line"
+        check_finished_run(run_dir, out, ["gen-0", "gen-1"])
+        final = metrics(run_dir)[-1]["version"]
+        for s in servers:  # the broadcaster pushed every version to the servers themselves
+            info = httpx.get(f"{s.url}/model_info", timeout=5).json()
+            assert info["weight_version"] == str(final), (info, s.tail())
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = log.read_text()
-    assert rc == 0, f"april up exited {rc}\n{out}\n{logs_of(run_dir)}"
-    assert "warm start done" in out
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stop"] == "learner finished" and summary["steps"] == STEPS, summary
-    assert set(summary["exit_codes"].values()) == {0}, summary
-    assert re.search(r"step +\d+ v\d+ \| reward", out), "no console progress line"
-    check_finished_run(run_dir, out, ["gen-0", "gen-1"])
+        for s in servers:
+            s.kill()
 
 
 @pytest.fixture(scope="module")
