@@ -448,6 +448,11 @@ class ClientGone(Exception):
     pass
 
 
+class Server(ThreadingHTTPServer):
+    request_queue_size = 2048  # uvicorn's backlog: socketserver's 5 resets a burst of 32 connections
+    daemon_threads = True
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "sglang-standin"
@@ -672,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     core = Core(CausalLM.from_pretrained(Path(args.checkpoint)), args)
     Handler.core = core
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server = Server((args.host, args.port), Handler)
     server.daemon_threads = True
     threading.Thread(target=core.run, name="engine", daemon=True).start()
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
