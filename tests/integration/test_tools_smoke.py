@@ -50,3 +50,13 @@ def test_bench_rollout_refuses_a_bad_setting_naming_it():
     out = subprocess.run([sys.executable, "tools/bench_rollout.py", "--smoke", "--workload", "zipf:a=2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unknown kind 'zipf'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bench_sglang_prints_each_path_against_the_embedded_engine():
+    out = run("tools/bench_sglang.py", "--smoke")
+    rows = {line[:34].strip(): line[34:].split() for line in out.splitlines() if line.startswith(("embedded", "sglang"))}
+    assert set(rows) == {"embedded (in process)", "sglang, streamed (cumulative)", "sglang, streamed (incremental)",
+                         "sglang, whole answers"}
+    assert float(rows["embedded (in process)"][2]) == 1.0 and all(float(r[1]) > 0 for r in rows.values())
+    pushes = [line.split() for line in out.splitlines() if line.startswith("to ")]
+    assert [p[1] for p in pushes] == ["1", "2"] and all(float(p[-1]) > 0 for p in pushes)

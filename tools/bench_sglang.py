@@ -1,0 +1,138 @@
+"""What the sglang engine's client costs, measured against the stand-in SGLang server.
+
+    .venv/bin/python tools/bench_sglang.py            # 5M Qwen2-shaped model, 32 requests x 128 tokens
+    .venv/bin/python tools/bench_sglang.py --smoke    # a tiny model, seconds
+
+Two measurements, side by side in one run:
+
+- decode: the same requests (greedy, one batch of ``--requests``) through the embedded engine in
+  this process, and through ``SGLangEngine`` against a stand-in server (``tests/sglang_standin.py``:
+  the same embedded engine behind SGLang's HTTP API, in its own process). The stand-in decodes
+  exactly as the embedded engine does, so the ratio is the price of the HTTP streaming path —
+  JSON events, a second process, the client's loop — on this machine. It says nothing about real
+  SGLang's speed, which runs on a GPU.
+- weights: ``SGLangFanout.push`` of the model to 1 and 2 stand-ins over gloo: the first push
+  (which forms the group) and the median of the next ones, with the effective rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_engine import MODELS  # noqa: E402
+
+from april_async.broadcaster.sglang import SGLangFanout, SGLangFanoutConfig  # noqa: E402
+from april_async.generator.engine import EngineRequest  # noqa: E402
+from april_async.generator.sglang_engine import SGLangEngine, SGLangEngineConfig  # noqa: E402
+from april_async.generator.torch_engine import TorchEngine  # noqa: E402
+from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.weights.flat import flatten  # noqa: E402
+from tests.integration.harness import free_port  # noqa: E402
+from tests.integration.standin import start_standin  # noqa: E402
+
+SMOKE = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+
+
+def requests(n: int, tokens: int) -> list[EngineRequest]:
+    return [EngineRequest(i, i, [(i * 7 + j) % 200 + 1 for j in range(16)], [], tokens, temperature=0.0)
+            for i in range(n)]
+
+
+def decode(engine, reqs: list[EngineRequest]) -> tuple[float, int]:
+    """Seconds until every request ended, and the tokens made."""
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.submit(r)
+    made, ended = 0, 0
+    while ended < len(reqs):
+        for out in engine.step():
+            made += len(out.tokens)
+            ended += out.finish is not None
+    return time.perf_counter() - t0, made
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny model and few tokens")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--pushes", type=int, default=5)
+    args = p.parse_args()
+    cfg = SMOKE if args.smoke else MODELS["5M"]
+    n, tokens, pushes = (4, 8, 2) if args.smoke else (args.requests, args.tokens, args.pushes)
+    torch.set_num_threads(1)  # the stand-in runs its engine on one thread too
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "model"
+        torch.manual_seed(0)
+        CausalLM(cfg).save_pretrained(ckpt)
+        model = CausalLM.from_pretrained(ckpt)
+        params = sum(t.numel() for t in model.parameters()) / 1e6
+        seq = 16 + tokens + 8
+        print(f"model {params:.1f}M params, {n} requests x {tokens} tokens, greedy, torch {torch.__version__}, "
+              f"1 thread per engine")
+
+        embedded_s, made = decode(TorchEngine(model, slots=n, max_seq_len=seq), requests(n, tokens))
+        assert made == n * tokens, made
+        print(f"\n{'decode':<34} {'seconds':>8} {'tokens/s':>9} {'vs embedded':>12}")
+        print(f"{'embedded (in process)':<34} {embedded_s:8.2f} {made / embedded_s:9.0f} {1.0:12.2f}")
+        standin = ["--slots", str(n), "--max-seq-len", str(seq)]
+        for label, flags, stream in [("sglang, streamed (cumulative)", [], True),
+                                     ("sglang, streamed (incremental)", ["--incremental-streaming-output"], True),
+                                     ("sglang, whole answers", [], False)]:
+            server = start_standin(ckpt, Path(tmp), *standin, *flags, name="decode")
+            engine = SGLangEngine(SGLangEngineConfig(servers=[server.url], slots_per_server=n, stream=stream),
+                                  instance="bench")
+            try:
+                decode(engine, requests(2, 4))  # warm-up: connections, first prefill
+                took, made_s = decode(engine, requests(n, tokens))  # the warm-up's leases have ended
+            finally:
+                engine.close()
+                server.kill()
+            assert made_s == made, (made, made_s)
+            print(f"{label:<34} {took:8.2f} {made / took:9.0f} {embedded_s / took:12.2f}")
+        servers = [start_standin(ckpt, Path(tmp), *standin, name=f"s{i}") for i in range(2)]
+        try:
+
+            port = free_port()
+            store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                                  wait_for_workers=False)
+            specs, buffer = flatten(model.state_dict())
+            mb = buffer.numel() / 1e6
+            print(f"\n{'weights push (' + f'{mb:.1f} MB' + ')':<34} {'first s':>8} {'median s':>9} {'MB/s':>8}")
+            for k in (1, 2):
+                fanout = SGLangFanout(SGLangFanoutConfig(), store=store, store_host="127.0.0.1", store_port=port,
+                                      backend="gloo", timeout_s=60)
+                try:
+                    times = []
+                    for v in range(1, pushes + 2):
+                        t0 = time.perf_counter()
+                        result = fanout.push({f"g{i}": [servers[i].url] for i in range(k)}, 100 * k + v, specs,
+                                             buffer, 32 << 20)
+                        times.append(time.perf_counter() - t0)
+                        assert all(err is None for err in result.values()), result
+                finally:
+                    fanout.close()
+                steady = statistics.median(times[1:])
+                print(f"{f'to {k} stand-in(s)':<34} {times[0]:8.3f} {steady:9.3f} {mb / steady:8.0f}")
+        finally:
+            for s in servers:
+                s.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
