@@ -115,6 +115,18 @@ class GeneratorActor:
         peer.send(m.Hello(role="generator", instance=self.cfg.name, capacity=self.capacity, engine=self.engine.name,
                           policy_version=self.engine.policy_version, inflight=inflight))
 
+    def _capacity_changed(self) -> None:
+        """Tell the broker; when it shrank, hand back the leases that have not started (another
+        generator can run them now) rather than keep them waiting for a server to return."""
+        was, free = self.capacity, max(0, self.engine.slots - self.engine.active())
+        returned = 0
+        while len(self.waiting) > free:
+            lid = self.waiting[-1].lease_id
+            self._abort(lid)
+            returned += 1
+        self.log.info("capacity", was=was, now=self.engine.slots, leases_returned=returned)
+        self._hello(self.peer)
+
     def _send_finished(self, fin: m.Finished, peer=None) -> None:
         self.unacked_seq.append((peer or self.peer).send(fin))
         self.unacked.append(fin)
@@ -131,8 +143,7 @@ class GeneratorActor:
             if self.weights is not None:
                 self.weights.poll(0.0)  # a new version loads here, between decode steps
             if self.engine.slots != self.capacity:  # a server engine lost or regained a server
-                self.log.info("capacity", was=self.capacity, now=self.engine.slots)
-                self._hello(self.peer)
+                self._capacity_changed()
             self._start_waiting()
             for out in self.engine.step():
                 self._progress(out)

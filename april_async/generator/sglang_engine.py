@@ -221,7 +221,7 @@ class SGLangEngine:
                 pass
         self._health.cancel()
         try:
-            self._call(self._close_connections(), timeout=2.0)
+            self._call(self._shutdown(), timeout=5.0)
         except Exception:  # closing connections to a dead server: nothing to save
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -249,7 +249,14 @@ class SGLangEngine:
     async def _probe_each(self) -> None:
         await asyncio.gather(*(self._probe(s) for s in self.servers))
 
-    async def _close_connections(self) -> None:
+    async def _shutdown(self) -> None:
+        """End the requests here (the actor is gone: nobody reads their ends), then the connections."""
+        tasks = [r.task for r in list(self._reqs.values()) if r.task is not None and not r.task.done()]
+        for r in list(self._reqs.values()):
+            r.abort_asked = True  # asked for: not counted as lost
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(s.http.aclose() for s in self.servers if s.http is not None))
 
     # ------------------------------------------------------------------ liveness

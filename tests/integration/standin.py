@@ -33,8 +33,9 @@ class StandIn:
 
 
 def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "standin",
-                  timeout_s: float = 60.0) -> StandIn:
-    port = free_port()
+                  timeout_s: float = 60.0, port: int | None = None) -> StandIn:
+    """A stand-in on ``port`` (default: a free one), once it answers ``/model_info``."""
+    port = port or free_port()
     log = log_dir / f"{name}-{port}.log"
     proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_standin", "--checkpoint", str(checkpoint),
                              "--port", str(port), *args], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,

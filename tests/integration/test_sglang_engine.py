@@ -300,6 +300,74 @@ def test_a_failed_push_names_the_server_leaves_it_paused_and_the_next_push_refor
         fanout.close()
 
 
+# ---------------------------------------------------------------------- the generator actor
+
+
+def test_generator_on_sglang_with_the_real_broker_survives_a_server_restart(tmp_path):
+    """Broker, scorer and a generator on one stand-in server as processes; this process is the
+    learner. Behaviour log-probs equal the learner's recomputation; the server is killed (the
+    generator returns its leases and announces capacity 0) and started again on its port (the
+    generator takes it back and batches come again)."""
+    from tests.integration.harness import Cluster
+    from tests.integration.test_torch_generator import TINY as VOCAB_1000, learner_logprobs
+
+    torch.manual_seed(0)
+    CausalLM(VOCAB_1000).save_pretrained(tmp_path / "v0")
+    v0 = CausalLM.from_pretrained(tmp_path / "v0")
+    server = start_standin(tmp_path / "v0", tmp_path, "--slots", "4", "--max-seq-len", "64")
+    port = int(server.url.rsplit(":", 1)[1])
+    cluster = Cluster(tmp_path)
+    cluster.broker({"mode": "async", "batch_groups": 2, "group_size": 2, "max_response_tokens": 12,
+                    "staleness_bound": 4}, extra={"prompts.length": 5})
+    cluster.generator("gen-s", engine="sglang", servers=[server.url], slots_per_server=4, health_interval_s=0.2,
+                      dead_after=2)
+    cluster.scorer()
+    learner = cluster.learner()
+
+    def next_batch(timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            cluster.assert_alive()
+            batch = learner.next_batch(1.0)
+            if batch is not None:
+                return batch
+        pytest.fail(f"no batch within {timeout_s:g} s\n{cluster.dump_logs()}\n{server.tail()}")
+
+    def log_says(text, timeout_s=30.0):
+        deadline = time.monotonic() + timeout_s
+        while text not in cluster.logs["gen-s"].read_text():
+            assert time.monotonic() < deadline, f"no {text!r} in the generator's log\n{cluster.dump_logs()}"
+            time.sleep(0.1)
+
+    try:
+        batch = next_batch()
+        worst = 0.0
+        for g in batch.groups:
+            prompt = batch.prompt_tokens[g.prompt_offset : g.prompt_offset + g.prompt_len].tolist()
+            for smp in g.samples:
+                behaviour = torch.tensor(batch.logprobs[smp.response_offset : smp.response_offset + smp.response_len])
+                worst = max(worst, (learner_logprobs(v0, batch, smp, prompt) - behaviour).abs().max().item())
+        assert worst <= 1e-4, worst
+
+        server.kill()
+        log_says("server_down")
+        log_says("now=0")  # capacity 0, told to the broker
+        server = start_standin(tmp_path / "v0", tmp_path, "--slots", "4", "--max-seq-len", "64", port=port)
+        log_says("server_up")
+        first = batch.batch_id
+        while (batch := next_batch()).batch_id <= first + 1:  # two more batches: generation goes on
+            pass
+        deadline = time.monotonic() + 30
+        while "ended: " not in server.tail():  # and the restarted server itself finished requests
+            assert time.monotonic() < deadline, server.tail()
+            next_batch()
+    finally:
+        learner.close()
+        codes = cluster.stop_all()
+        server.kill()
+    assert all(c == 0 for c in codes.values()), (codes, cluster.dump_logs())
+
+
 # ---------------------------------------------------------------------- the real thing
 
 
