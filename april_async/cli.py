@@ -7,6 +7,7 @@
     april broadcaster [--config run.toml] [--dry-run]
     april up        [--config run.toml] [--actors broker,generator:2,...]: the whole run, with a console
     april simulate  the real broker core in sync, april and async modes, side by side
+    april keys DIR  make CurveZMQ keys for a run across hosts (then APRIL_KEYS=DIR everywhere)
 
 An actor reads the section of its name from the TOML file (``[broker]``, ``[generator]``, ...);
 ``--set`` flags override it with dotted keys; ``--dry-run`` prints the resolved config and exits.
@@ -148,6 +149,21 @@ def _up(args: argparse.Namespace) -> int:
     return up_main(args)
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from april_async.transport.curve import KeysError, make_keys
+
+    try:
+        written = make_keys(args.directory)
+    except (KeysError, OSError) as e:
+        print(f"april keys: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"april keys: copy {args.directory} to every host of the run and set APRIL_KEYS={args.directory}; "
+          f"the *.key_secret files are secrets", file=sys.stderr)
+    return 0
+
+
 def _scorer(args: argparse.Namespace) -> int:
     from april_async.scorer.actor import ScorerConfig
 
@@ -188,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make the initial policy (<run.dir>/init) if there is none, then exit: e.g. to start "
                         "SGLang servers from it")
     u.set_defaults(func=_up)
+    k = sub.add_parser("keys", help="make a CurveZMQ keys directory (hubs' and actors' key pairs, the admitted "
+                                    "clients); point APRIL_KEYS at it on every host")
+    k.add_argument("directory", type=Path)
+    k.set_defaults(func=_keys)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines "
                                          "(tools/simulate.py)")
     from april_async.sim.report import add_arguments

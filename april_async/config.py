@@ -8,6 +8,7 @@ renamed field fails loudly). ``resolve`` builds one from the three layers; a bad
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -41,6 +42,12 @@ class LinkConfig(BaseModel):
     """A correspondent silent this long is dead."""
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=1024)
     """Messages larger than this are refused (``too_large``)."""
+    keys: Path | None = Field(default_factory=lambda: Path(os.environ["APRIL_KEYS"]) if os.environ.get("APRIL_KEYS")
+                              else None)
+    """A keys directory made by ``april keys`` (default: env ``APRIL_KEYS``): every hub and peer then
+    speaks CurveZMQ, and hubs admit only the clients listed in it. None: sockets are open."""
+    allow_open: bool = False
+    """Let a hub without keys bind an address reachable from other hosts (a trusted network)."""
 
     @model_validator(mode="after")
     def _timeout_covers_heartbeats(self) -> LinkConfig:

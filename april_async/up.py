@@ -69,6 +69,9 @@ class RunConfig(BaseModel):
     """The broadcaster's TCPStore (torch.distributed rendezvous)."""
     node: str = ""
     """A prefix for actor names, unique per host (env ``APRIL_NODE``)."""
+    keys: Path | None = None
+    """A keys directory made by ``april keys``: every actor's ``link.keys`` (env ``APRIL_KEYS`` does the
+    same). Needed when ``bind`` is not a loopback address."""
     threads: int = Field(1, ge=1)
     """Torch threads per actor process (six processes share the machine)."""
     max_steps: int | None = Field(None, ge=1)
@@ -167,6 +170,8 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
         return data
 
     link = {"broker": broker_ep}
+    if run.keys is not None:
+        link["keys"] = str(run.keys.resolve())
     configs: dict[str, dict] = {}
     children: list[Child] = []
     prefix = f"{run.node}-" if run.node else ""

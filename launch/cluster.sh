@@ -17,7 +17,9 @@
 # (inside a SLURM allocation: `srun --nodes=1 --ntasks=1 --nodelist=HOST`). Hosts named
 # localhost, 127.0.0.1 or this machine's name run here directly, without either.
 # Environment: APRIL_DIR, the checkout on every host (default: this one); APRIL, the april
-# command there (default: $APRIL_DIR/.venv/bin/april).
+# command there (default: $APRIL_DIR/.venv/bin/april); APRIL_KEYS, a keys directory made by
+# `april keys DIR` and copied to every host: required when the hosts are not all this machine
+# (the hubs then bind 0.0.0.0 and speak CurveZMQ, admitting only holders of the client key).
 # Ctrl-C, or the head's run ending, stops every host.
 set -euo pipefail
 
@@ -56,11 +58,19 @@ for i in "${!hosts[@]}"; do
 done
 [[ -n "$head" ]] || { echo "cluster.sh: no host line runs the broker" >&2; exit 2; }
 if [[ $all_local == 1 ]]; then head_addr=127.0.0.1; bind=127.0.0.1; else head_addr="$head"; bind=0.0.0.0; fi
+keys_env=""
+if [[ -n "${APRIL_KEYS:-}" ]]; then
+  keys_env=" APRIL_KEYS=$(printf '%q' "$APRIL_KEYS")"
+elif [[ $all_local == 0 ]]; then
+  echo "cluster.sh: the hubs will bind 0.0.0.0: make keys with 'april keys DIR', copy DIR to every host" \
+       "and set APRIL_KEYS=DIR" >&2
+  exit 2
+fi
 
 commands=()
 for i in "${!hosts[@]}"; do
   q_extra=""; for a in "${extra[@]+"${extra[@]}"}"; do q_extra+=" $(printf '%q' "$a")"; done
-  cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i"
+  cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i$keys_env"
   cmd+=" exec $(printf '%q' "$april") up --config $(printf '%q' "$config") --actors ${actors[$i]}$q_extra"
   commands+=("$cmd")
 done

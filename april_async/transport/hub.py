@@ -10,6 +10,9 @@
   clock); ``expired_peers`` returns, and forgets, the senders whose expiry has passed.
 - A peer's routing id is its sender name; ``ROUTER_HANDOVER`` lets a restarted process with
   the same name take its old connection over.
+- Authentication (``transport/curve.py``): with keys the hub is a CurveZMQ server that admits
+  only listed clients, and logs every refused handshake (``auth_refused``); without keys it
+  binds loopback addresses only, unless ``link.allow_open``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import zmq
 
 from april_async.config import LinkConfig
 from april_async.logs import get_logger
+from april_async.transport import curve
 from april_async.wire import messages as m
 from april_async.wire.codec import decode, encode
 from april_async.wire.errors import WireError
@@ -28,6 +32,8 @@ from april_async.wire.errors import WireError
 HARD_LIMIT_FACTOR = 4
 """ZeroMQ drops a connection that sends more than max_message_bytes × this in one message; below
 it, an oversized message is refused politely with ``too_large``."""
+REFUSAL_LOG_EVERY_S = 10.0
+"""A refused handshake is logged at most this often per reason (the count goes with it)."""
 MAX_BATCH = 256
 """Messages taken per poll before control returns to the caller's loop."""
 
@@ -42,6 +48,9 @@ class Hub:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, link.max_message_bytes * HARD_LIMIT_FACTOR)
+        self.secure = curve.serve(self.sock, self.ctx, link.keys, bind, allow_open=link.allow_open)
+        self.monitor = self.sock.get_monitor_socket(sum(curve.REFUSALS)) if self.secure else None
+        self._refused: dict[str, tuple[float, int]] = {}  # reason -> (last logged, refusals since)
         if bind.endswith(":0"):
             self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
         else:
@@ -57,6 +66,8 @@ class Hub:
 
     def poll(self, timeout_s: float) -> list[tuple[bytes, m.Body]]:
         """Messages received within ``timeout_s`` (at most MAX_BATCH), as (routing id, message)."""
+        if self.monitor is not None:
+            self._refusals()
         if not self.sock.poll(max(0, int(timeout_s * 1000))):
             return []
         out = []
@@ -71,6 +82,23 @@ class Hub:
             if msg is not None:
                 out.append((frames[0], msg))
         return out
+
+    def _refusals(self) -> None:
+        """Log every handshake the CurveZMQ layer refused since the last poll."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            self.counters["auth_refused"] += 1
+            reason = curve.REFUSALS.get(event["event"], "handshake failed")
+            last, count = self._refused.get(reason, (float("-inf"), 0))
+            now = self.clock()
+            if now - last < REFUSAL_LOG_EVERY_S:  # ZeroMQ retries every 100 ms: one line per reason
+                self._refused[reason] = (last, count + 1)
+                continue
+            self._refused[reason] = (now, 0)
+            self.log.warning("auth_refused", reason=reason, detail=str(event["value"]),
+                             endpoint=event["endpoint"].decode(errors="replace"), since_last_line=count)
 
     def _accept(self, frames: list[bytes]):
         identity = frames[0]
@@ -123,4 +151,7 @@ class Hub:
         return dead
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)

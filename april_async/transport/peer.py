@@ -8,6 +8,10 @@
   jitter, connects a fresh socket and calls ``on_connect(peer)``, which sends ``hello`` (and
   whatever the actor must re-report). An ``error`` with code ``refused`` (the hub has no session
   for us: it restarted) re-opens the session the same way, without the wait.
+- ``send`` never blocks for longer than ``peer_timeout_s``: a message that cannot be queued by
+  then (no connection was ever made — a refused CurveZMQ handshake leaves none — or the queue is
+  full) is dropped and logged (``send_dropped``). What matters is sent again after the reconnect
+  that follows, as after any lost connection.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import zmq
 
 from april_async.config import LinkConfig
 from april_async.logs import get_logger
+from april_async.transport import curve
 from april_async.wire import messages as m
 from april_async.wire.codec import Message, decode, encode
 from april_async.wire.errors import WireError
@@ -38,12 +43,15 @@ class Peer:
         self.sock: zmq.Socket | None = None
         self.backoff_s = RECONNECT_BACKOFF_START_S
         self.reconnects = 0
+        self.dropped = 0  # messages send() could not queue
         self._connect()
 
     def _connect(self) -> None:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.sender.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(self.link.peer_timeout_s * 1000))
+        curve.connect(self.sock, self.link.keys)
         self.sock.connect(self.endpoint)
         self._open_session()
 
@@ -56,7 +64,11 @@ class Peer:
     def send(self, body: m.Body, parent_id: str | None = None) -> int:
         """Send one message; returns its ``seq``."""
         self.seq += 1
-        self.sock.send_multipart(encode(body, sender=self.sender, seq=self.seq, parent_id=parent_id), copy=False)
+        try:
+            self.sock.send_multipart(encode(body, sender=self.sender, seq=self.seq, parent_id=parent_id), copy=False)
+        except zmq.Again:  # not queued within peer_timeout_s: the hub is unreachable or refuses us
+            self.dropped += 1
+            self.log.warning("send_dropped", msg_type=body.msg_type, endpoint=self.endpoint, dropped=self.dropped)
         self.last_send = self.clock()
         return self.seq
 
