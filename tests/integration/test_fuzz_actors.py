@@ -1,0 +1,132 @@
+"""Malformed frames at every actor's socket, not only the broker's (``test_transport.py``).
+
+Two kinds of socket receive frames:
+- hubs (ROUTER): the broker's and the broadcaster's;
+- each actor's peer (DEALER), which trusts whatever its hub sends.
+
+Here hypothesis-made junk goes at a real broadcaster process's hub, after which a good peer must
+still get a session. Then a rogue hub plays the broker for a scorer, a generator and a
+broadcaster in turn, and sends junk down their peer sockets. Each actor must stay alive, log the
+bad frames as typed errors, and keep talking to its hub.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from april_async.config import LinkConfig
+from april_async.transport.peer import Peer
+from april_async.wire import messages as m
+from april_async.wire.codec import decode, encode
+from tests.integration.harness import FAST_LINK, Cluster, free_port
+from tests.integration.test_transport import frames_strategy
+
+FAST = {k.split(".")[1]: v for k, v in FAST_LINK.items()}
+EXAMPLES = 30  # x 100 messages
+
+
+def junk() -> list[list[bytes]]:
+    """EXAMPLES x 100 junk messages, made before any is sent (so they go out in a burst)."""
+    out: list[list[bytes]] = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(frames_strategy, min_size=100, max_size=100))
+    def collect(messages):
+        out.extend(messages)
+
+    collect()
+    return out
+
+
+def blast(send) -> int:
+    """``send(frames)`` for every junk message; how many were sent."""
+    messages = junk()
+    for frames in messages:
+        send(frames)
+    return len(messages)
+
+
+def test_junk_at_the_broadcasters_hub_then_a_good_peer_gets_its_session(tmp_path):
+    cluster = Cluster(tmp_path)
+    cluster.broker({"batch_groups": 1, "group_size": 1})
+    hub = f"tcp://127.0.0.1:{free_port()}"
+    cluster.start("broadcaster", "broadcaster", {"bind": hub, "link.broker": cluster.endpoint, **FAST_LINK,
+                                                 "store_port": free_port(), "backend": "gloo"})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"fuzzer")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hub)
+    try:
+        time.sleep(1.0)  # the broadcaster binds its hub
+        sent = blast(sock.send_multipart)
+        assert sent >= 3000
+        cluster.assert_alive()
+        welcomed = []
+        peer = Peer(hub, "good-learner", link=LinkConfig(broker=cluster.endpoint, **FAST),
+                    on_connect=lambda p: p.send(m.Hello(role="learner", instance="good-learner")))
+        try:
+            deadline = time.monotonic() + 15
+            while not welcomed and time.monotonic() < deadline:
+                msg = peer.poll(0.1)
+                if msg is not None and isinstance(msg.body, m.Welcome):
+                    welcomed.append(msg)
+        finally:
+            peer.close()
+        assert welcomed, cluster.dump_logs()
+        cluster.assert_alive()
+        assert "bad_frame" in cluster.logs["broadcaster"].read_text()
+    finally:
+        sock.close()
+        codes = cluster.stop_all()
+    assert codes["broadcaster"] == 0, (codes, cluster.dump_logs())
+
+
+@pytest.mark.parametrize("actor", ["scorer", "generator", "broadcaster"])
+def test_junk_from_a_rogue_hub_down_an_actors_peer_socket(tmp_path, actor):
+    messages = junk()
+    rogue = zmq.Context.instance().socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer that reconnects (the rogue never heartbeats) still gets it
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    cluster = Cluster(tmp_path)
+    settings_ = {"name": actor, "link.broker": f"tcp://127.0.0.1:{port}", **FAST_LINK}
+    if actor == "generator":
+        settings_["engine"] = "scripted"
+    if actor == "broadcaster":
+        settings_.update({"bind": f"tcp://127.0.0.1:{free_port()}", "store_port": free_port(), "backend": "gloo"})
+    cluster.start(actor, actor, settings_)
+
+    def heard(seconds: float, until: str | None = None) -> list[str]:
+        """Message types the rogue hub receives from the actor within ``seconds`` (decoded);
+        returns early once ``until`` arrives."""
+        out = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if rogue.poll(100):
+                frames = rogue.recv_multipart()
+                out.append(decode(frames[1:]).msg_type)
+                if out[-1] == until:
+                    break
+        return out
+
+    try:
+        assert "hello" in heard(30.0, until="hello"), cluster.dump_logs()
+        rogue.send_multipart([actor.encode(), *encode(m.Welcome(
+            broker_epoch="rogue", policy_version=0, heartbeat_interval_s=FAST["heartbeat_interval_s"],
+            peer_timeout_s=FAST["peer_timeout_s"], max_message_bytes=1 << 20), sender="broker", seq=1)])
+        for frames in messages:
+            rogue.send_multipart([actor.encode(), *frames])
+        assert len(messages) >= 3000
+        after = heard(5.0)  # heartbeats, or a new hello once it judged the hub dead: it is still working
+        assert after, f"{actor} went quiet after the junk\n{cluster.dump_logs()}"
+        cluster.assert_alive()
+        assert "bad_frame_from_hub" in cluster.logs[actor].read_text()
+    finally:
+        codes = cluster.stop_all()
+        rogue.close()
+    assert codes[actor] == 0, (codes, cluster.dump_logs())
