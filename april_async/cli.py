@@ -60,7 +60,7 @@ def _run_actor(args: argparse.Namespace, model, build) -> int:
     configure(json=cfg.log.json_lines, level=cfg.log.level)
     try:
         actor = build(cfg)
-    except ValueError as e:  # a setting that only fails when used: a reward path, a journal directory
+    except (ValueError, OSError) as e:  # a setting that only fails when used: a reward path, a journal directory
         print(f"april {args.command}: {e}", file=sys.stderr)
         return 2
     from april_async.runtime import ActorFailed

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from april_async.wire.codec import MAX_MESSAGE_BYTES
 
@@ -29,12 +30,26 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field and the value."""
 
 
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+|inproc://.+)$")
+
+
+def check_endpoint(value: str) -> str:
+    """A ZeroMQ endpoint: ``tcp://host:port`` (``[v6]:port``, ``*:port``), ``ipc://path`` or ``inproc://name``."""
+    if not _ENDPOINT.match(value) or (value.startswith("tcp://") and not 0 <= int(value.rsplit(":", 1)[1]) < 65536):
+        raise ValueError(f"{value!r} is not a ZeroMQ endpoint (tcp://host:port, ipc://path or inproc://name)")
+    return value
+
+
+Endpoint = Annotated[str, AfterValidator(check_endpoint)]
+"""A config field holding a ZeroMQ endpoint, checked when the config is read."""
+
+
 class LinkConfig(BaseModel):
     """How an actor reaches the broker, and the timing both sides use."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    broker: str = "tcp://127.0.0.1:5555"
+    broker: Endpoint = "tcp://127.0.0.1:5555"
     """The broker's ZeroMQ endpoint."""
     heartbeat_interval_s: float = Field(HEARTBEAT_INTERVAL_S, gt=0)
     """Send a heartbeat after this long without sending anything."""

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from april_async.broadcaster.sglang import SGLangFanout, SGLangFanoutConfig
 from april_async.weights.flat import check_layout
 from april_async.weights.group import GroupError, WeightGroup
-from april_async.config import LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.logs import get_logger
 from april_async.wire import messages as m
 
@@ -68,7 +68,7 @@ class BroadcasterConfig(BaseModel):
 
     name: str = "broadcaster"
     """This instance's name: its sender name on its own hub and on the broker's."""
-    bind: str = "tcp://127.0.0.1:5556"
+    bind: Endpoint = "tcp://127.0.0.1:5556"
     """The broadcaster's own ROUTER hub: learners hand versions over and generators open sessions here."""
     link: LinkConfig = LinkConfig()
     """Where the broker is, and the heartbeat timing of both the broker link and the hub."""

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from april_async.broker.config import RolloutConfig
 from april_async.broker.core import AbortLease, BatchOut, BrokerCore, BrokerError
-from april_async.config import LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.logs import get_logger
 from april_async.tasks.source import PromptSource, PromptSourceConfig, encode_prompt
 from april_async.transport.hub import Hub
@@ -43,7 +43,7 @@ class BrokerServiceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bind: str = "tcp://127.0.0.1:5555"
+    bind: Endpoint = "tcp://127.0.0.1:5555"
     """The ROUTER endpoint every actor connects to."""
     link: LinkConfig = LinkConfig()
     journal_dir: Path | None = None

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from april_async.config import LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.generator.engine import Engine, EngineOutput, EngineRequest, version_runs
 from april_async.generator.scripted import ScriptedEngineConfig
 from april_async.generator.sglang_engine import SGLangEngineConfig
@@ -38,7 +38,7 @@ class GeneratorConfig(BaseModel):
     torch: TorchEngineConfig = TorchEngineConfig()
     sglang: SGLangEngineConfig = SGLangEngineConfig()
     scripted: ScriptedEngineConfig = ScriptedEngineConfig()
-    broadcaster: str | None = None
+    broadcaster: Endpoint | None = None
     """The broadcaster's endpoint: new weights arrive over its ``torch.distributed`` group. None:
     weights are loaded from the checkpoint directory a ``weights_published`` names."""
     chunk_tokens: int = Field(16, ge=1)

@@ -190,7 +190,8 @@ class ServerWeightsLink:
         msg = self.peer.poll(timeout_s)
         while msg is not None:
             body = msg.body
-            if isinstance(body, m.Heartbeat) and (body.policy_version or -1) > self.engine.policy_version:
+            if (isinstance(body, m.Heartbeat) and body.policy_version is not None
+                    and body.policy_version > self.engine.policy_version):
                 self.engine.refresh_versions()
             elif isinstance(body, m.Error):
                 self.log.warning("broadcaster_error", code=body.code, message=body.message)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.config import LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.learner import checkpoint as ckpt
 from april_async.learner.client import BatchClient
 from april_async.learner.losses import (
@@ -56,7 +56,7 @@ class LearnerConfig(BaseModel):
 
     name: str = "learner-0"
     link: LinkConfig = LinkConfig()
-    broadcaster: str | None = "tcp://127.0.0.1:5556"
+    broadcaster: Endpoint | None = "tcp://127.0.0.1:5556"
     """The broadcaster's endpoint; None: publish each version as a checkpoint directory instead
     (announced to the broker, which tells the generators to load it from disk)."""
     checkpoint: str = ""

@@ -114,5 +114,5 @@ def test_generators_are_added_removed_and_replaced_by_another_engine(tmp_path):
             break
     else:
         pytest.fail(f"the torch generator's samples never arrived\n{run.cluster.dump_logs()}")
-    ledger = run.finish()
-    assert ledger["places"]["delivered"] >= 2 * 8
+    run.finish()
+    assert len(run.batches) >= 6  # one before each change, three with gen-b alone, one or more from gen-t

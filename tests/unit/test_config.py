@@ -67,3 +67,27 @@ def test_dry_run_prints_the_resolved_config_and_a_bad_flag_is_one_line():
 def test_a_reward_path_that_does_not_resolve_is_refused():
     out = cli("scorer", "--set", "reward=\"no.such.module:f\"", "--set", "link.broker=\"tcp://127.0.0.1:9\"")
     assert out.returncode == 2 and "cannot import 'no.such.module'" in out.stderr
+
+
+@pytest.mark.parametrize("endpoint, ok", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://*:5555", True), ("tcp://node-7.cluster:0", True), ("tcp://[::1]:5555", True),
+    ("ipc:///tmp/april.sock", True), ("inproc://hub", True),
+    ("notanendpoint", False), ("tcp://localhost", False), ("tcp://h:99999", False), ("udp://h:1", False), ("", False),
+])
+def test_endpoints_are_checked_when_the_config_is_read(endpoint, ok):
+    if ok:
+        assert LinkConfig(broker=endpoint).broker == endpoint
+    else:
+        with pytest.raises(ConfigError, match="is not a ZeroMQ endpoint"):
+            resolve(BrokerServiceConfig, overrides=[f'bind="{endpoint}"'], section="broker")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["scorer", "--set", "link.broker=\"tcp://nohost\""], "link.broker"),
+    (["generator", "--set", "torch.checkpoint=\"/nonexistent\""], "/nonexistent"),
+    (["broker", "--set", "journal_dir=\"/proc/april-nope\""], "/proc/april-nope"),
+])
+def test_unusable_settings_stop_an_actor_with_one_line_naming_them(args, words):
+    out = subprocess.run([sys.executable, "-m", "april_async.cli", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
