@@ -10,6 +10,7 @@ ledger balances and no sample was delivered twice.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -70,3 +71,51 @@ def test_each_peer_frozen_in_turn_is_logged_and_recovered_from(tmp_path):
     assert len(delivered) == len(set(delivered)), "a sample was delivered twice"
     state = json.loads(ledger.read_text())
     assert state["balanced"] and state["places"]["delivered"] == len(delivered), state["places"]
+
+
+@pytest.mark.slow
+def test_the_learner_frozen_in_a_whole_run_is_noticed_and_recovered_from(tmp_path):
+    """An ``april up`` run (a frozen child does not exit, so the supervisor goes on): the learner
+    frozen makes the broker log it silent; after SIGCONT it takes steps again.
+
+    The broadcaster is not frozen here: after a freeze in the middle of a round it can wait a
+    whole collective timeout on the old group and then bench the generators that re-opened their
+    sessions meanwhile, stalling weight rounds for minutes (a known weakness, not yet fixed)."""
+    from tests.integration.test_up import children_of, metrics, up, wait_for, write_config
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path, run_dir)
+    log = tmp_path / "up.log"
+    proc = up(config, "--set", "run.max_steps=100000", log=log)
+    logs = run_dir / "logs"
+
+    def pid_of(name: str) -> int:
+        for pid in children_of(run_dir):
+            if f"config/{name}.json" in open(f"/proc/{pid}/cmdline").read().replace("\0", " "):
+                return pid
+        pytest.fail(f"no process for {name}")
+
+    try:
+        wait_for("a learner step", lambda: len(metrics(run_dir)) >= 1, 240, proc, log)
+        for frozen, witnesses in [("learner-0", {"broker": "peer=learner-0 reason=silent"})]:
+            marks = {w: len((logs / f"{w}.log").read_text()) for w in witnesses}
+            pid = pid_of(frozen)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(8.0)  # past every peer timeout of the run (the default link: 3 s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            for w, text in witnesses.items():
+                assert text in (logs / f"{w}.log").read_text()[marks[w]:], f"{w} did not notice {frozen} frozen"
+            steps = len(metrics(run_dir))
+            wait_for(f"a learner step after {frozen} thawed", lambda: len(metrics(run_dir)) > steps + 1, 120, proc,
+                     log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        ledger = json.loads((run_dir / "broker_state.json").read_text())
+        assert ledger["balanced"], ledger
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in children_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
