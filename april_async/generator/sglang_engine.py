@@ -272,7 +272,7 @@ class SGLangEngine:
 
     async def _probe(self, s: _Server) -> None:
         try:
-            info = await asyncio.get_running_loop().run_in_executor(None, s.client.model_info)
+            version = await asyncio.get_running_loop().run_in_executor(None, s.client.weight_version)
         except SGLangError as e:
             s.failures += 1
             if s.alive and s.failures >= self.cfg.dead_after:
@@ -280,7 +280,6 @@ class SGLangEngine:
             elif s.failures == 1:
                 self.log.warning("probe_failed", server=s.url, error=str(e))
             return
-        version = api.parse_weight_version(info.get("weight_version"))
         s.version = self.cfg.initial_version if version is None else version
         s.failures = 0
         if not s.alive:

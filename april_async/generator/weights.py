@@ -50,6 +50,16 @@ class Receipt:
     seconds: float
 
 
+def _broadcaster_peer(endpoint: str, name: str, link: LinkConfig):
+    """The default session factory on the broadcaster's hub."""
+    from april_async.transport.peer import Peer
+
+    def make(on_connect):
+        return Peer(endpoint, name, link=link, on_connect=on_connect)
+
+    return make
+
+
 class WeightSubscriber:
     """``engine`` has ``policy_version`` (int) and ``load_weights(state_dict, version)``."""
 
@@ -66,12 +76,7 @@ class WeightSubscriber:
         self._receipts: queue.Queue[Receipt] = queue.Queue()
         self._thread = threading.Thread(target=self._receive_loop, daemon=True, name=f"{name}-weights")
         self._thread.start()
-        if peer_factory is None:
-            from april_async.transport.peer import Peer
-
-            def peer_factory(on_connect):
-                return Peer(endpoint, name, link=link, on_connect=on_connect)
-        self.peer = peer_factory(self._on_connect)
+        self.peer = (peer_factory or _broadcaster_peer(endpoint, name, link))(self._on_connect)
 
     def _on_connect(self, peer) -> None:
         self.session += 1
@@ -175,12 +180,7 @@ class ServerWeightsLink:
     def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *, peer_factory=None):
         self.name, self.engine = name, engine
         self.log = get_logger(actor="generator", instance=name, component="weights")
-        if peer_factory is None:
-            from april_async.transport.peer import Peer
-
-            def peer_factory(on_connect):
-                return Peer(endpoint, name, link=link, on_connect=on_connect)
-        self.peer = peer_factory(self._on_connect)
+        self.peer = (peer_factory or _broadcaster_peer(endpoint, name, link))(self._on_connect)
 
     def _on_connect(self, peer) -> None:
         peer.send(m.Hello(role="generator", instance=self.name, engine=self.engine.name,
