@@ -4,8 +4,9 @@
   is answered with an ``error`` message (code, field, ``parent_id``) and logged; the hub keeps
   serving. (Peers never answer an ``error``, so refusals cannot ping-pong.)
 - Duplicates: the highest ``seq`` seen from each sender is kept and a message at or below it is
-  dropped and counted. ``hello`` resets the sender's window (a reconnected or restarted peer
-  starts again at seq 1), so a repeated ``hello`` is the one message that is never dropped.
+  dropped and counted. ``hello`` sets the sender's mark to its own seq (a restarted process
+  starts again at 1; a reconnected one goes on counting), so a repeated ``hello`` is the one
+  message that is never dropped, and a message of an earlier session that arrives after it is.
 - Liveness: every message refreshes its sender's expiry (``peer_timeout_s`` on a monotonic
   clock); ``expired_peers`` returns, and forgets, the senders whose expiry has passed.
 - A peer's routing id is its sender name; ``ROUTER_HANDOVER`` lets a restarted process with
@@ -112,6 +113,10 @@ class Hub:
             return None
         sender = msg.sender
         if msg.msg_type == "hello":
+            # A new session (or a restarted process, which starts again at 1). Messages of an
+            # earlier session of the same process still in flight on its old connection have a
+            # lower seq and are dropped below: acting on them would be wrong, and letting their
+            # seq raise the mark would drop this session's next messages as duplicates.
             self.highest_seq[sender] = msg.seq
         elif msg.seq <= self.highest_seq.get(sender, 0):
             self.counters["dropped_duplicates"] += 1

@@ -1,6 +1,8 @@
 """A peer: one actor's DEALER socket to the hub, with heartbeats and reconnection.
 
-- ``send`` stamps ``seq`` 1, 2, 3, ... per session; the routing id is the sender name.
+- ``send`` stamps ``seq`` 1, 2, 3, ... for the life of the process, across reconnects (the
+  hub drops a message from an earlier session that arrives after the new ``hello``: its ``seq``
+  is lower); the routing id is the sender name.
 - ``poll`` always has a timeout; it sends a ``heartbeat`` when nothing was sent for
   ``heartbeat_interval_s``.
 - The hub is dead when nothing arrived for ``peer_timeout_s`` (the hub heartbeats every peer).
@@ -43,6 +45,7 @@ class Peer:
         self.sock: zmq.Socket | None = None
         self.backoff_s = RECONNECT_BACKOFF_START_S
         self.reconnects = 0
+        self.seq = 0  # never reset: see the module docstring
         self.dropped = 0  # messages send() could not queue
         self._connect()
 
@@ -56,7 +59,6 @@ class Peer:
         self._open_session()
 
     def _open_session(self) -> None:
-        self.seq = 0
         now = self.clock()
         self.last_recv = self.last_send = self.last_hello = now
         self.on_connect(self)
