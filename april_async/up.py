@@ -19,10 +19,17 @@ What it does, in order:
    ``<run.dir>/logs/<name>.log``. A child dies with the supervisor (``PR_SET_PDEATHSIG``).
 4. Show progress from the learner's ``metrics.jsonl``: step, reward, response length,
    throughput, off-policy share, recycled partials.
-5. Stop on Ctrl-C, SIGTERM, ``run.max_steps``, ``run.duration_s`` or a child that dies: the
-   learner first (it writes a checkpoint), then — once the generators hold its last version —
-   generators, scorer, broadcaster and broker last; whatever has not exited after
-   ``stop_timeout_s`` is killed. Nothing is left running.
+5. With ``run.restart = "on-failure"``, restart a child that crashed (a non-zero exit or a
+   signal, ``kill -9`` included) the way a process supervisor would: after a back-off that
+   doubles while it keeps dying young, at most ``max_restarts`` times per actor within
+   ``restart_window_s``. Every actor recovers its own state (the broker from its journal, the
+   learner from its newest checkpoint) and the others reconnect to it. Exit code 2 (a bad
+   config, a refused peer) is never retried. ``<run.dir>/children.json`` always lists each
+   child's pid and restarts.
+6. Stop on Ctrl-C, SIGTERM, ``run.max_steps``, ``run.duration_s`` or a child that dies and is not
+   restarted: the learner first (it writes a checkpoint), then — once the generators hold its
+   last version — generators, scorer, broadcaster and broker last; whatever has not exited
+   after ``stop_timeout_s`` is killed. Nothing is left running.
 """
 
 from __future__ import annotations
@@ -35,9 +42,9 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -47,6 +54,8 @@ from april_async.learner.metrics import read_metrics
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
 REWARD_WINDOW = 20
+CRASH_LOOP_S = 10.0
+"""A child that dies younger than this is crash-looping: its restart back-off doubles."""
 """Steps averaged for the console's running reward and the summary's first/last reward."""
 
 
@@ -82,6 +91,15 @@ class RunConfig(BaseModel):
     """Make the initial policy with the built-in warm start when ``learner.checkpoint`` is empty."""
     console: bool = True
     """Print progress lines (else only the summary)."""
+    restart: Literal["never", "on-failure"] = "never"
+    """``never``: a child that dies stops the run. ``on-failure``: it is restarted (exit code 2,
+    a configuration error, excepted)."""
+    max_restarts: int = Field(5, ge=0)
+    """Restarts allowed per actor within ``restart_window_s``; one more stops the run."""
+    restart_window_s: float = Field(600.0, gt=0)
+    restart_delay_s: float = Field(1.0, ge=0)
+    """The first back-off; it doubles (to 30 s at most) each time the child dies within 10 s of
+    its start (a crash loop), and goes back to this after a longer life."""
     stop_timeout_s: float = Field(20.0, gt=0)
     final_sync_s: float = Field(20.0, ge=0)
     """After the learner stops, wait this long at most for the generators to hold its last version."""
@@ -137,6 +155,10 @@ class Child:
     argv: list[str]
     log: Path
     proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: list[float] = field(default_factory=list)  # monotonic times of each restart
+    delay_s: float = 0.0  # the next back-off
+    due_at: float | None = None  # dead, to be started again at this time
 
 
 def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Child], dict[str, dict]]:
@@ -169,9 +191,10 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
             _merge(data, key.split("__"), value)
         return data
 
-    link = {"broker": broker_ep}
+    # Merged into each actor's own [<actor>.link] (its heartbeat and timeout settings stay).
+    link = {"link__broker": broker_ep}
     if run.keys is not None:
-        link["keys"] = str(run.keys.resolve())
+        link["link__keys"] = str(run.keys.resolve())
     configs: dict[str, dict] = {}
     children: list[Child] = []
     prefix = f"{run.node}-" if run.node else ""
@@ -190,17 +213,17 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
             add(kind, "broker", section("broker", bind=f"tcp://{run.bind}:{run.broker_port}",
                                         journal_dir=doc.get("broker", {}).get("journal_dir", str(run_dir / "journal")),
                                         prompts__tokenizer=doc.get("broker", {}).get("prompts", {}).get("tokenizer", policy),
-                                        state_file=str(run_dir / "broker_state.json"), link=link))
+                                        state_file=str(run_dir / "broker_state.json"), **link))
         elif kind == "broadcaster":
             add(kind, f"{prefix}broadcaster", section(
                 "broadcaster", name=f"{prefix}broadcaster", bind=f"tcp://{run.bind}:{run.broadcaster_port}",
-                store_host=run.host, store_port=run.store_port, link=link,
+                store_host=run.host, store_port=run.store_port, **link,
                 status_file=str(run_dir / "broadcaster.json")))
         elif kind == "scorer":
-            add(kind, f"{prefix}scorer-0", section("scorer", name=f"{prefix}scorer-0", link=link,
+            add(kind, f"{prefix}scorer-0", section("scorer", name=f"{prefix}scorer-0", **link,
                                                      tokenizer=doc.get("scorer", {}).get("tokenizer", policy)))
         elif kind == "learner":
-            add(kind, f"{prefix}learner-0", section("learner", name=f"{prefix}learner-0", link=link,
+            add(kind, f"{prefix}learner-0", section("learner", name=f"{prefix}learner-0", **link,
                                                       checkpoint=policy, run_dir=str(run_dir),
                                                       broadcaster=bcast_ep, temperature=temperature))
         else:
@@ -212,7 +235,7 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
             for i in range(count):
                 name = f"{prefix}gen-{i}"
                 own = {"sglang__servers": servers[i::count]} if gen.get("engine") == "sglang" else {}
-                add(kind, name, section("generator", name=name, link=link, broadcaster=bcast_ep,
+                add(kind, name, section("generator", name=name, **link, broadcaster=bcast_ep,
                                         torch__checkpoint=generator_ckpt or str(init), **own))
     return run, children, configs
 
@@ -273,15 +296,28 @@ class Supervisor:
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.dir / "config").mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1")
         for c in sorted(self.children, key=lambda c: ACTOR_KINDS.index(c.kind)):
             (self.dir / "config" / f"{c.name}.json").write_text(json.dumps(self.configs[c.name], indent=2))
-            log = open(c.log, "ab")
-            c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, preexec_fn=_die_with_parent)
-            log.close()
+            self._spawn(c)
+        self._write_children()
         names = ", ".join(c.name for c in self.children)
         print(f"april up: started {names}; logs in {self.dir / 'logs'}", flush=True)
+
+    def _spawn(self, c: Child) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1")
+        log = open(c.log, "ab")
+        c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=env, preexec_fn=_die_with_parent)
+        log.close()
+        c.started_at, c.due_at = time.monotonic(), None
+
+    def _write_children(self) -> None:
+        """``children.json``: each child's pid and restarts, for operators (and the chaos test)."""
+        rows = {c.name: {"kind": c.kind, "pid": c.proc.pid if c.proc and c.due_at is None else None,
+                         "restarts": len(c.restarts), "log": str(c.log)} for c in self.children}
+        tmp = self.dir / "children.json.tmp"
+        tmp.write_text(json.dumps(rows, indent=2))
+        os.replace(tmp, self.dir / "children.json")
 
     # ------------------------------------------------------------------ watch
 
@@ -291,17 +327,7 @@ class Supervisor:
         last_print = 0.0
         while self.stop_reason is None:
             time.sleep(0.5)
-            for c in self.children:
-                code = c.proc.poll()
-                if code is None:
-                    continue
-                if c.kind == "learner" and code == 0:
-                    self.stop_reason = "learner finished"
-                else:
-                    self.stop_reason = f"{c.name} exited with code {code}"
-                    self._show_tail(c)
-                    self.exit_code = 1
-                break
+            self._check_children()
             rows = read_metrics(metrics)
             new = rows[self.rows_seen:]
             self.rows_seen = len(rows)
@@ -316,6 +342,50 @@ class Supervisor:
             if self.run.duration_s is not None and now - self.started > self.run.duration_s:
                 self.stop_reason = f"duration_s={self.run.duration_s:g} reached"
         return getattr(self, "exit_code", 0)
+
+    def _check_children(self) -> None:
+        now = time.monotonic()
+        for c in self.children:
+            if c.due_at is not None:
+                if now >= c.due_at and self.stop_reason is None:
+                    self._spawn(c)
+                    self._write_children()
+                    print(f"april up: {c.name} restarted ({len(c.restarts)} so far)", flush=True)
+                continue
+            code = c.proc.poll()
+            if code is None:
+                continue
+            if c.kind == "learner" and code == 0:
+                self.stop_reason = "learner finished"
+                return
+            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            refusal = self._no_restart(c, code, now)
+            if refusal is None:
+                lived = now - c.started_at
+                young = lived < CRASH_LOOP_S
+                c.delay_s = min(30.0, max(self.run.restart_delay_s, 2 * c.delay_s)) if young else self.run.restart_delay_s
+                c.restarts.append(now)
+                c.due_at = now + c.delay_s
+                self._write_children()
+                print(f"april up: {c.name} {why} after {lived:.0f} s; restarting it in {c.delay_s:g} s", flush=True)
+                continue
+            self.stop_reason = f"{c.name} {why}" + (f" ({refusal})" if refusal else "")
+            self._show_tail(c)
+            self.exit_code = 1
+            return
+
+    def _no_restart(self, c: Child, code: int, now: float) -> str | None:
+        """Why ``c`` is not restarted ('' for the plain policy ``never``), or None to restart it."""
+        if self.run.restart == "never":
+            return ""
+        if code == 0:
+            return "it stopped on its own"
+        if code == 2:
+            return "exit code 2 is a configuration error: a restart would fail the same way"
+        recent = [t for t in c.restarts if now - t < self.run.restart_window_s]
+        if len(recent) >= self.run.max_restarts:
+            return f"{len(recent)} restarts within {self.run.restart_window_s:g} s already (run.max_restarts)"
+        return None
 
     def status_line(self, row: dict) -> str:
         elapsed = time.monotonic() - self.started
@@ -360,6 +430,8 @@ class Supervisor:
 
     def stop(self) -> None:
         print(f"april up: stopping ({self.stop_reason})", flush=True)
+        for c in self.children:
+            c.due_at = None  # nothing waiting for a restart is started now
         for kind in STOP_ORDER:
             group = [c for c in self.children if c.kind == kind and c.proc.poll() is None]
             for c in group:
@@ -377,8 +449,12 @@ class Supervisor:
 
     def summary(self) -> dict:
         rows = read_metrics(self.dir / "metrics.jsonl")
-        out = {"wall_s": round(time.monotonic() - self.started, 1), "steps": len(rows), "stop": self.stop_reason,
-               "exit_codes": {c.name: c.proc.returncode for c in self.children}}
+        # A learner restarted from an older checkpoint writes some step numbers again: count the last.
+        out = {"wall_s": round(time.monotonic() - self.started, 1), "steps": rows[-1].get("step", len(rows)) if rows else 0,
+               "stop": self.stop_reason, "exit_codes": {c.name: c.proc.returncode for c in self.children}}
+        restarts = {c.name: len(c.restarts) for c in self.children if c.restarts}
+        if restarts:
+            out["restarts"] = restarts
         if rows:
             k = max(1, min(REWARD_WINDOW, len(rows) // 4))
             out["reward_first"] = round(sum(r["reward_mean"] for r in rows[:k]) / k, 4)
