@@ -16,10 +16,25 @@ One step, top to bottom (``train_on``):
 
 Start:  april learner --config run.toml   (section [learner]); it resumes from the newest
 checkpoint under ``run_dir`` when there is one, else starts at version 0 from ``checkpoint``.
+
+Versions after a restart. A version names one set of weights and is never reused. Before a
+version is handed out its number is written to ``<run_dir>/policy_version`` (the highest issued).
+A learner that restarts from checkpoint version ``c`` when versions up to ``M > c`` were already
+issued has rolled back ``M − c`` updates; it publishes the checkpoint's weights as version
+``2M − c``. The version distance from any token made before the crash to any policy after it is
+then at least the number of updates between the two policies (back to the checkpoint, then
+forward), so the broker's staleness bound η keeps meaning what it says across the restart, and
+a token made by a lost version is never taken for one of the new line. A batch made for a
+version older than the learner's (sent before the crash, delivered after it) is not trained:
+its groups are reported dropped with reason ``stale``.
+
+Every batch taken is recorded in ``<run_dir>/batches.jsonl``: its id, the learner's version and
+step, and each sample's id with the oldest and newest version of its tokens (an audit trail).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Literal
@@ -101,6 +116,8 @@ class LearnerConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many steps in total (resumed steps included); None: run until stopped."""
     tensorboard: bool = True
+    audit: bool = True
+    """Record every batch taken (sample ids and token versions) in ``<run_dir>/batches.jsonl``."""
     log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
@@ -184,11 +201,31 @@ class LearnerActor:
             self.state = ckpt.load_state(resume)
             ckpt.load_optimizer(resume, self.optimizer)
             self.log.info("resumed", checkpoint=str(resume), version=self.state.version, step=self.state.step)
-        self.client = BatchClient(cfg.name, broker_peer_factory, policy_version=self.state.version)
+        issued = ckpt.read_issued_version(cfg.run_dir)
+        if issued is not None and issued > self.state.version:
+            self._roll_forward(issued, why="restarted from a checkpoint older than the last version issued")
+        self.client = BatchClient(cfg.name, broker_peer_factory, policy_version=self.state.version,
+                                  on_welcome=self._on_broker_welcome)
         self.client.last_batch_id = self.state.last_batch_id
         self.bcast = broadcaster_peer_factory(self._on_broadcaster) if broadcaster_peer_factory else None
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard)
+        self.audit = open(Path(cfg.run_dir) / "batches.jsonl", "a", buffering=1) if cfg.audit else None
         self._last_batch_at: float | None = None
+
+    def _roll_forward(self, seen: int, why: str) -> None:
+        """Versions up to ``seen`` exist but these weights are version ``c < seen``: number them
+        ``2·seen − c`` (see the module docstring) so that no version is reused and version
+        distances never understate how far apart two policies are."""
+        c = self.state.version
+        self.state.version = 2 * seen - c
+        ckpt.write_issued_version(self.cfg.run_dir, self.state.version)
+        self.log.warning("versions_rolled_forward", checkpoint_version=c, highest_seen=seen,
+                         updates_lost=seen - c, version=self.state.version, why=why)
+
+    def _on_broker_welcome(self, version: int) -> None:
+        if version > self.state.version:  # run_dir lost its policy_version file, or is another run's
+            self._roll_forward(version, why="the broker has seen a newer version than this learner's")
+            self.client.policy_version = self.state.version
 
     def _on_broadcaster(self, peer) -> None:
         peer.send(m.Hello(role="learner", instance=self.cfg.name, policy_version=self.state.version))
@@ -218,6 +255,8 @@ class LearnerActor:
             self.bcast.send(m.Bye(reason="shutdown"))
             self.bcast.close()
         self.metrics.close()
+        if self.audit is not None:
+            self.audit.close()
         self.log.info("stopped", version=self.state.version, steps=self.state.step)
 
     def _pump(self) -> None:
@@ -237,7 +276,15 @@ class LearnerActor:
     def train_on(self, batch: m.Batch) -> None:
         t0 = time.monotonic()
         wait_s = 0.0 if self._last_batch_at is None else t0 - self._last_batch_at
+        if batch.policy_version > self.state.version:
+            self._on_broker_welcome(batch.policy_version)
         V = self.state.version
+        if batch.policy_version < V:
+            # Made before this learner rolled its versions forward (a restart): its tokens may
+            # now be past the staleness bound, which only the broker knows; train none of it.
+            self._skip(batch, [g.group_id for g in batch.groups], "stale",
+                       f"made for version {batch.policy_version}, the learner is at {V}")
+            return
         groups, dropped = list(batch.groups), []
         all_rewards = [s.reward for g in groups for s in g.samples]
         if self.cfg.filters_zero_variance:
@@ -249,10 +296,7 @@ class LearnerActor:
                "reward_mean": float(np.mean(all_rewards)) if all_rewards else 0.0,
                "solved_frac": float(np.mean([r > 0 for r in all_rewards])) if all_rewards else 0.0}
         if not groups:
-            self.client.last_batch_id = batch.batch_id
-            self.client.peer.send(m.BatchReport(batch_id=batch.batch_id, policy_version=V,
-                                                dropped_groups=dropped, reason="zero_variance"))
-            self.log.info("step_skipped", batch_id=batch.batch_id, reason="every group has equal rewards")
+            self._skip(batch, dropped, "zero_variance", "every group has equal rewards")
             return
 
         data = PackedBatch(batch, groups, V)
@@ -283,6 +327,7 @@ class LearnerActor:
         self.state.version = V + 1
         self.state.step += 1
         self.state.last_batch_id = batch.batch_id
+        self._record(batch, V, dropped, "zero_variance" if dropped else "")
         self.publish()
         self.client.policy_version = self.state.version
         self.client.peer.send(m.BatchReport(batch_id=batch.batch_id, policy_version=self.state.version,
@@ -316,11 +361,33 @@ class LearnerActor:
                       len=round(row["response_len_mean"], 1), loss=round(row["loss"], 4), ess=round(row["ess"], 3),
                       off_policy=round(row["off_policy_frac"], 3), s=round(now - t0, 3))
 
+    def _skip(self, batch: m.Batch, dropped: list[int], reason: str, detail: str) -> None:
+        """No step on ``batch``: report its groups dropped under ``reason``."""
+        self.client.last_batch_id = batch.batch_id
+        self._record(batch, self.state.version, dropped, reason)
+        self.client.peer.send(m.BatchReport(batch_id=batch.batch_id, policy_version=self.state.version,
+                                            dropped_groups=dropped, reason=reason))
+        self.log.info("step_skipped", batch_id=batch.batch_id, reason=reason, detail=detail, groups=len(dropped))
+
+    def _record(self, batch: m.Batch, version: int, dropped: list[int], reason: str) -> None:
+        """One line of ``batches.jsonl``: what was trained at which version (groups in ``dropped`` were not)."""
+        if self.audit is None:
+            return
+        left_out = set(dropped)
+        samples = [[s.sample_id, min(sp.version for sp in s.versions), max(sp.version for sp in s.versions)]
+                   if s.versions else [s.sample_id, None, None]
+                   for g in batch.groups if g.group_id not in left_out for s in g.samples]
+        row = {"batch_id": batch.batch_id, "batch_version": batch.policy_version, "version": version,
+               "step": self.state.step if len(left_out) < len(batch.groups) else None,
+               "samples": samples, "dropped_groups": sorted(left_out), "reason": reason, "time": time.time()}
+        self.audit.write(json.dumps(row) + "\n")
+
     # ------------------------------------------------------------------ versions out
 
     def publish(self) -> None:
         """Hand the current weights over once: to the broadcaster, or as a checkpoint on disk."""
         version = self.state.version
+        ckpt.write_issued_version(self.cfg.run_dir, version)  # before anyone can hold it
         if self.bcast is not None:
             self._send_weights(self.bcast)
             return

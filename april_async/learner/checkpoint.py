@@ -98,3 +98,25 @@ def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
         optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except (RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: does not fit this model's optimizer ({e})") from None
+
+
+ISSUED_FILE = "policy_version"
+
+
+def read_issued_version(run_dir: Path) -> int | None:
+    """The highest policy version a learner of this run has handed out, or None."""
+    try:
+        return int((Path(run_dir) / ISSUED_FILE).read_text().strip())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise CheckpointError(f"{Path(run_dir) / ISSUED_FILE}: not a version number") from None
+
+
+def write_issued_version(run_dir: Path, version: int) -> None:
+    """Record ``version`` as issued, atomically (a crash leaves the old number or the new one)."""
+    path = Path(run_dir) / ISSUED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(ISSUED_FILE + ".tmp")
+    tmp.write_text(f"{version}\n")
+    os.replace(tmp, path)

@@ -15,8 +15,9 @@ from april_async.wire import messages as m
 
 
 class BatchClient:
-    def __init__(self, name: str, peer_factory, *, policy_version: int = 0, retry_s: float = 5.0):
+    def __init__(self, name: str, peer_factory, *, policy_version: int = 0, retry_s: float = 5.0, on_welcome=None):
         self.name = name
+        self.on_welcome = on_welcome  # called with the broker's policy version on every welcome
         self.policy_version = policy_version
         self.retry_s = retry_s
         self.log = get_logger(actor="learner", instance=name)
@@ -38,6 +39,8 @@ class BatchClient:
                 self.peer.send(m.BatchRequest(policy_version=self.policy_version, acked_batch_id=self.last_batch_id))
                 self._asked_at = now
             msg = self.peer.poll(max(0.0, min(deadline - now, 0.1)))
+            if msg is not None and isinstance(msg.body, m.Welcome) and self.on_welcome is not None:
+                self.on_welcome(msg.body.policy_version)
             if msg is not None and isinstance(msg.body, m.Batch):
                 self._asked_at = None
                 if self.last_batch_id is not None and msg.body.batch_id <= self.last_batch_id:

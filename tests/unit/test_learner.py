@@ -1,6 +1,7 @@
 """The learner's step in one process: packing, the step's effects, dynamic sampling, checkpoints."""
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -175,3 +176,53 @@ def test_a_version_the_broadcaster_refuses_as_too_large_stops_the_learner_naming
     actor.train_on(make_batch([[1.0, 0.0]]))
     with pytest.raises(BroadcastRefused, match="max_update_bytes"):
         actor._pump()
+
+
+def test_a_restart_behind_the_last_issued_version_rolls_versions_forward(policy, tmp_path):
+    """Checkpoint at 2, versions up to 5 issued, then a crash: the restored weights become
+    version 2·5 − 2 = 8, so no version number is reused and lags never understate distance."""
+    actor = learner(policy, tmp_path, keep_checkpoints=10)  # no broadcaster: each version is a checkpoint
+    for i in range(5):
+        actor.train_on(make_batch([[1.0, 0.0]], batch_id=i, version=i))
+    assert ckpt.read_issued_version(tmp_path / "run") == 5
+    for v in (3, 4, 5):  # as if the crash came before these were written
+        shutil.rmtree(ckpt.checkpoint_dir(tmp_path / "run", v))
+    again = learner(policy, tmp_path)
+    assert again.state.step == 2 and again.state.version == 2 * 5 - 2
+    assert again.client.policy_version == 8 and ckpt.read_issued_version(tmp_path / "run") == 8
+    # Tokens made by the lost versions 3..5 now lag 3..5 behind; the checkpoint's own version 2 lags 6.
+    again.train_on(make_batch([[1.0, 0.0]], batch_id=5, version=8))
+    assert again.state.version == 9
+
+
+def test_a_batch_made_for_an_older_version_is_not_trained_and_reported_stale(policy, tmp_path):
+    actor = learner(policy, tmp_path)
+    actor.state.version = 7  # rolled forward past the batch's version by a restart
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    actor.train_on(make_batch([[1.0, 0.0], [0.0, 1.0]], batch_id=3, version=5))
+    assert all(torch.equal(v, before[k]) for k, v in actor.model.state_dict().items()), "a stale batch was trained"
+    report = [b for b in actor.client.peer.sent if isinstance(b, m.BatchReport)][-1]
+    assert report.reason == "stale" and report.dropped_groups == [10, 11] and report.policy_version == 7
+    assert actor.state.version == 7 and actor.client.last_batch_id == 3
+
+
+def test_a_broker_ahead_of_the_learner_makes_it_roll_forward_before_training(policy, tmp_path):
+    """run_dir lost its policy_version file: the broker's welcome (or a batch) names a newer version."""
+    actor = learner(policy, tmp_path)
+    actor._on_broker_welcome(4)
+    assert actor.state.version == 8 and actor.client.policy_version == 8
+    actor.train_on(make_batch([[1.0, 0.0]], batch_id=0, version=12))  # newer still: roll again, then stale
+    assert actor.state.version == 2 * 12 - 8 and actor.state.step == 0
+
+
+def test_every_batch_taken_is_in_the_audit_trail(policy, tmp_path):
+    actor = learner(policy, tmp_path, algorithm="dapo")
+    actor.train_on(make_batch([[1.0, 1.0], [0.0, 1.0]], batch_id=0))  # group 10 filtered (equal rewards)
+    actor.state.version = 5
+    actor.train_on(make_batch([[1.0, 0.0]], batch_id=1, version=3))  # stale
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "batches.jsonl").read_text().splitlines()]
+    assert [r["batch_id"] for r in rows] == [0, 1]
+    assert rows[0]["step"] == 1 and rows[0]["version"] == 0 and rows[0]["dropped_groups"] == [10]
+    assert [s[0] for s in rows[0]["samples"]] == [2, 3]  # the trained group's samples only
+    assert rows[0]["samples"][0][1:] == [0, 0]  # oldest and newest token version
+    assert rows[1]["step"] is None and rows[1]["reason"] == "stale" and rows[1]["samples"] == []
