@@ -137,7 +137,7 @@ class WeightSubscriber:
         """The next announce to act on, with its session (None: stop); leaves the group on ``LEAVE``."""
         while (job := self._jobs.get()) is not None:
             if job == LEAVE:
-                self.group.leave()
+                self.group.forget_store()
                 continue
             ann = job[0]
             try:
