@@ -1,0 +1,377 @@
+"""Chaos: ``kill -9`` every kind of actor of a real ``april up`` run at random moments, then
+check that nothing was lost, nothing delivered twice and nothing trained past the staleness bound.
+
+    python tools/chaos.py                                   # the long run: 60 kills, 30+ steps
+    python tools/chaos.py --kills 10 --steps 8 --interval 3 # the short one CI runs
+
+The run is ``april up`` with ``run.restart = "on-failure"`` (every actor is restarted the way a
+process supervisor would) on a tiny policy: a broker with its journal, a broadcaster, a scorer, a
+learner that checkpoints every ``--save-every`` steps and two embedded generators, in ``april``
+mode with staleness bound η. Once the loop takes steps, the tool kills one actor every
+``--interval`` seconds on average (uniform in ½..1½ of it), cycling through the five kinds in a
+shuffled order so that each kind gets its share, picking a random generator among the two. Kills
+may land while an earlier victim is still coming back. A learner kill waits for a step that wrote
+no checkpoint, so that every learner restart resumes behind versions already handed out. After the last kill it waits for
+``--steps`` learner steps in all and two steps more after the last kill, then stops the run with
+SIGINT and checks:
+
+- **restarts**: every kill was followed by a restart of that actor, and the run stopped clean;
+- **ledger**: the broker's ledger balances: every admitted sample delivered, retired with a
+  counted reason, or still buffered (queued, leased, partial, finished, scored);
+- **exactly once**: no sample appears in two batches the learner took (``batches.jsonl``);
+- **staleness**: every trained sample's tokens are within η of the learner's version, and none is
+  newer than it — including the versions after each learner restart from its checkpoint;
+- **progress**: the learner reached its step target.
+
+Prints the figures as a table and writes them to ``<dir>/chaos.json``; exits 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
+HELD = ("queued", "leased", "partial", "finished", "scored")
+
+RUN_TOML = """
+[run]
+dir = "{dir}"
+actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
+broker_port = {broker_port}
+broadcaster_port = {broadcaster_port}
+store_port = {store_port}
+restart = "on-failure"
+max_restarts = 1000
+restart_delay_s = 0.5
+final_sync_s = 30
+console = false
+
+[warmstart]       # a tiny policy in seconds: the chaos is about the plumbing, not the reward
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 64
+max_steps = 4
+eval_problems = 4
+max_response_tokens = 32
+prompts = {{ kind = "addchain", seed = 1000 }}
+
+[broker]
+prompts = {{ kind = "addchain", seed = 0 }}
+
+[broker.rollout]
+mode = "april"
+batch_groups = 2
+group_size = 2
+over_provision = 2.0
+staleness_bound = {eta}
+max_response_tokens = 24
+
+[broadcaster]
+timeout_s = 20
+
+[generator.torch]
+slots = 8
+
+[learner]
+lr = 1e-4
+save_every = {save_every}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_json(path: Path, default=None):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return default
+
+
+def learner_step(run_dir: Path) -> int:
+    """The learner's newest step number (a restart from a checkpoint may write some again)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return 0
+
+
+class Chaos:
+    def __init__(self, args):
+        self.args = args
+        self.dir = Path(args.dir or tempfile.mkdtemp(prefix="april-chaos-")).resolve()
+        self.run_dir = self.dir / "run"
+        self.rng = random.Random(args.seed)
+        self.kills: list[dict] = []
+        self.up: subprocess.Popen | None = None
+
+    def say(self, text: str) -> None:
+        print(f"chaos: {text}", flush=True)
+
+    # ------------------------------------------------------------------ run
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        config = self.dir / "run.toml"
+        config.write_text(RUN_TOML.format(dir=self.run_dir, broker_port=free_port(), broadcaster_port=free_port(),
+                                          store_port=free_port(), eta=self.args.eta, save_every=self.args.save_every))
+        self.up_log = self.dir / "up.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.up = subprocess.Popen([sys.executable, "-m", "april_async.cli", "up", "--config", str(config)],
+                                   stdout=self.up_log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.say(f"april up started; everything in {self.dir}")
+
+    def wait(self, what: str, cond, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if self.up.poll() is not None:
+                raise ChaosFailed(f"april up exited ({self.up.returncode}) while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise ChaosFailed(f"no {what} within {timeout_s:g} s")
+            time.sleep(0.2)
+
+    def victim(self, kind: str) -> tuple[str, int] | None:
+        children = read_json(self.run_dir / "children.json", {})
+        live = sorted((name, row["pid"]) for name, row in children.items() if row["kind"] == kind and row["pid"])
+        return self.rng.choice(live) if live else None
+
+    def between_checkpoints(self, wait_s: float = 10.0) -> None:
+        """Let a learner kill land after a step that wrote no checkpoint (waiting ``wait_s`` at
+        most), so that the restart resumes behind versions already handed out: the case where
+        version numbers could be reused and the staleness bound broken."""
+        deadline = time.monotonic() + wait_s
+        while learner_step(self.run_dir) % self.args.save_every == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def rampage(self) -> None:
+        order: list[str] = []
+        t0 = time.monotonic()
+        while len(self.kills) < self.args.kills:
+            if not order:
+                order = list(self.args.kinds)
+                self.rng.shuffle(order)
+            kind = order.pop()
+            time.sleep(self.args.interval * self.rng.uniform(0.5, 1.5))
+            if self.up.poll() is not None:
+                raise ChaosFailed(f"april up exited ({self.up.returncode}) during the kills")
+            deadline = time.monotonic() + 30
+            while (target := self.victim(kind)) is None:  # all of that kind are waiting for a restart
+                if time.monotonic() > deadline:
+                    raise ChaosFailed(f"no live {kind} to kill for 30 s: is the supervisor restarting it?")
+                time.sleep(0.2)
+            name, pid = target
+            if kind == "learner":
+                self.between_checkpoints()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it died on its own just now: the supervisor has it
+                order.append(kind)
+                continue
+            step = learner_step(self.run_dir)
+            self.kills.append({"t": round(time.monotonic() - t0, 2), "kind": kind, "name": name, "pid": pid,
+                               "step": step})
+            self.say(f"kill -9 {name} (pid {pid}) at step {step} [{len(self.kills)}/{self.args.kills}]")
+
+    def finish(self) -> int:
+        last = learner_step(self.run_dir)
+        target = max(self.args.steps, last + 2)
+        self.say(f"kills done at step {last}; waiting for step {target}")
+        self.wait(f"learner step {target}", lambda: learner_step(self.run_dir) >= target, self.args.settle_s)
+        self.up.send_signal(signal.SIGINT)
+        try:
+            return self.up.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            self.up.kill()
+            raise ChaosFailed("april up did not stop within 180 s of SIGINT") from None
+
+    def stop(self) -> None:
+        if self.up is not None and self.up.poll() is None:
+            self.up.kill()
+            self.up.wait()
+        for row in (read_json(self.run_dir / "children.json", {}) or {}).values():
+            if row.get("pid"):
+                try:
+                    os.kill(row["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # ------------------------------------------------------------------ checks
+
+    def report(self, up_code: int) -> dict:
+        eta = self.args.eta
+        ledger = read_json(self.run_dir / "broker_state.json")
+        summary = read_json(self.run_dir / "summary.json", {})
+        problems: list[str] = []
+        if up_code != 0:
+            problems.append(f"april up exited with {up_code}")
+        if ledger is None:
+            raise ChaosFailed("the broker wrote no ledger (broker_state.json) at the end")
+
+        # Restarts: each kill restarted its actor.
+        killed = Counter(k["name"] for k in self.kills)
+        restarts = summary.get("restarts", {})
+        for name, n in killed.items():
+            if restarts.get(name, 0) < n:
+                problems.append(f"{name} was killed {n} times but restarted {restarts.get(name, 0)} times")
+        unexpected = {name: n - killed.get(name, 0) for name, n in restarts.items() if n > killed.get(name, 0)}
+
+        # Exactly once and staleness, from the learner's audit of every batch it took.
+        rows = [json.loads(ln) for ln in (self.run_dir / "batches.jsonl").read_text().splitlines() if ln.strip()]
+        first_batch: dict[int, int] = {}
+        duplicates = over_bound = from_future = trained = 0
+        batches_seen: Counter = Counter()
+        for row in rows:
+            batches_seen[row["batch_id"]] += 1
+            for sid, oldest, newest in row["samples"]:
+                if first_batch.setdefault(sid, row["batch_id"]) != row["batch_id"]:
+                    duplicates += 1
+                if row["step"] is None:
+                    continue
+                trained += 1
+                if oldest is not None and row["version"] - oldest > eta:
+                    over_bound += 1
+                if newest is not None and newest > row["version"]:
+                    from_future += 1
+        if duplicates:
+            problems.append(f"{duplicates} samples were in two different batches")
+        if over_bound:
+            problems.append(f"{over_bound} trained samples broke the staleness bound η = {eta}")
+        if from_future:
+            problems.append(f"{from_future} trained samples had tokens newer than the learner's version")
+
+        places = ledger["places"]
+        if not ledger["balanced"]:
+            problems.append(f"the ledger does not balance: {places} vs {ledger['expected']} admitted")
+        if ledger["counters"].get("samples_delivered") != places.get("delivered"):
+            problems.append("the broker's delivered counter and its delivered place disagree")
+        steps = learner_step(self.run_dir)
+        if steps < self.args.steps:
+            problems.append(f"the learner reached step {steps}, short of {self.args.steps}")
+
+        learner_log = "\n".join(p.read_text(errors="replace") for p in (self.run_dir / "logs").glob("learner-*.log"))
+        roll_forwards = [tuple(int(x) for x in m_.groups()) for m_ in re.finditer(
+            r"versions_rolled_forward\s.*?checkpoint_version=(\d+)\s.*?highest_seen=(\d+)\s.*?version=(\d+)",
+            learner_log)]
+        counters = ledger["counters"]
+        retired = counters.get("groups_retired", {})
+        return {
+            "kills": len(self.kills),
+            "kills_per_kind": {k: sum(1 for x in self.kills if x["kind"] == k) for k in KINDS},
+            "restarts": restarts,
+            "restarts_not_from_kills": unexpected,
+            "steps": steps,
+            "final_version": ledger["version"],
+            "samples_admitted": ledger["expected"],
+            "samples_delivered": places.get("delivered", 0),
+            "samples_retired": places.get("retired", 0),
+            "samples_buffered": sum(places.get(p, 0) for p in HELD),
+            "places": places,
+            "groups_retired_by_reason": retired,
+            "groups_filtered_by_reason": counters.get("groups_filtered", {}),
+            "restarts_for_staleness": counters.get("restarts", 0),
+            "partials_recycled": counters.get("partials_recycled", 0),
+            "leases_expired": counters.get("leases_expired", 0),
+            "batches_taken": len(batches_seen),
+            "batches_taken_twice": sum(1 for n in batches_seen.values() if n > 1),
+            "samples_trained": trained,
+            "duplicates": duplicates,
+            "staleness_violations": over_bound + from_future,
+            "eta": eta,
+            "learner_roll_forwards": [{"checkpoint": c, "highest_seen": mx, "new_version": v}
+                                      for c, mx, v in roll_forwards],
+            "wall_s": summary.get("wall_s"),
+            "problems": problems,
+        }
+
+
+class ChaosFailed(RuntimeError):
+    pass
+
+
+def table(fig: dict) -> str:
+    kinds = ", ".join(f"{k} {n}" for k, n in fig["kills_per_kind"].items())
+    lines = [
+        f"kills            {fig['kills']} ({kinds})",
+        f"steps            {fig['steps']} (final version {fig['final_version']}, "
+        f"{len(fig['learner_roll_forwards'])} learner roll-forwards)",
+        f"samples          admitted {fig['samples_admitted']} = delivered {fig['samples_delivered']}"
+        f" + retired {fig['samples_retired']} + buffered {fig['samples_buffered']}",
+        f"retired groups   {fig['groups_retired_by_reason'] or 'none'}; filtered by the learner "
+        f"{fig['groups_filtered_by_reason'] or 'none'}",
+        f"recovery         {fig['leases_expired']} leases reclaimed, {fig['partials_recycled']} partials recycled, "
+        f"{fig['restarts_for_staleness']} staleness restarts",
+        f"batches          {fig['batches_taken']} taken ({fig['batches_taken_twice']} again after a learner restart),"
+        f" {fig['samples_trained']} samples trained",
+        f"duplicates       {fig['duplicates']}",
+        f"over η = {fig['eta']}       {fig['staleness_violations']}",
+        f"wall             {fig['wall_s']} s",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=60, help="how many kill -9 (default 60)")
+    ap.add_argument("--steps", type=int, default=30, help="the learner's step target (default 30)")
+    ap.add_argument("--interval", type=float, default=4.0, help="mean seconds between kills (default 4)")
+    ap.add_argument("--eta", type=int, default=1, help="the staleness bound η (default 1)")
+    ap.add_argument("--save-every", type=int, default=3, help="learner checkpoint interval in steps (default 3)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the kinds of actor to kill (default: all five)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dir", help="where the run goes (default: a new temporary directory)")
+    ap.add_argument("--settle-s", type=float, default=600.0, help="how long to wait for the step target after the kills")
+    args = ap.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if not args.kinds or set(args.kinds) - set(KINDS):
+        ap.error(f"--kinds: a comma-separated list of {', '.join(KINDS)}")
+
+    chaos = Chaos(args)
+    try:
+        chaos.start()
+        chaos.wait("first learner step (warm start and start-up)", lambda: learner_step(chaos.run_dir) >= 1, 600)
+        chaos.rampage()
+        code = chaos.finish()
+        fig = chaos.report(code)
+    except ChaosFailed as e:
+        chaos.stop()
+        print(f"chaos: FAILED: {e}\nchaos: see {chaos.up_log} and {chaos.run_dir / 'logs'}", file=sys.stderr)
+        return 1
+    finally:
+        chaos.stop()
+    fig["kill_log"] = chaos.kills
+    (chaos.dir / "chaos.json").write_text(json.dumps(fig, indent=2))
+    print(table(fig), flush=True)
+    if fig["problems"]:
+        for p in fig["problems"]:
+            print(f"chaos: FAILED: {p}", file=sys.stderr)
+        return 1
+    print(f"chaos: all checks passed; figures in {chaos.dir / 'chaos.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
