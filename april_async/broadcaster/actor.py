@@ -306,6 +306,13 @@ class BroadcasterActor:
             max_message_bytes=self.cfg.max_update_bytes), parent_id=msg_id)
         self._status_dirty = True
         self.log.info("hello", peer=sender, role=body.role, version=body.policy_version)
+        r = self.round
+        if body.role == "generator" and r is not None and sender in r.members:
+            # A member that opens a new session mid-round (it thought this process dead, say,
+            # while it was stopped) may have lost its ack with the old connection: its hello says
+            # what it holds now. Holding less, it failed the round; either way nobody waits for
+            # it until the round's timeout, nor benches it as if it had gone quiet.
+            self._ack(sender, self.sessions[sender], version)
 
     def _update(self, s: Session, sender: str, body: m.WeightsUpdate, msg_id: str) -> None:
         if s.role != "learner":

@@ -74,13 +74,12 @@ def test_each_peer_frozen_in_turn_is_logged_and_recovered_from(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_learner_frozen_in_a_whole_run_is_noticed_and_recovered_from(tmp_path):
+def test_the_learner_and_the_broadcaster_frozen_in_a_whole_run_are_noticed_and_recovered_from(tmp_path):
     """An ``april up`` run (a frozen child does not exit, so the supervisor goes on): the learner
-    frozen makes the broker log it silent; after SIGCONT it takes steps again.
-
-    The broadcaster is not frozen here: after a freeze in the middle of a round it can wait a
-    whole collective timeout on the old group and then bench the generators that re-opened their
-    sessions meanwhile, stalling weight rounds for minutes (a known weakness, not yet fixed)."""
+    frozen makes the broker log it silent, the broadcaster frozen makes the broker and both
+    generators log it; after SIGCONT the learner takes steps again, each within 45 s — less than
+    the broadcaster's collective timeout (60 s), which a round would otherwise wait out for
+    generators that re-opened their sessions during the freeze, then bench them for two more."""
     from tests.integration.test_up import children_of, metrics, up, wait_for, write_config
 
     run_dir = tmp_path / "run"
@@ -97,7 +96,9 @@ def test_the_learner_frozen_in_a_whole_run_is_noticed_and_recovered_from(tmp_pat
 
     try:
         wait_for("a learner step", lambda: len(metrics(run_dir)) >= 1, 240, proc, log)
-        for frozen, witnesses in [("learner-0", {"broker": "peer=learner-0 reason=silent"})]:
+        for frozen, witnesses in [("learner-0", {"broker": "peer=learner-0 reason=silent"}),
+                                  ("broadcaster", {"broker": "peer=broadcaster reason=silent",
+                                                   "gen-0": "hub_silent", "gen-1": "hub_silent"})]:
             marks = {w: len((logs / f"{w}.log").read_text()) for w in witnesses}
             pid = pid_of(frozen)
             os.kill(pid, signal.SIGSTOP)
@@ -107,9 +108,10 @@ def test_the_learner_frozen_in_a_whole_run_is_noticed_and_recovered_from(tmp_pat
                 os.kill(pid, signal.SIGCONT)
             for w, text in witnesses.items():
                 assert text in (logs / f"{w}.log").read_text()[marks[w]:], f"{w} did not notice {frozen} frozen"
-            steps = len(metrics(run_dir))
-            wait_for(f"a learner step after {frozen} thawed", lambda: len(metrics(run_dir)) > steps + 1, 120, proc,
-                     log)
+            for _ in range(3):
+                steps = len(metrics(run_dir))
+                wait_for(f"a learner step after {frozen} thawed", lambda: len(metrics(run_dir)) > steps, 45, proc,
+                         log)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
         ledger = json.loads((run_dir / "broker_state.json").read_text())
