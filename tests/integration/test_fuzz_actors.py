@@ -5,8 +5,8 @@ Two kinds of socket receive frames:
 - each actor's peer (DEALER), which trusts whatever its hub sends.
 
 Here hypothesis-made junk goes at a real broadcaster process's hub, after which a good peer must
-still get a session. Then a rogue hub plays the broker for a scorer, a generator and a
-broadcaster in turn, and sends junk down their peer sockets. Each actor must stay alive, log the
+still get a session. Then a rogue hub plays the broker for a scorer, a generator, a
+broadcaster and a learner in turn, and sends junk down their peer sockets. Each actor must stay alive, log the
 bad frames as typed errors, and keep talking to its hub.
 """
 
@@ -86,7 +86,7 @@ def test_junk_at_the_broadcasters_hub_then_a_good_peer_gets_its_session(tmp_path
     assert codes["broadcaster"] == 0, (codes, cluster.dump_logs())
 
 
-@pytest.mark.parametrize("actor", ["scorer", "generator", "broadcaster"])
+@pytest.mark.parametrize("actor", ["scorer", "generator", "broadcaster", "learner"])
 def test_junk_from_a_rogue_hub_down_an_actors_peer_socket(tmp_path, actor):
     messages = junk()
     rogue = zmq.Context.instance().socket(zmq.ROUTER)
@@ -99,6 +99,16 @@ def test_junk_from_a_rogue_hub_down_an_actors_peer_socket(tmp_path, actor):
         settings_["engine"] = "scripted"
     if actor == "broadcaster":
         settings_.update({"bind": f"tcp://127.0.0.1:{free_port()}", "store_port": free_port(), "backend": "gloo"})
+    if actor == "learner":  # a tiny policy of its own; its broadcaster is nowhere (never reached)
+        import torch
+
+        from april_async.model.decoder import CausalLM, ModelConfig
+
+        torch.manual_seed(0)
+        CausalLM(ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "policy")
+        settings_.update({"checkpoint": str(tmp_path / "policy"), "run_dir": str(tmp_path / "run"),
+                          "tensorboard": False, "broadcaster": f"tcp://127.0.0.1:{free_port()}"})
     cluster.start(actor, actor, settings_)
 
     def heard(seconds: float, until: str | None = None) -> list[str]:
