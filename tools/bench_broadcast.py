@@ -379,7 +379,8 @@ class Learner:
         from april_async.transport.peer import Peer
 
         self.model = model
-        self.cfg = argparse.Namespace(name=name)
+        # run_dir: publish records each version it hands out there (policy_version), as the learner does.
+        self.cfg = argparse.Namespace(name=name, run_dir=Path(tempfile.mkdtemp(prefix="bench-learner-")))
         self.state = TrainerState()
         self.bcast = Peer(endpoint, name, link=LINK, on_connect=self._on_broadcaster)
         self.send_s = 0.0  # seconds of the last ``weights_update`` send (encode + queue), inside ``publish``
@@ -401,6 +402,7 @@ class Learner:
     def close(self) -> None:
         self.bcast.send(m.Bye(reason="shutdown"))
         self.bcast.close()
+        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
 
 
 def copy_once(model: CausalLM) -> float:
