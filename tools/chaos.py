@@ -15,7 +15,8 @@ no checkpoint, so that every learner restart resumes behind versions already han
 ``--steps`` learner steps in all and two steps more after the last kill, then stops the run with
 SIGINT and checks:
 
-- **restarts**: every kill was followed by a restart of that actor, and the run stopped clean;
+- **restarts**: every kill was followed by a restart of that actor, no actor died on its own
+  (a peer's death must never take another down), and the run stopped clean;
 - **ledger**: the broker's ledger balances: every admitted sample delivered, retired with a
   counted reason, or still buffered (queued, leased, partial, finished, scored);
 - **exactly once**: no sample appears in two batches the learner took (``batches.jsonl``);
@@ -238,6 +239,8 @@ class Chaos:
             if restarts.get(name, 0) < n:
                 problems.append(f"{name} was killed {n} times but restarted {restarts.get(name, 0)} times")
         unexpected = {name: n - killed.get(name, 0) for name, n in restarts.items() if n > killed.get(name, 0)}
+        for name, n in unexpected.items():  # an actor must survive its peers' deaths
+            problems.append(f"{name} died {n} times on its own (restarted more often than it was killed)")
 
         # Exactly once and staleness, from the learner's audit of every batch it took.
         rows = [json.loads(ln) for ln in (self.run_dir / "batches.jsonl").read_text().splitlines() if ln.strip()]
