@@ -144,6 +144,7 @@ class Round:
     failed: str | None = None
     acked: set[str] = field(default_factory=set)
     nacked: set[str] = field(default_factory=set)
+    announces: dict[str, m.WeightsAnnounce] = field(default_factory=dict)  # what each group member was sent
 
 
 class _Job:
@@ -307,12 +308,19 @@ class BroadcasterActor:
         self._status_dirty = True
         self.log.info("hello", peer=sender, role=body.role, version=body.policy_version)
         r = self.round
-        if body.role == "generator" and r is not None and sender in r.members:
-            # A member that opens a new session mid-round (it thought this process dead, say,
-            # while it was stopped) may have lost its ack with the old connection: its hello says
-            # what it holds now. Holding less, it failed the round; either way nobody waits for
-            # it until the round's timeout, nor benches it as if it had gone quiet.
-            self._ack(sender, self.sessions[sender], version)
+        if body.role == "generator" and r is not None and sender in r.members and sender not in r.servers:
+            # A member opened a new session mid-round (it thought this process dead, say, while
+            # it was stopped): what was sent to its old connection may be lost, its ack or our
+            # announce. Its hello says what it holds. Holding the version: acked. Else, while the
+            # collective still runs, it gets its announce again (a member receives each epoch and
+            # version once, so a copy that did arrive is ignored); after it, the round failed
+            # for it. Nobody waits for it until the round's timeout, nor benches it. (An SGLang
+            # member is answered for by its servers' push, not by its session.)
+            if version < r.version and r.collective_end is None and sender in r.announces:
+                self._send(sender, r.announces[sender])
+                self.log.info("announce_resent", peer=sender, version=r.version, epoch=r.epoch)
+            else:
+                self._ack(sender, self.sessions[sender], version)
 
     def _update(self, s: Session, sender: str, body: m.WeightsUpdate, msg_id: str) -> None:
         if s.role != "learner":
@@ -397,18 +405,21 @@ class BroadcasterActor:
             self.group_members, self.group_ok = receivers, True
         world = len(receivers) + 1
         store = self.group.store_address
+        announces = {}
         for rank, name in enumerate(receivers, start=1):
-            self._send(name, m.WeightsAnnounce(
+            announces[name] = m.WeightsAnnounce(
                 version=held.version, tensors=held.tensors, num_bytes=held.buffer.numel(),
                 bucket_bytes=self.cfg.bucket_bytes, group=m.GroupSpec(
                     epoch=self.epoch, rank=rank, world_size=world, store=store, backend=self.backend,
-                    timeout_s=self.cfg.timeout_s)))
+                    timeout_s=self.cfg.timeout_s))
+            self._send(name, announces[name])
         root = None
         if receivers:
             root = m.GroupSpec(epoch=self.epoch, rank=0, world_size=world, store=store, backend=self.backend,
                                timeout_s=self.cfg.timeout_s)
         job = _Job(self._collective, root, held, self.cfg.bucket_bytes, rejoin, servers)
-        self.round = Round(held.version, self.epoch, members, held, rejoin, now, job, servers=servers)
+        self.round = Round(held.version, self.epoch, members, held, rejoin, now, job, servers=servers,
+                           announces=announces)
         self.log.debug("round_started", version=held.version, epoch=self.epoch, members=list(members), rejoin=rejoin,
                        sglang=sorted(servers))
 

@@ -72,6 +72,7 @@ class WeightSubscriber:
         self.failures = 0  # announces whose receive failed
         self.session = 0  # +1 at every hello
         self._broadcaster_epoch: str | None = None  # from its welcome: changes when it restarts
+        self._last_tried: tuple[int, int] | None = None  # (epoch, version) of the last announce acted on
         self._jobs: queue.Queue[tuple[m.WeightsAnnounce, int] | str | None] = queue.Queue()
         self._receipts: queue.Queue[Receipt] = queue.Queue()
         self._thread = threading.Thread(target=self._receive_loop, daemon=True, name=f"{name}-weights")
@@ -138,6 +139,7 @@ class WeightSubscriber:
         while (job := self._jobs.get()) is not None:
             if job == LEAVE:
                 self.group.forget_store()
+                self._last_tried = None  # a restarted broadcaster counts epochs from 1 again
                 continue
             ann = job[0]
             try:
@@ -154,6 +156,12 @@ class WeightSubscriber:
     def _receive_loop(self) -> None:
         while (job := self._next_job()) is not None:
             ann, session = job
+            # Rank 0 broadcasts each (epoch, version) once, in increasing order: an announce at or
+            # below the last one tried is a copy sent again after a reconnect, and waiting on it
+            # would block this thread for a whole timeout.
+            if self._last_tried is not None and (ann.group.epoch, ann.version) <= self._last_tried:
+                continue
+            self._last_tried = (ann.group.epoch, ann.version)
             t0 = time.monotonic()
             try:
                 if self.group.epoch != ann.group.epoch:

@@ -291,6 +291,127 @@ def test_a_restarted_broadcaster_serves_the_same_generators(weights):
     w.wait("published 2", lambda: 2 in w.broker.published)
 
 
+def test_a_member_that_reconnects_mid_round_gets_its_announce_again(weights):
+    """A generator whose connection dropped while a round began (its announce went down the old
+    one) says hello on a new connection: the broadcaster sends the announce again, so the round
+    completes at once instead of waiting its whole timeout. The test plays that generator with
+    raw sockets: the first never acts on its announce; the second joins and acks."""
+    import zmq
+
+    from april_async.wire.codec import decode, encode
+
+    w = weights
+    w.start_broadcaster()
+    seq = 0
+
+    def socket():
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"gen-0")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(w.endpoint)
+        return sock
+
+    def send(sock, body):
+        nonlocal seq
+        seq += 1  # one process: seq goes on across its connections
+        sock.send_multipart(encode(body, sender="gen-0", seq=seq))
+
+    def announce_on(sock, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            send(sock, m.Heartbeat())  # stay fresh: rounds take members heard from lately
+            w.broker.pump(0.02)
+            while sock.poll(0):
+                msg = decode(sock.recv_multipart())
+                if isinstance(msg.body, m.WeightsAnnounce):
+                    return msg.body
+            time.sleep(0.05)
+        return None
+
+    old = socket()
+    send(old, m.Hello(role="generator", instance="gen-0", policy_version=0))
+    w.connect_learner()
+    w.wait("gen-0's session", lambda: "gen-0" in w.status().get("members", {}))
+    w.send_version(1)
+    first = announce_on(old, 10.0)
+    assert first is not None and first.version == 1, w.cluster.dump_logs()
+    old.close()  # as if it never arrived: the connection dropped
+    new = socket()
+    try:
+        send(new, m.Hello(role="generator", instance="gen-0", policy_version=0))
+        again = announce_on(new, TIMEOUT_S / 2)
+        assert again is not None, f"no announce on the new connection\n{w.cluster.dump_logs()}"
+        assert (again.version, again.group.epoch, again.group.rank) == (1, first.group.epoch, 1)
+        t0 = time.monotonic()
+        group = WeightGroup()
+        group.join(again.group)
+        buf = torch.empty(again.num_bytes, dtype=torch.uint8)
+        group.broadcast(buf, again.bucket_bytes, tag=1)
+        send(new, m.Heartbeat(policy_version=1))
+        w.wait("published 1", lambda: 1 in w.broker.published)
+        assert time.monotonic() - t0 < TIMEOUT_S, "the round waited for its timeout"
+        assert "announce_resent" in w.cluster.logs["broadcaster"].read_text()
+        group.close()
+    finally:
+        send(new, m.Bye(reason="done"))
+        new.close()
+
+
+def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked(tmp_path):
+    """The other side of the resend above: when the first announce did arrive, the copy must be
+    ignored, not waited on (rank 0 broadcasts each epoch and version once)."""
+    from types import SimpleNamespace
+
+    from april_async.generator.weights import WeightSubscriber
+
+    class Inbox:
+        def __init__(self, on_connect):
+            self.inbox, self.sent = [], []
+            on_connect(self)
+
+        def send(self, body, parent_id=None):
+            self.sent.append(body)
+
+        def poll(self, timeout_s):
+            return SimpleNamespace(body=self.inbox.pop(0)) if self.inbox else None
+
+        def close(self):
+            pass
+
+    engine = RecordingEngine(tmp_path / "loads.jsonl")
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=Inbox)
+    root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S)
+
+    def announce(version):
+        specs, buf = flatten(policy(version))
+        return buf, m.WeightsAnnounce(version=version, tensors=specs, num_bytes=buf.numel(), bucket_bytes=1 << 16,
+                                      group=m.GroupSpec(epoch=1, rank=1, world_size=2, store=root.store_address,
+                                                        backend="gloo", timeout_s=TIMEOUT_S))
+
+    def serve(buf, version, join):
+        if join:
+            root.join(m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="gloo",
+                                  timeout_s=TIMEOUT_S))
+        root.broadcast(buf, 1 << 16, tag=version)
+
+    try:
+        for version in (1, 2):
+            buf, ann = announce(version)
+            sub.peer.inbox += [ann, ann] if version == 1 else [ann]  # version 1 arrives twice
+            t = threading.Thread(target=serve, args=(buf, version, version == 1))
+            t.start()
+            deadline = time.monotonic() + TIMEOUT_S / 2  # well inside a collective timeout
+            while engine.policy_version < version and time.monotonic() < deadline:
+                sub.poll(0.02)
+            t.join()
+            assert engine.policy_version == version, f"version {version} not loaded within {TIMEOUT_S / 2} s"
+        loads = [json.loads(line)["version"] for line in (tmp_path / "loads.jsonl").read_text().splitlines()]
+        assert loads == [1, 2] and sub.failures == 0
+    finally:
+        sub.close()
+        root.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # WeightGroup alone: real gloo groups between threads of this process
 
