@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and, where it applies, the tensor."""
+from april_async.model.errors import CheckpointError  # noqa: F401  (re-exported: its historical home)
 
 
 @dataclass(frozen=True)

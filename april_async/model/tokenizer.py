@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from april_async.model.decoder import CheckpointError
+from april_async.model.errors import CheckpointError
 
 
 class CharTokenizer:
