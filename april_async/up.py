@@ -54,9 +54,9 @@ from april_async.learner.metrics import read_metrics
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
 REWARD_WINDOW = 20
+"""Steps averaged for the console's running reward and the summary's first/last reward."""
 CRASH_LOOP_S = 10.0
 """A child that dies younger than this is crash-looping: its restart back-off doubles."""
-"""Steps averaged for the console's running reward and the summary's first/last reward."""
 
 
 class RunConfig(BaseModel):

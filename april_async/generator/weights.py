@@ -138,7 +138,7 @@ class WeightSubscriber:
         """The next announce to act on, with its session (None: stop); leaves the group on ``LEAVE``."""
         while (job := self._jobs.get()) is not None:
             if job == LEAVE:
-                self.group.forget_store()
+                self.group.close()  # its store went with it: the next join connects to the new one
                 self._last_tried = None  # a restarted broadcaster counts epochs from 1 again
                 continue
             ann = job[0]

@@ -205,7 +205,7 @@ class LearnerActor:
         if issued is not None and issued > self.state.version:
             self._roll_forward(issued, why="restarted from a checkpoint older than the last version issued")
         self.client = BatchClient(cfg.name, broker_peer_factory, policy_version=self.state.version,
-                                  on_welcome=self._on_broker_welcome)
+                                  on_welcome=self._saw_version)
         self.client.last_batch_id = self.state.last_batch_id
         self.bcast = broadcaster_peer_factory(self._on_broadcaster) if broadcaster_peer_factory else None
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard)
@@ -222,7 +222,8 @@ class LearnerActor:
         self.log.warning("versions_rolled_forward", checkpoint_version=c, highest_seen=seen,
                          updates_lost=seen - c, version=self.state.version, why=why)
 
-    def _on_broker_welcome(self, version: int) -> None:
+    def _saw_version(self, version: int) -> None:
+        """The broker names ``version`` (in its welcome, or as a batch's version)."""
         if version > self.state.version:  # run_dir lost its policy_version file, or is another run's
             self._roll_forward(version, why="the broker has seen a newer version than this learner's")
             self.client.policy_version = self.state.version
@@ -277,7 +278,7 @@ class LearnerActor:
         t0 = time.monotonic()
         wait_s = 0.0 if self._last_batch_at is None else t0 - self._last_batch_at
         if batch.policy_version > self.state.version:
-            self._on_broker_welcome(batch.policy_version)
+            self._saw_version(batch.policy_version)
         V = self.state.version
         if batch.policy_version < V:
             # Made before this learner rolled its versions forward (a restart): its tokens may

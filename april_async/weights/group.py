@@ -76,7 +76,6 @@ class WeightGroup:
         self.spec: GroupSpec | None = None
         self._store = store  # rank 0: the master store of the run; members: a client, per address
         self._store_address = f"{store_host}:{store.port}" if store is not None else None
-        self._hosts_store = store is not None
         self._pg = None
         self._nccl_group = False
         self.log = get_logger(component="weight_group")
@@ -159,16 +158,9 @@ class WeightGroup:
             pg.abort()  # NCCL: abort the communicator, whose plain destruction can wait on a dead peer
         self._nccl_group = False
 
-    def forget_store(self) -> None:
-        """Leave, and drop the connection to a store this process does not host: the broadcaster
-        that hosted it restarted, and the next join connects afresh (an old connection to the same
-        address would fail it)."""
-        self.leave()
-        if not self._hosts_store:
-            self._store, self._store_address = None, None
-
     def close(self) -> None:
-        """Leave, and stop the store (rank 0) or drop the connection to it."""
+        """Leave, and stop the store (rank 0) or drop the connection to it (a member may join again
+        afterwards: its next ``join`` connects to the store afresh)."""
         self.leave()
         self._store = None
 

@@ -209,7 +209,7 @@ def test_a_batch_made_for_an_older_version_is_not_trained_and_reported_stale(pol
 def test_a_broker_ahead_of_the_learner_makes_it_roll_forward_before_training(policy, tmp_path):
     """run_dir lost its policy_version file: the broker's welcome (or a batch) names a newer version."""
     actor = learner(policy, tmp_path)
-    actor._on_broker_welcome(4)
+    actor._saw_version(4)
     assert actor.state.version == 8 and actor.client.policy_version == 8
     actor.train_on(make_batch([[1.0, 0.0]], batch_id=0, version=12))  # newer still: roll again, then stale
     assert actor.state.version == 2 * 12 - 8 and actor.state.step == 0
