@@ -28,11 +28,11 @@ def _simulate(args: argparse.Namespace) -> int:
     return run(args, prog="april simulate")
 
 
-def _actor_config(args: argparse.Namespace, model):
-    from april_async.config import ConfigError, dump, resolve
+def _actor_config(args: argparse.Namespace):
+    from april_async.config import ConfigError, actor_config_model, dump, resolve
 
     try:
-        cfg = resolve(model, file=args.config, section=args.command, overrides=args.set)
+        cfg = resolve(actor_config_model(args.command), file=args.config, section=args.command, overrides=args.set)
     except ConfigError as e:
         print(f"april {args.command}: {e}", file=sys.stderr)
         return None
@@ -50,9 +50,9 @@ def _peer_factory(cfg):
     return make
 
 
-def _run_actor(args: argparse.Namespace, model, build) -> int:
+def _run_actor(args: argparse.Namespace, build) -> int:
     """Resolve the config, set up logging, build the actor (``build(cfg)``) and run it until stopped."""
-    cfg = _actor_config(args, model)
+    cfg = _actor_config(args)
     if cfg is None or args.dry_run:
         return 2 if cfg is None else 0
     from april_async.logs import configure
@@ -74,25 +74,21 @@ def _run_actor(args: argparse.Namespace, model, build) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from april_async.broker.service import BrokerServiceConfig
-
     def build(cfg):
         from april_async.broker.service import BrokerService
         from april_async.transport.hub import Hub
 
         return BrokerService(cfg, Hub(cfg.bind, link=cfg.link))
 
-    return _run_actor(args, BrokerServiceConfig, build)
+    return _run_actor(args, build)
 
 
 def _generator(args: argparse.Namespace) -> int:
-    from april_async.generator.actor import GeneratorConfig
-
     def build(cfg):
         from april_async.generator.actor import GeneratorActor
 
         if cfg.engine == "torch":
-            from april_async.generator.torch_engine import TorchEngine
+            from april_async.engines.torch_engine import TorchEngine
 
             if not cfg.torch.checkpoint:
                 raise ValueError("torch.checkpoint is not set: give a Hugging Face checkpoint directory")
@@ -107,12 +103,10 @@ def _generator(args: argparse.Namespace) -> int:
             engine = ScriptedEngine(cfg.scripted)
         return GeneratorActor(cfg, engine, _peer_factory(cfg))
 
-    return _run_actor(args, GeneratorConfig, build)
+    return _run_actor(args, build)
 
 
 def _learner(args: argparse.Namespace) -> int:
-    from april_async.learner.actor import LearnerConfig
-
     def build(cfg):
         from april_async.learner.actor import LearnerActor
         from april_async.model.decoder import CheckpointError
@@ -127,12 +121,10 @@ def _learner(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             raise ValueError(str(e)) from None
 
-    return _run_actor(args, LearnerConfig, build)
+    return _run_actor(args, build)
 
 
 def _broadcaster(args: argparse.Namespace) -> int:
-    from april_async.broadcaster.actor import BroadcasterConfig
-
     def build(cfg):
         from april_async.broadcaster.actor import BroadcasterActor
         from april_async.transport.hub import Hub
@@ -140,7 +132,7 @@ def _broadcaster(args: argparse.Namespace) -> int:
         hub = Hub(cfg.bind, link=cfg.hub_link, name=cfg.name)
         return BroadcasterActor(cfg, hub, _peer_factory(cfg))
 
-    return _run_actor(args, BroadcasterConfig, build)
+    return _run_actor(args, build)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -165,14 +157,12 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _scorer(args: argparse.Namespace) -> int:
-    from april_async.scorer.actor import ScorerConfig
-
     def build(cfg):
         from april_async.scorer.actor import ScorerActor
 
         return ScorerActor(cfg, _peer_factory(cfg))
 
-    return _run_actor(args, ScorerConfig, build)
+    return _run_actor(args, build)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,23 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 ACTORS = ("broker", "generator", "scorer", "learner", "broadcaster")
-
-
-def actor_model(kind: str):
-    """The config model of an actor (its TOML section)."""
-    if kind == "broker":
-        from april_async.broker.service import BrokerServiceConfig as model
-    elif kind == "generator":
-        from april_async.generator.actor import GeneratorConfig as model
-    elif kind == "scorer":
-        from april_async.scorer.actor import ScorerConfig as model
-    elif kind == "learner":
-        from april_async.learner.actor import LearnerConfig as model
-    elif kind == "broadcaster":
-        from april_async.broadcaster.actor import BroadcasterConfig as model
-    else:
-        raise ValueError(f"no actor named {kind!r}")
-    return model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
-"""What every actor process shares: a stop flag set by SIGINT/SIGTERM, and the error that stops one."""
+"""What every actor process shares: a stop flag set by SIGINT/SIGTERM, the error that stops one, and
+the tie that makes a child process die with its parent."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -30,3 +32,22 @@ class StopFlag:
 class ActorFailed(RuntimeError):
     """Raised out of an actor's loop for a failure that retrying cannot mend (a server that refuses
     every request as configured); the actor's command prints it and exits with status 2."""
+
+
+def die_with_parent(sig: int = signal.SIGTERM, *, own_group: bool = False) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``; the
+    parent is the *thread* that forked it), so that nothing outlives whoever started it. With
+    ``own_group`` the process also leaves its parent's process group, so that Ctrl-C at a terminal
+    reaches the parent only, which then stops its children in its own order.
+
+    Call it in the child: as ``preexec_fn`` (between fork and exec: ``functools.partial`` for the
+    arguments) or first thing in a ``multiprocessing`` target. Elsewhere than Linux it does nothing.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if own_group:
+        os.setpgrp()

@@ -34,9 +34,9 @@ What it does, in order:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,10 +46,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from april_async.config import ConfigError, _merge, dump, parse_override, read_config_file
-from april_async.learner.metrics import read_metrics
+from april_async.config import (
+    ConfigError,
+    actor_config_model,
+    dump,
+    parse_override,
+    read_config_file,
+    set_path,
+    validate,
+)
+from april_async.runfiles import read_json, read_metrics
+from april_async.runtime import die_with_parent
 
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
@@ -57,6 +66,9 @@ REWARD_WINDOW = 20
 """Steps averaged for the console's running reward and the summary's first/last reward."""
 CRASH_LOOP_S = 10.0
 """A child that dies younger than this is crash-looping: its restart back-off doubles."""
+CHILD_SETUP = functools.partial(die_with_parent, signal.SIGTERM, own_group=True)
+"""Runs in each child between fork and exec: it dies with the supervisor, and Ctrl-C reaches the
+supervisor only, which stops the children in order."""
 
 
 class RunConfig(BaseModel):
@@ -119,17 +131,8 @@ def load_document(path: Path | None, overrides: list[str]) -> dict[str, dict]:
         keys, value = parse_override(item)
         if len(keys) < 2 or keys[0] not in SECTIONS:
             raise ConfigError(f"--set {item!r}: start the key with a section, one of {', '.join(SECTIONS)}")
-        _merge(doc, keys, value)
+        set_path(doc, keys, value)
     return doc
-
-
-def _validate(model, data: dict, section: str):
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-                             for err in e.errors())
-        raise ConfigError(f"bad [{section}] config: {problems}") from None
 
 
 def parse_actors(spec: list[str]) -> list[tuple[str, int]]:
@@ -172,7 +175,7 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
         run_data["node"] = os.environ["APRIL_NODE"]
     if actors is not None:
         run_data["actors"] = [a for a in actors.split(",") if a]
-    run = _validate(RunConfig, run_data, "run")
+    run = validate(RunConfig, run_data, "run")
     kinds = parse_actors(run.actors)
     run_dir = run.dir.resolve()
     broker_ep = f"tcp://{run.host}:{run.broker_port}"
@@ -188,7 +191,7 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
     def section(section_name: str, /, **forced) -> dict:
         data = json.loads(json.dumps(doc.get(section_name, {})))  # a deep copy
         for key, value in forced.items():
-            _merge(data, key.split("__"), value)
+            set_path(data, key.split("__"), value)
         return data
 
     # Merged into each actor's own [<actor>.link] (its heartbeat and timeout settings stay).
@@ -200,10 +203,7 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
     prefix = f"{run.node}-" if run.node else ""
 
     def add(kind: str, name: str, data: dict) -> None:
-        from april_async.cli import actor_model
-
-        model = actor_model(kind)
-        configs[name] = json.loads(dump(_validate(model, data, kind)))
+        configs[name] = json.loads(dump(validate(actor_config_model(kind), data, kind)))
         path = run_dir / "config" / f"{name}.json"
         children.append(Child(name, kind, [sys.executable, "-m", "april_async.cli", kind, "--config", str(path)],
                               run_dir / "logs" / f"{name}.log"))
@@ -240,16 +240,6 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
     return run, children, configs
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops the children in order
-
-
 class Supervisor:
     def __init__(self, run: RunConfig, children: list[Child], configs: dict[str, dict], doc: dict):
         self.run, self.children, self.configs, self.doc = run, children, configs, doc
@@ -281,15 +271,14 @@ class Supervisor:
                     raise ConfigError(f"stopped while waiting for {init}")
                 time.sleep(1.0)
             return
-        from april_async.learner.warmstart import WarmStartConfig, make_initial_checkpoint
+        from april_async.warmstart.config import WarmStartConfig
 
-        cfg = _validate(WarmStartConfig, self.doc.get("warmstart", {}), "warmstart")
+        cfg = validate(WarmStartConfig, self.doc.get("warmstart", {}), "warmstart")
         print(f"april up: warm start -> {init} (once per run directory)", flush=True)
         t0 = time.monotonic()
-        tmp = init.with_name("init.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        stats = make_initial_checkpoint(tmp, cfg)
-        os.replace(tmp, init)  # complete or absent: another host may be waiting for it
+        from april_async.warmstart.sft import write_initial_policy
+
+        stats = write_initial_policy(init, cfg)  # complete or absent: another host may be waiting for it
         print(f"april up: warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}",
               flush=True)
 
@@ -307,7 +296,7 @@ class Supervisor:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1")
         log = open(c.log, "ab")
         c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env, preexec_fn=_die_with_parent)
+                                  env=env, preexec_fn=CHILD_SETUP)
         log.close()
         c.started_at, c.due_at = time.monotonic(), None
 
@@ -417,10 +406,7 @@ class Supervisor:
             return
         deadline = time.monotonic() + self.run.final_sync_s
         while time.monotonic() < deadline:
-            try:
-                status = json.loads((self.dir / "broadcaster.json").read_text())
-            except (OSError, json.JSONDecodeError):
-                status = {}
+            status = read_json(self.dir / "broadcaster.json", {})
             members = status.get("members", {})
             if status.get("version", -1) >= state and all(v >= state for v in members.values()):
                 return
@@ -448,7 +434,7 @@ class Supervisor:
                 self._wait_generators_synced()
 
     def summary(self) -> dict:
-        rows = read_metrics(self.dir / "metrics.jsonl")
+        rows = read_metrics(self.dir)
         # A learner restarted from an older checkpoint writes some step numbers again: count the last.
         out = {"wall_s": round(time.monotonic() - self.started, 1), "steps": rows[-1].get("step", len(rows)) if rows else 0,
                "stop": self.stop_reason, "exit_codes": {c.name: c.proc.returncode for c in self.children}}
@@ -466,7 +452,7 @@ class Supervisor:
 
 
 def _latest_version(run_dir: Path) -> int | None:
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir)
     return rows[-1]["version"] if rows else None
 
 

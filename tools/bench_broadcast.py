@@ -10,9 +10,9 @@ Every piece is the real one, each in its own process:
 - k generator-side members: a real ``WeightSubscriber`` each (``_member`` below), whose engine
   loads every version the way ``TorchEngine.load_weights`` does (``load_state_dict`` into the
   tensors of a model of the same shape) and reports the moment it holds it;
-- the learner: this process, handing each version over with ``LearnerActor.publish`` itself (run
-  on a stand-in holding just the model, the version and the broadcaster session), over a real
-  ``Peer``; a ``Hub`` here plays the broker and notes when the broadcaster publishes.
+- the learner: this process, handing each version over with the learner's own ``WeightHandoff``
+  (``april_async/weights/handoff.py``) over a real ``Peer``; a stand-in broker (``FakeBroker``, a
+  ``Hub``) notes when the broadcaster publishes.
 
 The weights are the state dict of a Qwen2-shaped ``CausalLM`` (``SIZES``), random, float32 or
 bfloat16. Each version is handed over once the one before is everywhere; the first ``--warmup``
@@ -30,7 +30,7 @@ are reported:
   pieces like the broadcaster; barrier, broadcast, barrier, timed on rank 0. ``eff/raw`` is the
   effective bandwidth over the flat one; ``fan-out/raw`` the broadcaster's collective over the
   bucketed one.
-- **stall**: how long ``publish`` blocks the learner's loop (and of it, the ``Peer.send`` of the
+- **stall**: how long ``WeightHandoff.send`` blocks the learner's loop (and of it, the ``Peer.send`` of the
   frame: encoding and queueing, the bytes go zero-copy), against one in-memory copy of the same
   weights (``torch.cat`` of the flattened state dict), timed just before each hand-off; the ratio
   of the medians, and of the minima (on a shared machine either one sometimes takes twice as long).
@@ -53,17 +53,11 @@ import argparse
 import datetime
 import json
 import os
-import queue
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,11 +66,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from april_async.config import LinkConfig  # noqa: E402
-from april_async.learner.actor import LearnerActor  # noqa: E402
-from april_async.learner.checkpoint import TrainerState  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.testing.fake_broker import FakeBroker  # noqa: E402
+from april_async.testing.procs import ChildFailed, Children, free_port  # noqa: E402
 from april_async.weights.flat import buckets  # noqa: E402
-from april_async.wire import messages as m  # noqa: E402
+from april_async.weights.handoff import WeightHandoff  # noqa: E402
 
 SIZES = {  # Qwen2-shaped (QKV bias, untied head), Llama's 32k vocabulary; name -> shapes
     "1M": dict(vocab_size=4096, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
@@ -150,18 +144,6 @@ def marked(model: CausalLM, version: int) -> bool:
 # Child processes: ``bench_broadcast.py _member ...`` and ``bench_broadcast.py _raw ...``
 
 
-def _die_with_parent() -> None:
-    """Runs in a child between fork and exec: SIGTERM when this process dies; own process group,
-    so that Ctrl-C reaches this process only, which then stops its children."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setpgrp()
-
-
 def _report(**fields) -> None:
     """A child's report to this process: one JSON object per line on its stdout."""
     print(json.dumps(fields), flush=True)
@@ -186,7 +168,7 @@ class LoadingEngine:
 
 
 def member_main(argv: list[str]) -> int:
-    from april_async.generator.weights import WeightSubscriber
+    from april_async.weights.subscriber import WeightSubscriber
     from april_async.logs import configure
     from april_async.runtime import StopFlag
 
@@ -264,145 +246,31 @@ def raw_main(argv: list[str]) -> int:
 # This process: children, broker, learner
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Children:
-    """The child processes of the run: started with their logs in ``logs``, their stdout reports
-    read into one queue, stopped together."""
-
-    logs: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    reports: queue.Queue = field(default_factory=queue.Queue)
-    pids: list[int] = field(default_factory=list)
-
-    def start(self, name: str, cmd: list[str], *, reports: bool) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if reports else log, stderr=log, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent,
-                                text=True)
-        log.close()
-        self.procs[name] = proc
-        self.pids.append(proc.pid)
-        if reports:
-            threading.Thread(target=self._read, args=(name, proc), daemon=True, name=f"read-{name}").start()
-        return proc
-
-    def _read(self, name: str, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            try:
-                self.reports.put((name, json.loads(line)))
-            except json.JSONDecodeError:  # something else printed: kept apart from the child's log
-                with (self.logs / f"{name}.stdout.log").open("a") as f:
-                    f.write(line)
-
-    def next_report(self, timeout_s: float) -> tuple[str, dict] | None:
-        try:
-            return self.reports.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-
-    def check_alive(self, names) -> None:
-        dead = {n: self.procs[n].returncode for n in names if self.procs[n].poll() is not None}
-        if dead:
-            raise RunFailed(f"child processes exited: {dead}\n{self.tails(dead)}")
-
-    def tails(self, names=None, chars: int = 2000) -> str:
-        names = sorted(self.procs) if names is None else sorted(names)
-        out = []
-        for n in names:
-            path = self.logs / f"{n}.log"
-            text = path.read_text(errors="replace")[-chars:] if path.exists() else ""
-            out.append(f"===== {n} ({path})\n{text}")
-        return "\n".join(out)
-
-    def wait(self, names, timeout_s: float) -> None:
-        """Give ``names`` up to ``timeout_s`` to exit by themselves."""
-        deadline = time.monotonic() + timeout_s
-        for n in names:
-            try:
-                self.procs[n].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                return
-
-    def stop(self, names=None) -> dict[str, int]:
-        """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``; returns the exit codes."""
-        names = list(self.procs if names is None else names)
-        for n in names:
-            if self.procs[n].poll() is None:
-                self.procs[n].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        codes = {}
-        for n in names:
-            proc = self.procs[n]
-            try:
-                codes[n] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[n] = proc.wait()
-        return codes
-
-
-class FakeBroker:
-    """A ``Hub`` standing in for the broker: answers every message with a heartbeat and notes
-    when each ``weights_published`` arrives."""
-
-    def __init__(self):
-        from april_async.transport.hub import Hub
-
-        self.hub = Hub("tcp://127.0.0.1:0", link=LINK, name="broker")
-        self.published: dict[int, float] = {}
-
-    def pump(self, timeout_s: float) -> None:
-        for identity, msg in self.hub.poll(timeout_s):
-            if isinstance(msg.body, m.WeightsPublished):
-                self.published.setdefault(msg.body.version, time.monotonic())
-            self.hub.send(identity, m.Heartbeat())
-
-    def close(self) -> None:
-        self.hub.close()
-
-
 class Learner:
-    """The learner's hand-off as ``LearnerActor`` runs it: its own ``publish``, ``_send_weights``
-    and ``_on_broadcaster`` (hello), on an object holding only what they use."""
-
-    publish = LearnerActor.publish
-    _send_weights = LearnerActor._send_weights
-    _on_broadcaster = LearnerActor._on_broadcaster
+    """The learner's hand-off, as the learner runs it: a ``WeightHandoff`` on the broadcaster's hub."""
 
     def __init__(self, model: CausalLM, name: str, endpoint: str):
         from april_async.transport.peer import Peer
 
         self.model = model
-        # run_dir: publish records each version it hands out there (policy_version), as the learner does.
-        self.cfg = argparse.Namespace(name=name, run_dir=Path(tempfile.mkdtemp(prefix="bench-learner-")))
-        self.state = TrainerState()
-        self.bcast = Peer(endpoint, name, link=LINK, on_connect=self._on_broadcaster)
-        self.send_s = 0.0  # seconds of the last ``weights_update`` send (encode + queue), inside ``publish``
-        send = self.bcast.send
+        self.version = 0
+        self.handoff = WeightHandoff(name, lambda on_connect: Peer(endpoint, name, link=LINK, on_connect=on_connect),
+                                     lambda: (self.version, self.model.state_dict()))
 
-        def timed_send(body, parent_id=None):
-            t0 = time.monotonic()
-            seq = send(body, parent_id)
-            if isinstance(body, m.WeightsUpdate):
-                self.send_s = time.monotonic() - t0
-            return seq
+    def publish(self, version: int) -> None:
+        self.version = version
+        self.handoff.send(version, self.model.state_dict())
 
-        self.bcast.send = timed_send
+    @property
+    def send_s(self) -> float:
+        """Seconds of the last ``weights_update`` send (flatten, encode and queue), inside ``publish``."""
+        return self.handoff.last_send_s
 
     def pump(self) -> None:
-        while self.bcast.poll(0.0) is not None:
-            pass
+        self.handoff.pump()
 
     def close(self) -> None:
-        self.bcast.send(m.Bye(reason="shutdown"))
-        self.bcast.close()
-        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        self.handoff.close()
 
 
 def copy_once(model: CausalLM) -> float:
@@ -456,7 +324,7 @@ def run_raw(children: Children, size: str, num_bytes: int, args) -> dict:
 
 def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int, args) -> list[dict]:
     """Broadcaster + k members + the learner's hand-off; one row per version (warm-ups too)."""
-    broker = FakeBroker()
+    broker = FakeBroker(LINK)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     status_file = children.logs / f"{size}-broadcaster.status.json"
     bname = f"{size}-broadcaster"
@@ -491,14 +359,13 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
         for version in range(1, args.warmup + args.versions + 1):
             copy_s = copy_once(model)
             mark(model, version)
-            learner.state.version = version
             t0, wall0 = time.monotonic(), time.time()
-            learner.publish()
+            learner.publish(version)
             stall_s = time.monotonic() - t0
             loaded: dict[str, float] = {}
             ok = True
             deadline = time.monotonic() + hang_limit_s(num_bytes) * (3 if version == 1 else 1)
-            while len(loaded) < args.k or version not in broker.published:
+            while len(loaded) < args.k or version not in broker.published_at:
                 if time.monotonic() > deadline:
                     raise RunFailed(f"version {version} of {size} did not reach every member in time: loaded "
                                     f"{sorted(loaded)}, status {_status(status_file)}\n{children.tails(names)}")
@@ -514,7 +381,7 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
                          "stall_s": stall_s, "send_s": learner.send_s,
                          "end_to_end_s": max(loaded.values()) - t0,
                          "member_s": {n: t - t0 for n, t in sorted(loaded.items())},
-                         "published_s": broker.published[version] - t0, "verified": ok, "_wall0": wall0})
+                         "published_s": broker.published_at[version] - t0, "verified": ok, "_wall0": wall0})
     finally:
         if learner is not None:
             learner.close()
@@ -616,7 +483,7 @@ def print_tables(results: list[dict], args) -> None:
         print(f"{r['size']:<6} | {_f(r['handoff_s'], '.3f', 10)} {_f(r['fanout_s'], '.3f', 9)} "
               f"{_f(r['fanout_gb_s'], '.3f', 8)} {_f(r['raw_bucketed_s'], '.3f', 9)} "
               f"{_f(r['fanout_over_raw_bucketed'], '.2f', 7)} | {_f(r['published_s'], '.3f', 11)}")
-    print("\nlearner stall: LearnerActor.publish blocking the loop, against one in-memory copy of the weights")
+    print("\nlearner stall: WeightHandoff.send blocking the loop, against one in-memory copy of the weights")
     print(f"{'size':<6} | {'stall ms':>9} {'of it send':>10} {'copy ms':>9} {'stall/copy':>10} "
           f"{'of minima':>9} | verified")
     for r in results:
@@ -709,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             del model
             results.append(summarize(size, params, len(shapes), num_bytes, raw, rows, args.k))
             print(" done", flush=True)
-    except RunFailed as e:
+    except (RunFailed, ChildFailed) as e:
         print(f"\nbench_broadcast: {e}\n(logs kept in {logs})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

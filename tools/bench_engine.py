@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from april_async.generator.engine import EngineRequest  # noqa: E402
-from april_async.generator.torch_engine import TorchEngine  # noqa: E402
+from april_async.engines.base import EngineRequest  # noqa: E402
+from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 
 MODELS = {

@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from april_async.broker.config import RolloutConfig  # noqa: E402
 from april_async.broker.core import AbortLease, BrokerCore  # noqa: E402
-from april_async.generator.engine import EngineRequest, version_runs  # noqa: E402
-from april_async.generator.torch_engine import TorchEngine  # noqa: E402
+from april_async.engines.base import EngineRequest, version_runs  # noqa: E402
+from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.sim.workload import WorkloadError, parse_workload  # noqa: E402
 

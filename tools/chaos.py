@@ -35,7 +35,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,12 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from april_async.runfiles import read_json, read_metrics  # noqa: E402
+from april_async.testing.cluster import TINY_POLICY_TOML  # noqa: E402
+from april_async.testing.procs import free_port  # noqa: E402
+
 KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 HELD = ("queued", "leased", "partial", "finished", "scored")
 
@@ -60,21 +65,7 @@ restart_delay_s = 0.5
 final_sync_s = 30
 console = false
 
-[warmstart]       # a tiny policy in seconds: the chaos is about the plumbing, not the reward
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-max_steps = 4
-eval_problems = 4
-max_response_tokens = 32
-prompts = {{ kind = "addchain", seed = 1000 }}
-
-[broker]
-prompts = {{ kind = "addchain", seed = 0 }}
-
-[broker.rollout]
+""" + TINY_POLICY_TOML + """[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2
@@ -94,31 +85,10 @@ save_every = {save_every}
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_json(path: Path, default=None):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return default
-
-
 def learner_step(run_dir: Path) -> int:
     """The learner's newest step number (a restart from a checkpoint may write some again)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (json.JSONDecodeError, KeyError):
-            continue
-    return 0
+    rows = read_metrics(run_dir)
+    return int(rows[-1].get("step", 0)) if rows else 0
 
 
 class Chaos:

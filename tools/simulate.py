@@ -8,7 +8,7 @@
 (``april simulate`` takes the same flags.) Every mode — ``sync``, ``april`` at r = 1.5 and 2,
 ``async`` at r = 2 — runs the same cluster around the real ``BrokerCore``: every lease, early
 termination, recycled partial and staleness restart is the core's decision, and each call into
-it is timed (``april_async/sim/engine.py`` describes the generator model and how it jumps from
+it is timed (``april_async/sim/simulation.py`` describes the generator model and how it jumps from
 event to event instead of visiting every decode step). Each sample's true length comes from the
 workload (``april_async/sim/workload.py``), keyed by its id, so every mode sees the same lengths.
 

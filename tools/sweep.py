@@ -47,7 +47,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,7 +56,11 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+
+from april_async.config import ConfigError, read_config_file, validate  # noqa: E402
+from april_async.sim.config import SimError, SimSettings  # noqa: E402
+from april_async.testing.procs import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("cell", "backend", "mode", "r", "eta", "status", "tokens_per_s", "groups_per_s", "off_policy_frac",
@@ -66,31 +69,6 @@ COLUMNS = ("cell", "backend", "mode", "r", "eta", "status", "tokens_per_s", "gro
 
 class SweepError(ValueError):
     """A sweep that cannot run as configured; the message names the setting."""
-
-
-class SimSettings(BaseModel):
-    """The ``[sim]`` table: the simulated cluster of ``--sim`` cells (see ``tools/simulate.py``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    generators: int = Field(100, ge=1)
-    slots: int = Field(64, ge=1)
-    costs: Literal["gpu", "cpu"] = "gpu"
-    """Decode and prefill cost preset (april_async/sim/costs.py); the three below override it."""
-    step_a_s: float | None = Field(None, ge=0)
-    step_b_s: float | None = Field(None, ge=0)
-    prefill_s: float | None = Field(None, ge=0)
-    prompt_tokens: int = Field(256, ge=1)
-    workload: str = "math"
-    batch_groups: int = Field(0, ge=0)
-    """B; 0: as many groups as fill every slot once (G·S/n)."""
-    group_size: int = Field(16, ge=1)
-    max_response_tokens: int = Field(8192, ge=1)
-    train_s: float = Field(0.0, ge=0)
-    batches: int = Field(2, ge=1)
-    """Batches measured per cell, after ``warmup``."""
-    warmup: int = Field(2, ge=0)
-    seed: int = 0
 
 
 class SweepConfig(BaseModel):
@@ -145,15 +123,7 @@ class Row:
 # ---------------------------------------------------------------------- config
 
 
-def _one_line(e: ValidationError, table: str) -> str:
-    return f"[{table}] " + "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or table}: {err['msg']} (got {err.get('input')!r})"
-        for err in e.errors())
-
-
 def load(path: Path) -> tuple[SweepConfig, SimSettings]:
-    from april_async.config import ConfigError, read_config_file
-
     try:
         doc = read_config_file(path)
     except ConfigError as e:
@@ -164,13 +134,10 @@ def load(path: Path) -> tuple[SweepConfig, SimSettings]:
     if "sweep" not in doc:
         raise SweepError(f"{str(path)!r} has no [sweep] table")
     try:
-        sweep = SweepConfig.model_validate(doc["sweep"])
-    except ValidationError as e:
-        raise SweepError(_one_line(e, "sweep")) from None
-    try:
-        sim = SimSettings.model_validate(doc.get("sim", {}))
-    except ValidationError as e:
-        raise SweepError(_one_line(e, "sim")) from None
+        sweep = validate(SweepConfig, doc["sweep"], "sweep")
+        sim = validate(SimSettings, doc.get("sim", {}), "sim")
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     for eta in sweep.eta:
         if eta < 0:
             raise SweepError(f"[sweep] eta: {eta} is negative (η is a number of versions, at least 0)")
@@ -195,12 +162,6 @@ def cells_of(sweep: SweepConfig) -> list[Cell]:
 # ---------------------------------------------------------------------- engine-backed cells
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _toml(value) -> str:
     return json.dumps(str(value)) if isinstance(value, (str, Path)) else repr(value)
 
@@ -222,18 +183,16 @@ def initial_policy(sweep: SweepConfig, out: Path) -> Path:
     if (init / "model.safetensors").is_file():
         print(f"sweep: reusing the initial policy {init}", flush=True)
         return init
-    from april_async.learner.warmstart import WarmStartConfig, make_initial_checkpoint
+    from april_async.warmstart.config import WarmStartConfig
+    from april_async.warmstart.sft import write_initial_policy
 
     try:
-        cfg = WarmStartConfig.model_validate(doc.get("warmstart", {}))
-    except ValidationError as e:
-        raise SweepError(_one_line(e, "warmstart")) from None
+        cfg = validate(WarmStartConfig, doc.get("warmstart", {}), "warmstart")
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     print(f"sweep: warm start -> {init} (once for every cell)", flush=True)
     t0 = time.monotonic()
-    tmp = init.with_name("init.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    stats = make_initial_checkpoint(tmp, cfg)
-    os.replace(tmp, init)
+    stats = write_initial_policy(init, cfg)
     print(f"sweep: warm start done in {time.monotonic() - t0:.0f} s (reward {stats.get('reward')})", flush=True)
     return init
 
@@ -241,8 +200,8 @@ def initial_policy(sweep: SweepConfig, out: Path) -> Path:
 def up_command(sweep: SweepConfig, cell: Cell, cell_dir: Path, init: Path) -> list[str]:
     sets = {"broker.rollout.mode": cell.mode, "broker.rollout.over_provision": float(cell.r),
             "broker.rollout.staleness_bound": cell.eta, "run.dir": cell_dir, "run.max_steps": sweep.steps,
-            "learner.checkpoint": init, "run.broker_port": _free_port(), "run.broadcaster_port": _free_port(),
-            "run.store_port": _free_port()}
+            "learner.checkpoint": init, "run.broker_port": free_port(), "run.broadcaster_port": free_port(),
+            "run.store_port": free_port()}
     argv = [sys.executable, "-m", "april_async.cli", "up", "--config", str(sweep.base)]
     for item in [*(f"{k}={_toml(v)}" for k, v in sets.items()), *sweep.set]:
         argv += ["--set", item]
@@ -291,7 +250,7 @@ def run_engine_cell(sweep: SweepConfig, cell: Cell, out: Path, init: Path) -> Ro
 
 def engine_numbers(run_dir: Path) -> tuple[dict, dict[int, int], list[float]]:
     """Throughput, off-policy and discarded shares, rewards: from what ``april up`` left in ``run_dir``."""
-    from april_async.learner.metrics import read_metrics
+    from april_async.runfiles import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     if not rows:
@@ -317,21 +276,11 @@ def engine_numbers(run_dir: Path) -> tuple[dict, dict[int, int], list[float]]:
 
 
 def run_sim_cell(sim: SimSettings, cell: Cell) -> Row:
-    from april_async.sim.costs import COSTS
-    from april_async.sim.engine import SimError, SimSpec, Simulation
-    from april_async.sim.report import auto_batch_groups, rollout
+    from april_async.sim.simulation import Simulation
     from april_async.sim.workload import WorkloadError
 
-    a, b, prefill = COSTS[sim.costs]
     try:
-        spec = SimSpec(generators=sim.generators, slots=sim.slots, step_a_s=a if sim.step_a_s is None else sim.step_a_s,
-                       step_b_s=b if sim.step_b_s is None else sim.step_b_s,
-                       prefill_s=prefill if sim.prefill_s is None else sim.prefill_s, prompt_tokens=sim.prompt_tokens,
-                       train_s=sim.train_s, workload=sim.workload, batches=sim.batches, warmup=sim.warmup,
-                       seed=sim.seed)
-        B = sim.batch_groups or auto_batch_groups(sim.generators, sim.slots, sim.group_size)
-        res = Simulation(rollout(cell.mode, cell.r, cell.eta, batch_groups=B, group_size=sim.group_size,
-                                 max_response_tokens=sim.max_response_tokens), spec).run()
+        res = Simulation(sim.rollout(cell.mode, cell.r, cell.eta), sim).run()
     except (SimError, WorkloadError) as e:
         raise SweepError(f"[sim] {e}") from None
     row = Row(cell, "sim")

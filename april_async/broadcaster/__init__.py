@@ -1,3 +1,3 @@
 """The broadcaster: the newest policy version, fanned out to the generators over a
-``torch.distributed`` group (``actor``). The flat layout and the group membership it uses live
-in ``april_async.weights``, shared with the learner and the generators."""
+``torch.distributed`` group. The round logic is a pure planner (``rounds``); the actor (``actor``) does
+the I/O. The flat layout, the group and both ends of the hand-off live in ``april_async.weights``."""

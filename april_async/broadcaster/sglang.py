@@ -31,35 +31,17 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 
+from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.logs import get_logger
 from april_async.sglang.api import SGLangError
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 from april_async.weights.flat import unflatten
 from april_async.wire.messages import TensorSpec
-
-
-class SGLangFanoutConfig(BaseModel):
-    """The ``[broadcaster.sglang]`` section: how versions reach SGLang servers."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    pause: Literal["abort", "retract", "in_place", "none"] = "abort"
-    """``/pause_generation`` mode around an update. ``abort``: requests in flight end with their
-    tokens and are resumed on the new weights (exact per-token versions; the prefix cache is
-    flushed). ``retract``/``in_place``: they wait and go on with the new weights, their later
-    tokens tagged with the version the server reports. ``none``: no pause (SGLang's own lock then
-    waits for every request in flight to end before loading)."""
-    call_timeout_s: float = Field(30.0, gt=0)
-    """Limit of every control call (info, pause, continue, begin/end, destroy)."""
-    update_timeout_s: float = Field(600.0, gt=0)
-    """Limit of one bucket's ``/update_weights_from_distributed`` call and of forming the group."""
 
 
 def tensor_buckets(tensors: list[TensorSpec], sizes: list[int], bucket_bytes: int) -> list[list[int]]:

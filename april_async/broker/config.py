@@ -1,4 +1,4 @@
-"""The rollout policy's knobs, as documented pydantic models.
+"""The ``[broker]`` section and the rollout policy's knobs, as documented pydantic models (no torch).
 
 A wrong value is refused with an error naming the field (``pydantic.ValidationError``); a field
 name that does not exist is refused too, so a renamed field fails loudly instead of being ignored.
@@ -7,9 +7,13 @@ name that does not exist is refused too, so a renamed field fails loudly instead
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from april_async.config import Endpoint, LinkConfig, LogConfig
+from april_async.tasks.source import PromptSourceConfig
 
 Mode = Literal["sync", "april", "async"]
 OverBoundPolicy = Literal["restart", "drop"]
@@ -84,3 +88,26 @@ class RolloutConfig(BaseModel):
     @property
     def max_inflight_samples(self) -> int:
         return self.max_inflight_groups * self.group_size
+
+
+class BrokerServiceConfig(BaseModel):
+    """The ``[broker]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bind: Endpoint = "tcp://127.0.0.1:5555"
+    """The ROUTER endpoint every actor connects to."""
+    link: LinkConfig = LinkConfig()
+    journal_dir: Path | None = None
+    """Write-ahead journal and snapshots; None runs without durability (a restart starts empty)."""
+    durability: Literal["always", "interval", "none"] = "interval"
+    """fsync every record, every ``fsync_interval_s``, or never (kill -9 safe in all three; only
+    ``always`` survives power loss without losing the last interval)."""
+    fsync_interval_s: float = Field(0.05, gt=0)
+    snapshot_every_records: int = Field(20_000, ge=1)
+    """Write a snapshot (and start a new log segment) after this many records."""
+    rollout: RolloutConfig = RolloutConfig()
+    prompts: PromptSourceConfig = PromptSourceConfig()
+    state_file: Path | None = None
+    """At shutdown, write the ledger here as JSON: samples per place, counters, and whether they balance."""
+    log: LogConfig = LogConfig()

@@ -18,17 +18,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-
-from april_async.broker.config import RolloutConfig
+from april_async.broker.config import BrokerServiceConfig, RolloutConfig
 from april_async.broker.core import AbortLease, BatchOut, BrokerCore, BrokerError
-from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.logs import get_logger
-from april_async.tasks.source import PromptSource, PromptSourceConfig, encode_prompt
+from april_async.tasks.source import PromptSource, encode_prompt
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
 
@@ -36,29 +33,6 @@ if TYPE_CHECKING:
     from april_async.broker.journal import Journal
 
 READONLY_CALLS = frozenset({"lease", "score_lease", "pull_batch"})  # journaled only when they return something
-
-
-class BrokerServiceConfig(BaseModel):
-    """The ``[broker]`` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    bind: Endpoint = "tcp://127.0.0.1:5555"
-    """The ROUTER endpoint every actor connects to."""
-    link: LinkConfig = LinkConfig()
-    journal_dir: Path | None = None
-    """Write-ahead journal and snapshots; None runs without durability (a restart starts empty)."""
-    durability: Literal["always", "interval", "none"] = "interval"
-    """fsync every record, every ``fsync_interval_s``, or never (kill -9 safe in all three; only
-    ``always`` survives power loss without losing the last interval)."""
-    fsync_interval_s: float = Field(0.05, gt=0)
-    snapshot_every_records: int = Field(20_000, ge=1)
-    """Write a snapshot (and start a new log segment) after this many records."""
-    rollout: RolloutConfig = RolloutConfig()
-    prompts: PromptSourceConfig = PromptSourceConfig()
-    state_file: Path | None = None
-    """At shutdown, write the ledger here as JSON: samples per place, counters, and whether they balance."""
-    log: LogConfig = LogConfig()
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""The generator actor and its engines."""
+"""The generator actor (``actor``) and the engines only it uses (``scripted``, ``sglang_engine``); the
+embedded PyTorch engine is shared, in ``april_async.engines``."""

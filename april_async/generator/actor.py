@@ -10,40 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
-from april_async.config import Endpoint, LinkConfig, LogConfig
-from april_async.generator.engine import Engine, EngineOutput, EngineRequest, version_runs
-from april_async.generator.scripted import ScriptedEngineConfig
-from april_async.generator.sglang_engine import SGLangEngineConfig
-from april_async.generator.torch_engine import TorchEngineConfig
+from april_async.engines.base import Engine, EngineOutput, EngineRequest, version_runs
+from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
 from april_async.wire import messages as m
-
-
-class GeneratorConfig(BaseModel):
-    """The ``[generator]`` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "gen-0"
-    """Unique among the run's actors; a restarted process SHOULD keep it (its old leases are reclaimed)."""
-    link: LinkConfig = LinkConfig()
-    engine: Literal["torch", "sglang", "scripted"] = "torch"
-    """``torch``: the embedded PyTorch engine; ``sglang``: SGLang servers over HTTP (``[generator.sglang]``);
-    ``scripted``: the scripted test engine (deterministic tokens, for runtime tests)."""
-    torch: TorchEngineConfig = TorchEngineConfig()
-    sglang: SGLangEngineConfig = SGLangEngineConfig()
-    scripted: ScriptedEngineConfig = ScriptedEngineConfig()
-    broadcaster: Endpoint | None = None
-    """The broadcaster's endpoint: new weights arrive over its ``torch.distributed`` group. None:
-    weights are loaded from the checkpoint directory a ``weights_published`` names."""
-    chunk_tokens: int = Field(16, ge=1)
-    """Send a token chunk every this many new tokens of a lease (and always at its end)."""
-    log: LogConfig = LogConfig()
 
 
 @dataclass
@@ -79,13 +52,13 @@ class GeneratorActor:
         self.server_engine = getattr(engine, "servers", None) is not None  # its servers hold the weights
         self.weights = None
         if cfg.broadcaster is not None and self.server_engine:
-            from april_async.generator.weights import ServerWeightsLink
+            from april_async.weights.subscriber import ServerWeightsLink
 
             self.weights = ServerWeightsLink(cfg.name, cfg.broadcaster, cfg.link, engine)
         elif cfg.broadcaster is not None and not self.holds_weights:
             self.log.warning("broadcaster_ignored", reason=f"the {engine.name} engine holds no weights")
         elif cfg.broadcaster is not None:
-            from april_async.generator.weights import WeightSubscriber
+            from april_async.weights.subscriber import WeightSubscriber
 
             self.weights = WeightSubscriber(cfg.name, cfg.broadcaster, cfg.link, engine)
         self.peer = peer_factory(self._on_connect)

@@ -12,25 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from april_async.generator.engine import EngineOutput, EngineRequest
-
-
-class ScriptedEngineConfig(BaseModel):
-    """Settings of the scripted test engine."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    slots: int = Field(8, ge=1)
-    """Concurrent requests (decode slots)."""
-    lengths: tuple[int, ...] = (8, 8, 12, 16, 24, 64)
-    """True response lengths, cycled by sample id."""
-    vocab: int = Field(1000, ge=2)
-    step_s_fixed: float = Field(0.0, ge=0)
-    """Seconds of one decode step, fixed part."""
-    step_s_per_seq: float = Field(0.0, ge=0)
-    """Seconds of one decode step per active request."""
+from april_async.engines.base import EngineOutput, EngineRequest
+from april_async.generator.config import ScriptedEngineConfig
 
 
 def scripted_token(sample_id: int, position: int, vocab: int) -> int:

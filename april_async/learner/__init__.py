@@ -1,1 +1,2 @@
-"""The learner side: the batch client (the learner actor itself arrives with issue 5)."""
+"""The learner actor: GRPO/DAPO/GSPO on batches from the broker (``actor``), its losses, checkpoints,
+metrics and batch client, and its settings (``config``)."""

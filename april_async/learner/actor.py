@@ -37,104 +37,19 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.learner import checkpoint as ckpt
 from april_async.learner.client import BatchClient
-from april_async.learner.losses import (
-    Algorithm,
-    Correction,
-    LossSettings,
-    group_advantages,
-    policy_loss,
-    zero_variance_groups,
-)
+from april_async.learner.config import LearnerConfig
+from april_async.learner.losses import group_advantages, policy_loss, zero_variance_groups
 from april_async.learner.metrics import MetricsSink
 from april_async.logs import get_logger
 from april_async.model.decoder import CausalLM, CheckpointError
+from april_async.weights.handoff import WeightHandoff
 from april_async.wire import messages as m
-
-
-class BroadcastRefused(RuntimeError):
-    """The broadcaster cannot take this learner's versions (e.g. over its size limit)."""
-
-
-class LearnerConfig(BaseModel):
-    """The ``[learner]`` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "learner-0"
-    link: LinkConfig = LinkConfig()
-    broadcaster: Endpoint | None = "tcp://127.0.0.1:5556"
-    """The broadcaster's endpoint; None: publish each version as a checkpoint directory instead
-    (announced to the broker, which tells the generators to load it from disk)."""
-    checkpoint: str = ""
-    """The initial policy (a Hugging Face directory), used when ``run_dir`` holds no checkpoint."""
-    run_dir: Path = Path("runs/default")
-    """Checkpoints, ``metrics.jsonl`` and TensorBoard files go here; a restart resumes from it."""
-    algorithm: Algorithm = "grpo"
-    """``grpo`` | ``dapo`` | ``gspo``."""
-    correction: Correction = "tis"
-    """Off-policy correction: ``none`` | ``tis`` | ``decoupled`` | ``mask`` (see losses.py)."""
-    clip_low: float = Field(0.2, gt=0, lt=1)
-    """ε_low: the ratio is clipped below at 1 − ε_low."""
-    clip_high: float | None = Field(None, gt=0)
-    """ε_high: clipped above at 1 + ε_high; None means ε_low for grpo/gspo and 0.28 for dapo."""
-    tis_cap: float = Field(2.0, ge=1.0)
-    """C of truncated importance sampling."""
-    behav_weight_cap: float = Field(5.0, gt=1.0)
-    """Decoupled PPO: tokens with π_prox/μ above this are left out."""
-    mask_max_lag: int = Field(0, ge=0)
-    """``mask``: tokens more than this many versions behind the learner are left out."""
-    advantage_scale: bool = True
-    """Divide by the group's reward std (GRPO); False only centres (Dr. GRPO)."""
-    dynamic_sampling: bool | None = None
-    """Drop groups whose rewards are all equal and tell the broker; None: on for dapo only."""
-    temperature: float = Field(1.0, gt=0)
-    """The rollout's sampling temperature: log-probs are taken of the same tempered distribution."""
-    minibatches: int = Field(1, ge=1)
-    """Optimizer steps per batch (the batch's samples split evenly); one version bump per batch."""
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float = Field(1.0, gt=0)
-    """Clip the global gradient norm to this."""
-    ess_lr_scale: bool = False
-    """VCPO-style: multiply the learning rate by the batch's ESS (never below ``ess_lr_floor``)."""
-    ess_lr_floor: float = Field(0.1, gt=0, le=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype (bfloat16 roughly doubles speed on CPUs with AMX; float32 is the safe default)."""
-    save_every: int = Field(25, ge=1)
-    """Write a checkpoint every this many steps (and at the end)."""
-    keep_checkpoints: int = Field(2, ge=1)
-    max_steps: int | None = Field(None, ge=1)
-    """Stop after this many steps in total (resumed steps included); None: run until stopped."""
-    tensorboard: bool = True
-    audit: bool = True
-    """Record every batch taken (sample ids and token versions) in ``<run_dir>/batches.jsonl``."""
-    log: LogConfig = LogConfig()
-
-    @model_validator(mode="after")
-    def _check(self) -> LearnerConfig:
-        if self.algorithm == "gspo" and self.clip_low > 0.01:
-            raise ValueError(f"gspo clips a sequence-level ratio: use a small clip_low (e.g. 3e-4), got {self.clip_low}")
-        return self
-
-    def loss_settings(self) -> LossSettings:
-        high = self.clip_high if self.clip_high is not None else (0.28 if self.algorithm == "dapo" else self.clip_low)
-        return LossSettings(algorithm=self.algorithm, clip_low=self.clip_low, clip_high=high,
-                            correction=self.correction, tis_cap=self.tis_cap,
-                            behav_weight_cap=self.behav_weight_cap, mask_max_lag=self.mask_max_lag)
-
-    @property
-    def filters_zero_variance(self) -> bool:
-        return self.algorithm == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
 
 
 class PackedBatch:
@@ -207,7 +122,10 @@ class LearnerActor:
         self.client = BatchClient(cfg.name, broker_peer_factory, policy_version=self.state.version,
                                   on_welcome=self._saw_version)
         self.client.last_batch_id = self.state.last_batch_id
-        self.bcast = broadcaster_peer_factory(self._on_broadcaster) if broadcaster_peer_factory else None
+        self.handoff = None
+        if broadcaster_peer_factory is not None:
+            self.handoff = WeightHandoff(cfg.name, broadcaster_peer_factory,
+                                         lambda: (self.state.version, self.model.state_dict()))
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard)
         self.audit = open(Path(cfg.run_dir) / "batches.jsonl", "a", buffering=1) if cfg.audit else None
         self._last_batch_at: float | None = None
@@ -228,13 +146,6 @@ class LearnerActor:
             self._roll_forward(version, why="the broker has seen a newer version than this learner's")
             self.client.policy_version = self.state.version
 
-    def _on_broadcaster(self, peer) -> None:
-        peer.send(m.Hello(role="learner", instance=self.cfg.name, policy_version=self.state.version))
-        self._bcast_sessions = getattr(self, "_bcast_sessions", 0) + 1
-        if self._bcast_sessions > 1 and self.state.version > 0:
-            # A restarted broadcaster holds nothing: hand the current version over again.
-            self._send_weights(peer)
-
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
@@ -252,9 +163,8 @@ class LearnerActor:
         # Ask once more so the broker hears the ack of the last batch before we go.
         self.client.peer.send(m.BatchRequest(policy_version=self.state.version, acked_batch_id=self.client.last_batch_id))
         self.client.close()
-        if self.bcast is not None:
-            self.bcast.send(m.Bye(reason="shutdown"))
-            self.bcast.close()
+        if self.handoff is not None:
+            self.handoff.close()
         self.metrics.close()
         if self.audit is not None:
             self.audit.close()
@@ -262,15 +172,8 @@ class LearnerActor:
 
     def _pump(self) -> None:
         """Keep the broadcaster session alive (heartbeats, reconnects) and hear its errors."""
-        if self.bcast is None:
-            return
-        while (msg := self.bcast.poll(0.0)) is not None:
-            if not isinstance(msg.body, m.Error):
-                continue
-            if msg.body.code == "too_large":  # every later version would be refused too: stop loudly
-                raise BroadcastRefused(f"the broadcaster refused version {self.state.version}: {msg.body.message}; "
-                                       f"raise broadcaster.max_update_bytes above the model's size")
-            self.log.error("broadcaster_error", code=msg.body.code, error=msg.body.message)
+        if self.handoff is not None:
+            self.handoff.pump()
 
     # ------------------------------------------------------------------ one step
 
@@ -389,17 +292,11 @@ class LearnerActor:
         """Hand the current weights over once: to the broadcaster, or as a checkpoint on disk."""
         version = self.state.version
         ckpt.write_issued_version(self.cfg.run_dir, version)  # before anyone can hold it
-        if self.bcast is not None:
-            self._send_weights(self.bcast)
+        if self.handoff is not None:
+            self.handoff.send(version, self.model.state_dict())
             return
         path = self.save()
-        self.client.peer.send(m.WeightsPublished(version=version, source=str(path.resolve())))
-
-    def _send_weights(self, peer) -> None:
-        from april_async.weights.flat import flatten
-
-        specs, buf = flatten(self.model.state_dict())  # one copy: training may go on at once
-        peer.send(m.WeightsUpdate(version=self.state.version, tensors=specs, data=buf.numpy()))
+        self.client.publish(version, source=str(path.resolve()))
 
     def save(self) -> Path:
         path = ckpt.save(self.cfg.run_dir, self.model, self.optimizer, self.state, side_files_from=self.side_files,

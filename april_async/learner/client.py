@@ -51,10 +51,11 @@ class BatchClient:
             if time.monotonic() >= deadline:
                 return None
 
-    def publish(self, version: int) -> None:
-        """Announce that policy ``version`` is out (the broadcaster's job once it exists)."""
+    def publish(self, version: int, source: str | None = None) -> None:
+        """Tell the broker that policy ``version`` is out, at ``source`` (a checkpoint directory the
+        generators load) when no broadcaster fans it out."""
         self.policy_version = version
-        self.peer.send(m.WeightsPublished(version=version))
+        self.peer.send(m.WeightsPublished(version=version, source=source))
 
     def close(self) -> None:
         self.peer.send(m.Bye(reason="shutdown"))

@@ -34,25 +34,9 @@ the learning rate by it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-Algorithm = Literal["grpo", "dapo", "gspo"]
-Correction = Literal["none", "tis", "decoupled", "mask"]
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    algorithm: Algorithm = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    correction: Correction = "tis"
-    tis_cap: float = 2.0
-    behav_weight_cap: float = 5.0
-    mask_max_lag: int = 0
-
+from april_async.learner.config import LossSettings
 
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, scale: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:

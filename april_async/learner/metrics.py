@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+from april_async.runfiles import METRICS
+
 # Scalars written to TensorBoard, under these tags (the JSON line holds them all, and more).
 TB_SCALARS = {
     "reward/mean": "reward_mean",
@@ -35,7 +37,7 @@ class MetricsSink:
     def __init__(self, run_dir: Path, *, tensorboard: bool = True):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._jsonl = open(run_dir / METRICS, "a", buffering=1)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -61,17 +63,3 @@ class MetricsSink:
         if self._tb is not None:
             self._tb.close()
 
-
-def read_metrics(path: Path) -> list[dict]:
-    """Every complete line of a ``metrics.jsonl`` (a line being written is skipped)."""
-    rows = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return rows
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows

@@ -16,11 +16,9 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from april_async.config import LinkConfig, LogConfig
 from april_async.logs import get_logger
 from april_async.model.tokenizer import load_tokenizer
+from april_async.scorer.config import ScorerConfig
 from april_async.scorer.rewards import BUILTIN_TASK_REWARDS, RewardInput, load_reward, reward_path
 from april_async.scorer.worker import ERROR_KINDS, Outcome, RewardWorker
 from april_async.wire import messages as m
@@ -29,34 +27,6 @@ WAIT_SLICE_S = 0.02
 """While a reward runs, wait this long for it between polls of the broker."""
 STATS_EVERY_S = 30.0
 """Log the counters this often (when they changed)."""
-
-
-class ScorerConfig(BaseModel):
-    """The ``[scorer]`` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "scorer-0"
-    link: LinkConfig = LinkConfig()
-    reward: str = "april_async.scorer.rewards:math_answer"
-    """The reward of tasks with neither an entry in ``rewards`` nor a built-in reward, as
-    ``package.module:function``; it is called as ``fn(RewardInput) -> float``."""
-    rewards: dict[str, str] = {}
-    """Per task name, the reward to use instead (e.g. ``{math = "my_pkg.rewards:strict"}``)."""
-    tokenizer: str = "char"
-    """Decodes the tokens into ``prompt_text``/``response_text``: ``char`` or a checkpoint directory."""
-    timeout_s: float = Field(5.0, gt=0)
-    """A reward call running longer is killed (with its worker) and answered ``reward_timeout``."""
-    capacity: int = Field(16, ge=1)
-    """Score requests taken at once."""
-    log: LogConfig = LogConfig()
-
-    @field_validator("reward")
-    @classmethod
-    def _reward_path(cls, v: str) -> str:
-        if v.count(":") != 1 or not all(v.split(":")):
-            raise ValueError(f"reward {v!r} must look like 'package.module:function'")
-        return v
 
 
 class ScorerActor:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from april_async.runtime import die_with_parent
 from april_async.scorer.rewards import RewardInput, load_reward
 
 ERROR_KINDS = ("reward_error", "reward_timeout", "bad_reward")
@@ -181,7 +182,7 @@ class RewardWorker:
 def serve(conn, paths: tuple[str, ...]) -> None:
     """The worker process: import the rewards, then answer ``(path, RewardInput)`` calls until told
     to stop (``None``) or the scorer goes away."""
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # a closed pipe ends an idle worker anyway; a busy one needs this
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the scorer's to handle
     rewards, broken = {}, {}
     for path in paths:
@@ -224,11 +225,3 @@ def _call(rewards: dict, broken: dict, path: str, x: RewardInput) -> tuple[str, 
         return "bad_reward", f"{path} returned {reward}"
     return "ok", reward
 
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the closed pipe still ends an idle worker

@@ -23,7 +23,7 @@ Why this shape:
 - **Locally easy.** Each line copies the previous result and the (fixed) addend, adds a single
   digit, and counts down by one; the last line is followed by the answer. A two-layer,
   0.4M-parameter decoder with the character tokenizer learns it in about a minute on one core
-  (``learner/warmstart.py``); sampled at temperature 1 it then errs on a few lines in a long
+  (``warmstart/sft.py``); sampled at temperature 1 it then errs on a few lines in a long
   chain, which leaves reinforcement learning a clear margin to climb.
 
 Deterministic: problem ``index`` of stream ``seed`` is a pure function of the two, so a stream can

@@ -22,7 +22,8 @@ from april_async.transport.curve import KeysError, is_loopback, make_keys
 from april_async.transport.hub import Hub
 from april_async.transport.peer import Peer
 from april_async.wire import messages as m
-from tests.integration.harness import FAST_LINK, Cluster, free_port
+from april_async.testing.cluster import FAST_LINK, Cluster
+from april_async.testing.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {k.split(".")[1]: v for k, v in FAST_LINK.items()}

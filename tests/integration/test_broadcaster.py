@@ -24,10 +24,11 @@ import torch
 from april_async.weights.flat import flatten
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.config import LinkConfig
-from april_async.transport.hub import Hub
 from april_async.transport.peer import Peer
 from april_async.wire import messages as m
-from tests.integration.harness import FAST_LINK, Cluster, free_port
+from april_async.testing.cluster import FAST_LINK, Cluster
+from april_async.testing.procs import free_port
+from april_async.testing.fake_broker import FakeBroker
 
 TIMEOUT_S = 4.0  # the broadcaster's collective / ack limit in these tests
 LINK = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
@@ -73,7 +74,7 @@ class RecordingEngine:
 
 
 def member_main(argv: list[str]) -> int:
-    from april_async.generator.weights import WeightSubscriber
+    from april_async.weights.subscriber import WeightSubscriber
     from april_async.logs import configure
     from april_async.runtime import StopFlag
 
@@ -95,35 +96,13 @@ def member_main(argv: list[str]) -> int:
 # The test process: learner and broker
 
 
-class FakeBroker:
-    """A ``Hub`` standing in for the broker: answers every message with a heartbeat and
-    records the versions the broadcaster announces (``weights_published`` and ``hello``)."""
-
-    def __init__(self):
-        self.hub = Hub("tcp://127.0.0.1:0", link=LINK, name="broker")
-        self.published: list[int] = []
-        self.hello_versions: list[int | None] = []
-
-    def pump(self, seconds: float = 0.0) -> None:
-        until = time.monotonic() + seconds
-        while True:
-            for identity, msg in self.hub.poll(0.02):
-                if isinstance(msg.body, m.WeightsPublished):
-                    self.published.append(msg.body.version)
-                elif isinstance(msg.body, m.Hello):
-                    self.hello_versions.append(msg.body.policy_version)
-                self.hub.send(identity, m.Heartbeat())
-            if time.monotonic() >= until:
-                return
-
-
 class Weights:
     """The cluster of this test: broadcaster + members + learner peer + fake broker."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.cluster = Cluster(tmp)
-        self.broker = FakeBroker()
+        self.broker = FakeBroker(LINK)
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.status_file = tmp / "broadcaster.json"
         self.learner: Peer | None = None
@@ -362,7 +341,7 @@ def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked
     ignored, not waited on (rank 0 broadcasts each epoch and version once)."""
     from types import SimpleNamespace
 
-    from april_async.generator.weights import WeightSubscriber
+    from april_async.weights.subscriber import WeightSubscriber
 
     class Inbox:
         def __init__(self, on_connect):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from april_async.model.decoder import CausalLM
-from tests.integration.harness import Cluster, check_batch_tokens
+from april_async.testing.cluster import Cluster, check_batch_tokens
 
 ROLLOUT = {"mode": "async", "batch_groups": 1, "group_size": 2, "max_response_tokens": 8, "staleness_bound": 4}
 
@@ -79,7 +79,7 @@ def test_the_scorer_is_replaced_by_one_with_another_reward(tmp_path, stop):
     before = [s.reward for g in run.batch().groups for s in g.samples]
     assert set(before) <= {0.0, 1.0}  # the scripted task's built-in reward (parity)
     run.remove("scorer-0", stop)
-    run.cluster.scorer("scorer-1", **{"rewards.scripted": "tests.integration.rewards:minus_one"})
+    run.cluster.scorer("scorer-1", **{"rewards.scripted": "april_async.testing.rewards:minus_one"})
     for _ in range(20):  # samples scored before the swap may still be in flight; then only the new reward
         rewards = [s.reward for g in run.batch().groups for s in g.samples]
         if set(rewards) == {-1.0}:
@@ -90,7 +90,7 @@ def test_the_scorer_is_replaced_by_one_with_another_reward(tmp_path, stop):
 
 
 def test_generators_are_added_removed_and_replaced_by_another_engine(tmp_path):
-    from tests.integration.test_torch_generator import TINY
+    from april_async.testing.models import TINY
 
     torch.manual_seed(0)
     CausalLM(TINY).save_pretrained(tmp_path / "ckpt")

@@ -11,7 +11,7 @@ import pytest
 
 from april_async.broker.config import RolloutConfig
 from april_async.broker.core import Place
-from tests.integration.harness import Cluster, check_batch_tokens
+from april_async.testing.cluster import Cluster, check_batch_tokens
 
 B, N = 2, 2
 ROLLOUT = {"batch_groups": B, "group_size": N, "over_provision": 2.0, "staleness_bound": 2}

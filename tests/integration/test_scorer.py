@@ -19,7 +19,7 @@ from april_async.scorer.rewards import RewardInput
 from april_async.scorer.worker import RewardWorker
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
-from tests.integration.harness import FAST_LINK, Cluster
+from april_async.testing.cluster import FAST_LINK, Cluster
 
 HERE = "tests.integration.test_scorer"
 TIMEOUT_S = 1.0

@@ -1,7 +1,7 @@
 """The ``sglang`` engine and the broadcaster's SGLang push, against stand-in SGLang servers.
 
 SGLang cannot run on the CPU-only CI machines. These tests run the real client code against
-``tests/sglang_standin.py``: a **stand-in** HTTP server (named so everywhere) that implements
+``april_async/testing/sglang_standin.py``: a **stand-in** HTTP server (named so everywhere) that implements
 SGLang's documented HTTP contract on top of the embedded engine. The contract was read from
 SGLang 0.5.10.post1, 0.5.15.post1 and 0.5.23 (``python/sglang/srt/entrypoints/http_server.py``,
 ``managers/io_struct.py``, ``managers/tokenizer_manager.py``, ``utils/common.py``). Endpoints
@@ -27,14 +27,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from april_async.broadcaster.sglang import SGLangFanout, SGLangFanoutConfig
-from april_async.generator.engine import EngineOutput, EngineRequest
-from april_async.generator.sglang_engine import SGLangEngine, SGLangEngineConfig
-from april_async.generator.torch_engine import TorchEngine
+from april_async.broadcaster.config import SGLangFanoutConfig
+from april_async.broadcaster.sglang import SGLangFanout
+from april_async.engines.base import EngineOutput, EngineRequest
+from april_async.generator.config import SGLangEngineConfig
+from april_async.generator.sglang_engine import SGLangEngine
+from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.weights.flat import flatten
-from tests.integration.harness import free_port
-from tests.integration.standin import start_standin
+from april_async.testing.procs import free_port
+from april_async.testing.standin import start_standin
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -308,8 +310,8 @@ def test_generator_on_sglang_with_the_real_broker_survives_a_server_restart(tmp_
     learner. Behaviour log-probs equal the learner's recomputation; the server is killed (the
     generator returns its leases and announces capacity 0) and started again on its port (the
     generator takes it back and batches come again)."""
-    from tests.integration.harness import Cluster
-    from tests.integration.test_torch_generator import TINY as VOCAB_1000, learner_logprobs
+    from april_async.testing.cluster import Cluster
+    from april_async.testing.models import TINY as VOCAB_1000, learner_logprobs
 
     torch.manual_seed(0)
     CausalLM(VOCAB_1000).save_pretrained(tmp_path / "v0")

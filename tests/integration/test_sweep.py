@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import TINY_POLICY_TOML
+from april_async.testing.cluster import TINY_POLICY_TOML
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -111,7 +111,7 @@ def _load_tool():
     ('[sweep]\nbase = "{tmp}/missing.toml"\n', "missing.toml' does not exist"),
     ('[sweep]\nbase = "{base}"\nr = [0.5]\n', "r: 0.5"),
     ('[sweep]\nbase = "{base}"\nstep = 3\n', "step"),
-    ('[sweep]\nbase = "{base}"\n[sim]\ngenerators = 0\n', "[sim] generators"),
+    ('[sweep]\nbase = "{base}"\n[sim]\ngenerators = 0\n', "[sim] config: generators"),
     ('[sweep]\nbase = "{base}"\n[simulation]\n', "unknown table [simulation]"),
     ('[run]\nx = 1\n', "unknown table [run]"),
     ('[sweep\n', "not valid TOML"),

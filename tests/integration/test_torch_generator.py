@@ -8,28 +8,9 @@ checkpoint: behaviour and learner log-probs agree across processes. It then publ
 
 import torch
 
-from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.wire import messages as m
-from tests.integration.harness import Cluster
-
-TINY = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
-
-
-def checkpoint(path, seed):
-    torch.manual_seed(seed)
-    CausalLM(TINY).save_pretrained(path)
-    return CausalLM.from_pretrained(path)
-
-
-def learner_logprobs(model, batch, sample, prompt):
-    resp = batch.response_tokens[sample.response_offset : sample.response_offset + sample.response_len]
-    seq = torch.tensor([list(prompt) + resp.tolist()])
-    with torch.no_grad():
-        logits, _ = model(seq)
-    lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], -1)
-    return lp.gather(1, torch.tensor(resp.tolist())[:, None])[:, 0]
-
+from april_async.testing.cluster import Cluster
+from april_async.testing.models import checkpoint, learner_logprobs
 
 def test_torch_generator_end_to_end_with_logprob_agreement_and_a_weight_update(tmp_path):
     v0 = checkpoint(tmp_path / "v0", 0)

@@ -6,7 +6,7 @@ steps, end with a balanced ledger (every admitted sample delivered, retired with
 still buffered), keep every delivered token within the staleness bound, and stop with every
 generator holding the learner's last version. It runs once per engine: the embedded ``torch``
 engine (warm start included), and ``sglang`` against two stand-in SGLang servers
-(``tests/sglang_standin.py``), whose weights the broadcaster pushes over a gloo group. The others
+(``april_async/testing/sglang_standin.py``), whose weights the broadcaster pushes over a gloo group. The others
 stop runs from outside (Ctrl-C, a killed supervisor) and check that no child outlives them, and
 run the same loop as a two-"host" cluster where both hosts are this machine.
 """
@@ -25,92 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import TINY_POLICY_TOML, free_port
-from tests.integration.standin import start_standin
+from april_async.testing.runs import ETA, STEPS, children_of, logs_of, metrics, up, wait_for, write_config
+from april_async.testing.standin import start_standin
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4
-ETA = 1
-
-TINY_RUN = """
-[run]
-dir = "{dir}"
-actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
-broker_port = {broker_port}
-broadcaster_port = {broadcaster_port}
-store_port = {store_port}
-max_steps = {steps}
-duration_s = 240
-final_sync_s = 30
-
-""" + TINY_POLICY_TOML + """[broker.rollout]
-mode = "april"
-batch_groups = 2
-group_size = 2
-over_provision = 2.0
-staleness_bound = {eta}
-max_response_tokens = 24
-
-[generator.torch]
-slots = 8
-
-[learner]
-lr = 1e-4
-save_every = 2
-checkpoint = "{checkpoint}"   # empty: the warm start makes one
-"""
-
-
-def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
-    text = TINY_RUN.format(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(),
-                           store_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
-    path = tmp / "run.toml"
-    path.write_text(text)
-    return path
-
-
-def up(config: Path, *args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "april_async.cli", "up", "--config", str(config), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-
-def children_of(run_dir: Path) -> list[int]:
-    """Processes whose command line names the run directory: the actors ``april up`` started."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
-        except OSError:
-            continue
-        if str(run_dir / "config") in cmd and "april_async.cli" in cmd and "zombie" not in state:
-            pids.append(int(entry.name))
-    return pids
-
-
-def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            pytest.fail(f"april up exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout:g} s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.25)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
-
-
-def logs_of(run_dir: Path) -> str:
-    return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-                     for p in sorted((run_dir / "logs").glob("*.log")))
-
-
 def check_finished_run(run_dir: Path, out: str, generators: list[str]) -> None:
     rows = metrics(run_dir)
     assert len(rows) >= 3, f"only {len(rows)} learner steps\n{out}\n{logs_of(run_dir)}"
@@ -181,7 +99,8 @@ def test_april_up_runs_the_whole_loop_and_stops_clean(tmp_path, request, engine)
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> Path:
     """A tiny initial checkpoint, made once, for the tests that stop runs from outside."""
-    from april_async.learner.warmstart import WarmStartConfig, make_initial_checkpoint
+    from april_async.warmstart.config import WarmStartConfig
+    from april_async.warmstart.sft import make_initial_checkpoint
 
     out = tmp_path_factory.mktemp("policy") / "init"
     make_initial_checkpoint(out, WarmStartConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

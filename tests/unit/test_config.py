@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from april_async.broker.service import BrokerServiceConfig
+from april_async.broker.config import BrokerServiceConfig
 from april_async.config import ConfigError, LinkConfig, parse_override, resolve
 
 

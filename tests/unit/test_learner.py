@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from april_async.learner import checkpoint as ckpt
-from april_async.learner.actor import BroadcastRefused, LearnerActor, LearnerConfig, PackedBatch, token_logprobs
+from april_async.learner.actor import LearnerActor, PackedBatch, token_logprobs
+from april_async.learner.config import LearnerConfig
+from april_async.weights.handoff import BroadcastRefused
 from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
 from april_async.wire import messages as m
 

@@ -4,8 +4,8 @@ behaviour log-probs equal the learner's recomputation, weights swap between step
 import pytest
 import torch
 
-from april_async.generator.engine import EngineRequest
-from april_async.generator.torch_engine import TorchEngine
+from april_async.engines.base import EngineRequest
+from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 
 CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

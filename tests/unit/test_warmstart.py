@@ -7,9 +7,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from april_async.learner.warmstart import (
+from april_async.warmstart.config import WarmStartConfig
+from april_async.warmstart.sft import (
     IGNORE,
-    WarmStartConfig,
     _pack,
     evaluate,
     held_out_problems,

@@ -8,7 +8,7 @@ with it. The contract was read from sglang 0.5.10.post1, 0.5.15.post1 and 0.5.23
 ``managers/tokenizer_manager.py``, ``sampling/sampling_params.py`` and ``utils/common.py``
 ``init_custom_process_group``).
 
-    python -m tests.sglang_standin --checkpoint DIR --port PORT [options]
+    python -m april_async.testing.sglang_standin --checkpoint DIR --port PORT [options]
 
 prints ``standin listening on http://HOST:PORT`` once it serves (``--port 0``: any free port).
 
@@ -62,8 +62,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from april_async.generator.engine import EngineRequest
-from april_async.generator.torch_engine import TorchEngine
+from april_async.engines.base import EngineRequest
+from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 
@@ -659,7 +659,7 @@ ROUTES = {  # path -> (methods, kind, handler)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tests.sglang_standin", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m april_async.testing.sglang_standin", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--port", type=int, required=True, help="0: any free port")
     ap.add_argument("--host", default="127.0.0.1")

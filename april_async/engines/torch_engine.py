@@ -16,27 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
-
-from april_async.generator.engine import EngineOutput, EngineRequest
+from april_async.engines.base import EngineOutput, EngineRequest
+from april_async.engines.config import TorchEngineConfig
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
-
-
-class TorchEngineConfig(BaseModel):
-    """Settings of the embedded engine."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    checkpoint: str = ""
-    """A Hugging Face checkpoint directory (config.json + model.safetensors)."""
-    slots: int = Field(32, ge=1)
-    """Concurrent requests (rows of the KV cache)."""
-    max_seq_len: int = Field(1024, ge=2)
-    """Prompt + response tokens one slot holds."""
-    dtype: str = "float32"
-    """float32 | bfloat16."""
-    device: str = "cpu"
 
 
 @dataclass

@@ -1,8 +1,7 @@
-"""Start and stop stand-in SGLang servers (``tests/sglang_standin.py``) as real processes."""
+"""Start and stop stand-in SGLang servers (``sglang_standin.py`` beside this file) as real processes."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,9 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.integration.harness import free_port
+from april_async.testing.procs import free_port, spawn
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -37,9 +35,8 @@ def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "stan
     """A stand-in on ``port`` (default: a free one), once it answers ``/model_info``."""
     port = port or free_port()
     log = log_dir / f"{name}-{port}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_standin", "--checkpoint", str(checkpoint),
-                             "--port", str(port), *args], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = spawn([sys.executable, "-m", "april_async.testing.sglang_standin", "--checkpoint", str(checkpoint),
+                  "--port", str(port), *args], log=log)
     s = StandIn(f"http://127.0.0.1:{port}", proc, log)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -22,8 +22,8 @@ of 0.8–1M parameters (3–4 layers, or wider) took about twice the CPU time to
 RL run (6 processes on 2 cores) samples and trains the same model, so the default stays small.
 
 The held-out reward is the math-answer one (``meta["answer"]``), which scores ``addchain`` and
-JSONL/Parquet math datasets alike. Sampling uses the generator's ``TorchEngine`` (imported late),
-so that it is exactly how the run will sample.
+JSONL/Parquet math datasets alike. Sampling uses the embedded engine (``engines/torch_engine.py``,
+imported late), so that it is exactly how the run will sample.
 
 Started by ``april up`` when ``learner.checkpoint`` is empty (section ``[warmstart]``).
 """
@@ -32,88 +32,50 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from april_async.logs import get_logger
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.model.tokenizer import load_tokenizer
 from april_async.tasks.base import Problem
 from april_async.tasks.math_answer import score as math_score
-from april_async.tasks.source import PromptSource, PromptSourceConfig, encode_prompt
+from april_async.tasks.source import PromptSource, encode_prompt
+from april_async.warmstart.config import WarmStartConfig
 
 IGNORE = -100
 """Target of a position that is not trained on (prompt, padding)."""
 LOG_EVERY_STEPS = 25
 
 
-class WarmStartConfig(BaseModel):
-    """The ``[warmstart]`` section: the initial policy ``april up`` makes when none is given."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    """Grouped-query attention: heads share this many key/value heads."""
-    intermediate_size: int = Field(384, ge=8)
-    """Width of the SwiGLU MLP."""
-    max_position_embeddings: int = Field(512, ge=16)
-    prompts: PromptSourceConfig = PromptSourceConfig(kind="addchain")
-    """The problems to learn (those with a ``reference``); held-out ones come from ``seed + 1``."""
-    tokenizer: str = "char"
-    """``char`` or a directory with a tokenizer; it is saved into the checkpoint."""
-    max_steps: int = Field(1500, ge=1)
-    max_seconds: float | None = Field(300.0, gt=0)
-    """Stop after this long (evaluations included) even below the target; None: no limit."""
-    target_reward: float | None = Field(0.3, ge=0, le=1)
-    """Stop once the held-out reward reaches this; None: train for ``max_steps``."""
-    eval_every: int = Field(25, ge=1)
-    """Steps between held-out evaluations."""
-    eval_problems: int = Field(128, ge=1)
-    eval_temperature: float = Field(1.0, ge=0)
-    """Sample at the RL run's temperature: that is the reward RL starts from."""
-    max_response_tokens: int = Field(256, ge=1)
-    """Tokens an evaluation sample may generate."""
-    batch_rows: int = Field(16, ge=1)
-    seq_len: int = Field(256, ge=16)
-    """Tokens per packed row; a step trains on ``batch_rows × seq_len`` positions."""
-    lr: float = Field(3e-3, gt=0)
-    warmup_steps: int = Field(30, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    seed: int = 0
-    """Initial weights (and, through ``prompts.seed``, the data)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    threads: int | None = Field(None, ge=1)
-    """Torch threads while training (None: torch's default); restored afterwards."""
-
-    @model_validator(mode="after")
-    def _check(self) -> WarmStartConfig:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"hidden_size={self.hidden_size} must split into {self.num_heads} heads of even size")
-        if self.prompts.kind == "synthetic":
-            raise ValueError("prompts of kind 'synthetic' have no text and no reference to learn")
-        return self
-
-    def model_config_for(self, vocab_size: int, *, bos_id: int | None, eos_id: int | None) -> ModelConfig:
-        return ModelConfig(vocab_size=vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                           max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True,
-                           bos_token_id=bos_id, eos_token_id=eos_id)
+def model_config_for(cfg: WarmStartConfig, vocab_size: int, *, bos_id: int | None, eos_id: int | None) -> ModelConfig:
+    """The decoder's shape that ``cfg`` asks for, with the tokenizer's vocabulary and special ids."""
+    return ModelConfig(vocab_size=vocab_size, hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                       max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+                       bos_token_id=bos_id, eos_token_id=eos_id)
 
 
 # ---------------------------------------------------------------------------------------------
 # Training
+
+
+def write_initial_policy(init: Path | str, cfg: WarmStartConfig) -> dict:
+    """``make_initial_checkpoint`` into ``init`` as a whole: trained beside it, then renamed into place,
+    so that another host (or a later run) waiting for ``init`` sees it complete or not at all."""
+    init = Path(init)
+    tmp = init.with_name(init.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    stats = make_initial_checkpoint(tmp, cfg)
+    os.replace(tmp, init)
+    return stats
 
 
 def make_initial_checkpoint(out_dir: Path | str, cfg: WarmStartConfig | None = None) -> dict:
@@ -137,7 +99,7 @@ def _train(out_dir: Path, cfg: WarmStartConfig, log) -> dict:
     if eos is None:
         raise ValueError(f"tokenizer {cfg.tokenizer!r} has no end-of-sequence token to learn")
     torch.manual_seed(cfg.seed)
-    model = CausalLM(cfg.model_config_for(tok.vocab_size, bos_id=getattr(tok, "bos_id", None), eos_id=eos))
+    model = CausalLM(model_config_for(cfg, tok.vocab_size, bos_id=getattr(tok, "bos_id", None), eos_id=eos))
     _init_weights(model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     model = model.to(dtype)
@@ -277,8 +239,8 @@ def evaluate_model(model: CausalLM, tok, problems: list[Problem], *, temperature
                    seed: int = 0, slots: int = 64) -> dict:
     """Reward (None when no problem has an answer), mean response tokens, and the share cut at
     ``max_new_tokens``, over one sample per problem."""
-    from april_async.generator.engine import EngineRequest  # the embedded engine samples exactly as a run does
-    from april_async.generator.torch_engine import TorchEngine
+    from april_async.engines.base import EngineRequest  # the embedded engine samples exactly as a run does
+    from april_async.engines.torch_engine import TorchEngine
 
     was_training = model.training
     prompts = [encode_prompt(p, tok) for p in problems]

@@ -1,4 +1,4 @@
-"""Real actor processes on loopback, for integration tests.
+"""Real actor processes on loopback, for integration tests and tools.
 
 Every actor is started as its own OS process through the real CLI (``python -m april_async.cli``),
 with settings given as ``--set`` flags; the test process itself plays the learner through the
@@ -8,9 +8,7 @@ test's tmp_path, shown when a test fails.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 
 from april_async.config import LinkConfig
 from april_async.generator.scripted import scripted_logprob, scripted_token
+from april_async.testing.procs import free_port, spawn
 from april_async.learner.client import BatchClient
 from april_async.transport.peer import Peer
 
@@ -43,12 +42,6 @@ prompts = {{ kind = "addchain", seed = 0 }}
 """
 """The ``[warmstart]`` and ``[broker]`` sections of a tiny ``april up`` run, as a ``str.format``
 template piece (braces doubled) for the tests that start whole runs."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def link_sets(endpoint: str, extra: dict | None = None) -> list[str]:
@@ -85,8 +78,7 @@ class Cluster:
         cmd = [sys.executable, "-m", "april_async.cli", actor]
         for s in sets:
             cmd += ["--set", s]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        proc = spawn(cmd, log=log)
         self.procs[name], self.logs[name] = proc, log
         return proc
 

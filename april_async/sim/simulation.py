@@ -51,47 +51,13 @@ from dataclasses import dataclass, field
 
 from april_async.broker.config import RolloutConfig
 from april_async.broker.core import AbortLease, BrokerCore, LeaseGrant
-from april_async.generator.engine import version_runs
-from april_async.sim.costs import COSTS
+from april_async.engines.base import version_runs
+from april_async.sim.config import SimError, SimSettings
 from april_async.sim.workload import parse_workload
 
 CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "pull_batch", "pull_empty", "ack_batches",
               "report_batch", "publish_version")  # pull_empty: a pull_batch call that found no batch
 _TOKEN, _LOGPROB = 7, -1.0
-
-
-class SimError(ValueError):
-    """A setting the simulation cannot run with, or a run that stalled; the message says which."""
-
-
-@dataclass(frozen=True)
-class SimSpec:
-    """The simulated cluster. The rollout knobs (mode, B, n, r, η, budget) are a ``RolloutConfig``."""
-
-    generators: int = 1000
-    slots: int = 64  # decode slots (concurrent sequences) per generator
-    step_a_s: float = COSTS["gpu"][0]  # fixed cost of one decode step
-    step_b_s: float = COSTS["gpu"][1]  # cost per active sequence in that step
-    prefill_s: float = COSTS["gpu"][2]  # cost per token prefilled when a sequence starts (prompt + resumed)
-    prompt_tokens: int = 256
-    train_s: float = 0.0  # learner time per batch (0: rollout alone, as APRIL's throughput figures)
-    workload: str = "math"  # response lengths, scaled to max_response_tokens (sim/workload.py)
-    batches: int = 2  # batches measured, after the warm-up (april's step lengths alternate: keep it even)
-    warmup: int = 2  # batches run before measuring (april's first steps build up the partials)
-    seed: int = 0
-    step_by_step: bool = False  # the reference: one event per decode step, per-token versions
-
-    def check(self) -> None:
-        for name in ("generators", "slots", "batches"):
-            if getattr(self, name) < 1:
-                raise SimError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.prompt_tokens < 1:
-            raise SimError(f"prompt_tokens must be at least 1, got {self.prompt_tokens}")
-        for name in ("step_a_s", "step_b_s", "prefill_s", "train_s", "warmup"):
-            if getattr(self, name) < 0:
-                raise SimError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.step_a_s + self.step_b_s <= 0:
-            raise SimError("step_a_s + step_b_s must be positive: a decode step takes time")
 
 
 @dataclass
@@ -122,10 +88,6 @@ class SimResult:
     @property
     def tokens_per_s(self) -> float:
         return self.useful_tokens / self.sim_seconds
-
-    @property
-    def busy_fraction(self) -> float:
-        return 1.0 - self.idle_fraction
 
     @property
     def off_policy_fraction(self) -> float:
@@ -195,8 +157,7 @@ _PUBLISH, _GEN = 0, 1  # event kinds; at equal times a publish goes first, then 
 class Simulation:
     """One mode: ``spec.generators`` simulated generators around one real ``BrokerCore``."""
 
-    def __init__(self, rollout: RolloutConfig, spec: SimSpec = SimSpec()):
-        spec.check()
+    def __init__(self, rollout: RolloutConfig, spec: SimSettings = SimSettings()):
         if spec.generators * spec.slots < rollout.group_size:
             raise SimError(f"{spec.generators} generators × {spec.slots} slots cannot hold a group of "
                            f"{rollout.group_size}")

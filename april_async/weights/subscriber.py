@@ -1,4 +1,4 @@
-"""The generator's side of the weights group: receive each version the broadcaster fans out.
+"""A member's side of the weights group (a generator's): receive each version the broadcaster fans out.
 
 ``WeightSubscriber`` opens a session on the broadcaster's hub (``hello`` as ``generator`` with the
 version the engine holds) and, for each ``weights_announce``:

@@ -1,0 +1,76 @@
+"""The broadcaster's config sections, ``[broadcaster]`` and ``[broadcaster.sglang]``.
+
+Plain pydantic models with no torch import, so that the CLI, the supervisor and the round
+planner can read and check them without paying for torch. Which backend ``auto`` means is
+decided where torch is at hand (``broadcaster.actor.resolved_backend``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from april_async.config import Endpoint, LinkConfig, LogConfig
+
+
+class SGLangFanoutConfig(BaseModel):
+    """The ``[broadcaster.sglang]`` section: how versions reach SGLang servers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pause: Literal["abort", "retract", "in_place", "none"] = "abort"
+    """``/pause_generation`` mode around an update. ``abort``: requests in flight end with their
+    tokens and are resumed on the new weights (exact per-token versions; the prefix cache is
+    flushed). ``retract``/``in_place``: they wait and go on with the new weights, their later
+    tokens tagged with the version the server reports. ``none``: no pause (SGLang's own lock then
+    waits for every request in flight to end before loading)."""
+    call_timeout_s: float = Field(30.0, gt=0)
+    """Limit of every control call (info, pause, continue, begin/end, destroy)."""
+    update_timeout_s: float = Field(600.0, gt=0)
+    """Limit of one bucket's ``/update_weights_from_distributed`` call and of forming the group."""
+
+
+class BroadcasterConfig(BaseModel):
+    """The ``[broadcaster]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "broadcaster"
+    """This instance's name: its sender name on its own hub and on the broker's."""
+    bind: Endpoint = "tcp://127.0.0.1:5556"
+    """The broadcaster's own ROUTER hub: learners hand versions over and generators open sessions here."""
+    link: LinkConfig = LinkConfig()
+    """Where the broker is, and the heartbeat timing of both the broker link and the hub."""
+    max_update_bytes: int = Field(1 << 34, ge=1024)
+    """The hub's message size limit (``max_message_bytes``): a ``weights_update`` carries every
+    weight of a version in one message, so this bounds the model size (16 GiB: 8B parameters in
+    bfloat16; a 300M float32 model is 1.2 GB)."""
+    store_host: str = "127.0.0.1"
+    """The address at which generators reach the TCPStore this process hosts (rendezvous). The
+    store itself listens on every interface (torch's TCPStore has no bind address)."""
+    store_port: int = Field(29600, ge=0, le=65535)
+    """The TCPStore's port (0: any free port)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The group's backend; ``auto``: nccl where CUDA is present here, else gloo. Every generator
+    must be able to use it: with nccl each rank needs a GPU of its own (not one shared with another
+    rank), so a run with CPU generators, or all on one GPU, needs ``gloo``."""
+    bucket_mb: float = Field(32.0, gt=0)
+    """Broadcast the weights in pieces of this many MiB, one collective each."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Limit of every collective and rendezvous, and of the wait for each member's ack."""
+    status_file: Path | None = None
+    """Where to keep a JSON status: held version, published version, epoch, each member's version."""
+    sglang: SGLangFanoutConfig = SGLangFanoutConfig()
+    """How versions reach the SGLang servers of generators on the ``sglang`` engine."""
+    log: LogConfig = LogConfig()
+
+    @property
+    def hub_link(self) -> LinkConfig:
+        """The hub's link: the broker link's timing, with ``max_update_bytes`` as the size limit."""
+        return self.link.model_copy(update={"max_message_bytes": self.max_update_bytes})
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 1024 * 1024))

@@ -1,0 +1,99 @@
+"""The ``[learner]`` section and the loss settings it resolves to (imports no torch: the CLI and
+``april up`` read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from april_async.config import Endpoint, LinkConfig, LogConfig
+
+Algorithm = Literal["grpo", "dapo", "gspo"]
+Correction = Literal["none", "tis", "decoupled", "mask"]
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    algorithm: Algorithm = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    correction: Correction = "tis"
+    tis_cap: float = 2.0
+    behav_weight_cap: float = 5.0
+    mask_max_lag: int = 0
+
+
+class LearnerConfig(BaseModel):
+    """The ``[learner]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "learner-0"
+    link: LinkConfig = LinkConfig()
+    broadcaster: Endpoint | None = "tcp://127.0.0.1:5556"
+    """The broadcaster's endpoint; None: publish each version as a checkpoint directory instead
+    (announced to the broker, which tells the generators to load it from disk)."""
+    checkpoint: str = ""
+    """The initial policy (a Hugging Face directory), used when ``run_dir`` holds no checkpoint."""
+    run_dir: Path = Path("runs/default")
+    """Checkpoints, ``metrics.jsonl`` and TensorBoard files go here; a restart resumes from it."""
+    algorithm: Algorithm = "grpo"
+    """``grpo`` | ``dapo`` | ``gspo``."""
+    correction: Correction = "tis"
+    """Off-policy correction: ``none`` | ``tis`` | ``decoupled`` | ``mask`` (see losses.py)."""
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+    clip_high: float | None = Field(None, gt=0)
+    """ε_high: clipped above at 1 + ε_high; None means ε_low for grpo/gspo and 0.28 for dapo."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """C of truncated importance sampling."""
+    behav_weight_cap: float = Field(5.0, gt=1.0)
+    """Decoupled PPO: tokens with π_prox/μ above this are left out."""
+    mask_max_lag: int = Field(0, ge=0)
+    """``mask``: tokens more than this many versions behind the learner are left out."""
+    advantage_scale: bool = True
+    """Divide by the group's reward std (GRPO); False only centres (Dr. GRPO)."""
+    dynamic_sampling: bool | None = None
+    """Drop groups whose rewards are all equal and tell the broker; None: on for dapo only."""
+    temperature: float = Field(1.0, gt=0)
+    """The rollout's sampling temperature: log-probs are taken of the same tempered distribution."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch (the batch's samples split evenly); one version bump per batch."""
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    ess_lr_scale: bool = False
+    """VCPO-style: multiply the learning rate by the batch's ESS (never below ``ess_lr_floor``)."""
+    ess_lr_floor: float = Field(0.1, gt=0, le=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype (bfloat16 roughly doubles speed on CPUs with AMX; float32 is the safe default)."""
+    save_every: int = Field(25, ge=1)
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many steps in total (resumed steps included); None: run until stopped."""
+    tensorboard: bool = True
+    audit: bool = True
+    """Record every batch taken (sample ids and token versions) in ``<run_dir>/batches.jsonl``."""
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.algorithm == "gspo" and self.clip_low > 0.01:
+            raise ValueError(f"gspo clips a sequence-level ratio: use a small clip_low (e.g. 3e-4), got {self.clip_low}")
+        return self
+
+    def loss_settings(self) -> LossSettings:
+        high = self.clip_high if self.clip_high is not None else (0.28 if self.algorithm == "dapo" else self.clip_low)
+        return LossSettings(algorithm=self.algorithm, clip_low=self.clip_low, clip_high=high,
+                            correction=self.correction, tis_cap=self.tis_cap,
+                            behav_weight_cap=self.behav_weight_cap, mask_max_lag=self.mask_max_lag)
+
+    @property
+    def filters_zero_variance(self) -> bool:
+        return self.algorithm == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling

@@ -1,0 +1,35 @@
+"""The ``[scorer]`` section (imports no torch: the CLI and ``april up`` read it)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from april_async.config import LinkConfig, LogConfig
+
+
+class ScorerConfig(BaseModel):
+    """The ``[scorer]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "scorer-0"
+    link: LinkConfig = LinkConfig()
+    reward: str = "april_async.scorer.rewards:math_answer"
+    """The reward of tasks with neither an entry in ``rewards`` nor a built-in reward, as
+    ``package.module:function``; it is called as ``fn(RewardInput) -> float``."""
+    rewards: dict[str, str] = {}
+    """Per task name, the reward to use instead (e.g. ``{math = "my_pkg.rewards:strict"}``)."""
+    tokenizer: str = "char"
+    """Decodes the tokens into ``prompt_text``/``response_text``: ``char`` or a checkpoint directory."""
+    timeout_s: float = Field(5.0, gt=0)
+    """A reward call running longer is killed (with its worker) and answered ``reward_timeout``."""
+    capacity: int = Field(16, ge=1)
+    """Score requests taken at once."""
+    log: LogConfig = LogConfig()
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_path(cls, v: str) -> str:
+        if v.count(":") != 1 or not all(v.split(":")):
+            raise ValueError(f"reward {v!r} must look like 'package.module:function'")
+        return v

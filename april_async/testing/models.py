@@ -1,0 +1,30 @@
+"""A tiny model for tests that run the embedded engine, and the learner's view of what it generated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from april_async.model.decoder import CausalLM, ModelConfig
+
+TINY = ModelConfig(  # vocabulary 1000: the scripted engine's toovocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+def checkpoint(path: Path, seed: int) -> CausalLM:
+    """A ``TINY`` model with weights from ``seed``, written to ``path`` as a Hugging Face checkpoint and read back."""
+    torch.manual_seed(seed)
+    CausalLM(TINY).save_pretrained(path)
+    return CausalLM.from_pretrained(path)
+
+
+def learner_logprobs(model: CausalLM, batch, sample, prompt) -> torch.Tensor:
+    """The log-prob ``model`` gives each response token of ``sample`` (of ``batch``) after ``prompt``:
+    what the learner recomputes, to compare with the behaviour log-probs the engine reported."""
+    resp = batch.response_tokens[sample.response_offset : sample.response_offset + sample.response_len]
+    seq = torch.tensor([list(prompt) + resp.tolist()])
+    with torch.no_grad():
+        logits, _ = model(seq)
+    lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], -1)
+    return lp.gather(1, torch.tensor(resp.tolist())[:, None])[:, 0]

@@ -1,0 +1,125 @@
+"""Child processes for tests and tools: free ports, and children that die with their parent."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from april_async.runtime import die_with_parent
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout (children run from it, so that ``tools/`` and ``python -m`` find the same files)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(cmd: list[str], *, log: Path | None = None, stdout=None, own_group: bool = False,
+          env: dict[str, str] | None = None, text: bool = False) -> subprocess.Popen:
+    """Start ``cmd`` from the checkout, unbuffered, with its output in ``log`` (or ``stdout``); it gets
+    SIGTERM when this process dies (``die_with_parent``), so a crashed test leaves nothing running."""
+    out = log.open("w") if log is not None else stdout
+    try:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log is not None else None, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, text=text,
+                                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, own_group=own_group))
+    finally:
+        if log is not None:
+            out.close()
+
+
+class ChildFailed(RuntimeError):
+    """A child process of a ``Children`` group exited while it was expected to run."""
+
+
+@dataclass
+class Children:
+    """A group of child processes, each with a log under ``logs``: started, watched, stopped together.
+    A child started with ``reports=True`` writes one JSON object per line on its stdout; they arrive,
+    as ``(name, object)``, in ``reports``."""
+
+    logs: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    reports: queue.Queue = field(default_factory=queue.Queue)
+    pids: list[int] = field(default_factory=list)
+
+    def start(self, name: str, cmd: list[str], *, reports: bool) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("w")
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if reports else log, stderr=log, cwd=ROOT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                                    preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, own_group=True))
+        finally:
+            log.close()
+        self.procs[name] = proc
+        self.pids.append(proc.pid)
+        if reports:
+            threading.Thread(target=self._read, args=(name, proc), daemon=True, name=f"read-{name}").start()
+        return proc
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            try:
+                self.reports.put((name, json.loads(line)))
+            except json.JSONDecodeError:  # something else printed: kept apart from the child's log
+                with (self.logs / f"{name}.stdout.log").open("a") as f:
+                    f.write(line)
+
+    def next_report(self, timeout_s: float) -> tuple[str, dict] | None:
+        try:
+            return self.reports.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def check_alive(self, names) -> None:
+        dead = {n: self.procs[n].returncode for n in names if self.procs[n].poll() is not None}
+        if dead:
+            raise ChildFailed(f"child processes exited: {dead}\n{self.tails(dead)}")
+
+    def tails(self, names=None, chars: int = 2000) -> str:
+        names = sorted(self.procs) if names is None else sorted(names)
+        out = []
+        for n in names:
+            path = self.logs / f"{n}.log"
+            text = path.read_text(errors="replace")[-chars:] if path.exists() else ""
+            out.append(f"===== {n} ({path})\n{text}")
+        return "\n".join(out)
+
+    def wait(self, names, timeout_s: float) -> None:
+        """Give ``names`` up to ``timeout_s`` to exit by themselves."""
+        deadline = time.monotonic() + timeout_s
+        for n in names:
+            try:
+                self.procs[n].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return
+
+    def stop(self, names=None, timeout_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit codes."""
+        names = list(self.procs if names is None else names)
+        for n in names:
+            if self.procs[n].poll() is None:
+                self.procs[n].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for n in names:
+            proc = self.procs[n]
+            try:
+                codes[n] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[n] = proc.wait()
+        return codes

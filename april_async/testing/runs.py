@@ -1,0 +1,103 @@
+"""Whole ``april up`` runs for tests: a tiny run's config, the run as a process, its children, its
+metrics and logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from april_async.runfiles import read_metrics
+from april_async.testing.cluster import TINY_POLICY_TOML
+from april_async.testing.procs import ROOT, free_port
+
+STEPS = 4
+ETA = 1
+
+TINY_RUN = """
+[run]
+dir = "{dir}"
+actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
+broker_port = {broker_port}
+broadcaster_port = {broadcaster_port}
+store_port = {store_port}
+max_steps = {steps}
+duration_s = 240
+final_sync_s = 30
+
+""" + TINY_POLICY_TOML + """[broker.rollout]
+mode = "april"
+batch_groups = 2
+group_size = 2
+over_provision = 2.0
+staleness_bound = {eta}
+max_response_tokens = 24
+
+[generator.torch]
+slots = 8
+
+[learner]
+lr = 1e-4
+save_every = 2
+checkpoint = "{checkpoint}"   # empty: the warm start makes one
+"""
+
+
+def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
+    """``tmp/run.toml``: the tiny run in ``run_dir`` on free ports (the warm start makes the policy
+    when ``checkpoint`` is empty)."""
+    text = TINY_RUN.format(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(),
+                           store_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
+    path = tmp / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def up(config: Path, *args: str, log: Path) -> subprocess.Popen:
+    """``april up --config config *args`` as a process, its output in ``log`` (not tied to this
+    process's life: the tests that kill or signal it check what it leaves behind)."""
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "april_async.cli", "up", "--config", str(config), *args],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                cwd=ROOT)
+
+
+def children_of(run_dir: Path) -> list[int]:
+    """Processes whose command line names the run directory: the actors ``april up`` started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if str(run_dir / "config") in cmd and "april_async.cli" in cmd and "zombie" not in state:
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    """Poll ``cond()`` until it holds; fail naming ``what`` if ``april up`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"april up exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:g} s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The learner's rows so far."""
+    return read_metrics(run_dir)
+
+
+def logs_of(run_dir: Path) -> str:
+    return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                     for p in sorted((run_dir / "logs").glob("*.log")))
+
+

@@ -1,0 +1,117 @@
+"""The house rules of the layout, checked: what imports torch, and who may import whom.
+
+- Every actor's config model, the supervisor (``april up``), the CLI, the broker and a generator on
+  the scripted engine import no torch: they start in a fraction of a second, and a restarted broker
+  serves again before its peers time out. Each is imported in a fresh interpreter.
+- Actors never import each other: code two of them share lives in a neutral package (``engines/``,
+  ``weights/``, ``model/``, ``warmstart/``, ``testing/``, ...). ``up.py`` imports no actor's runtime,
+  ``sim/`` nothing from ``generator/``, ``tools/`` nothing from ``tests/``, and no test module imports
+  another test module. Read from the source with ``ast``, so a lazy import inside a function counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "april_async"
+ACTORS = ("broker", "generator", "scorer", "learner", "broadcaster")
+
+TORCH_FREE = [
+    "april_async.config",
+    *(f"april_async.{actor}.config" for actor in ACTORS),
+    "april_async.engines.config",
+    "april_async.warmstart.config",
+    "april_async.sim.config",
+    "april_async.cli",
+    "april_async.up",
+    "april_async.broker.service",
+    "april_async.broker.journal",
+    "april_async.generator.actor",
+    "april_async.generator.scripted",
+    "april_async.sim.simulation",
+    "april_async.sim.report",
+]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_module_imports_no_torch(module):
+    code = f"import sys, {module}; bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); " \
+           f"print(bad[:3]); sys.exit(1 if bad else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, f"{module} imports torch: {out.stdout.strip()} {out.stderr[-2000:]}"
+
+
+def test_every_actor_config_resolves_without_its_actor(tmp_path):
+    """``april <actor> --dry-run`` and ``april up --dry-run`` resolve every config with no actor module loaded."""
+    code = ("import sys\nfrom april_async.cli import main\n"
+            "for kind in ('broker', 'generator', 'scorer', 'learner', 'broadcaster'):\n"
+            "    assert main([kind, '--dry-run']) == 0, kind\n"
+            "assert main(['up', '--dry-run']) == 0\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('april_async.') and m.split('.')[-1] in "
+            "('actor', 'service', 'torch_engine', 'sglang_engine', 'sft'))\n"
+            "assert not loaded and 'torch' not in sys.modules, (loaded, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("actor", ACTORS)
+def test_an_actor_imports_no_other_actor(actor):
+    others = [a for a in ACTORS if a != actor]
+    bad = [(str(p.relative_to(ROOT)), name) for p in _modules(PACKAGE / actor) for name in imports_of(p)
+           if any(name == f"april_async.{o}" or name.startswith(f"april_async.{o}.") for o in others)]
+    assert not bad, f"{actor} imports another actor's module: {bad}"
+
+
+@pytest.mark.parametrize("where,forbidden", [
+    ("april_async/up.py", ("april_async.learner", "april_async.generator", "april_async.scorer",
+                           "april_async.broadcaster", "april_async.cli")),
+    ("april_async/cli.py", tuple(f"april_async.{a}.config" for a in ACTORS)),  # resolved by name, lazily
+    ("april_async/sim", ("april_async.generator",)),
+    ("april_async/learner", ("april_async.generator",)),
+    ("april_async/engines", tuple(f"april_async.{a}" for a in ACTORS)),
+    ("april_async/weights", tuple(f"april_async.{a}" for a in ACTORS)),
+    ("april_async/warmstart", tuple(f"april_async.{a}" for a in ACTORS)),
+    ("tools", ("tests",)),
+    ("april_async", ("tests",)),
+])
+def test_import_rules(where, forbidden):
+    path = ROOT / where
+    files = [path] if path.is_file() else _modules(path)
+    bad = [(str(p.relative_to(ROOT)), name) for p in files for name in imports_of(p)
+           if any(name == f.rstrip(".") or name.startswith(f.rstrip(".") + ".") for f in forbidden)]
+    assert not bad, bad
+
+
+def test_no_test_module_imports_another():
+    bad = [(str(p.relative_to(ROOT)), name) for p in _modules(ROOT / "tests") for name in imports_of(p)
+           if name.split(".")[-1].startswith("test_") or ".test_" in name]
+    assert not bad, bad
+
+
+def test_die_with_parent_is_written_once():
+    hits = [str(p.relative_to(ROOT)) for folder in ("april_async", "tools", "tests") for p in _modules(ROOT / folder)
+            if ".prctl(" in p.read_text() and p.name != Path(__file__).name]
+    assert hits == ["april_async/runtime.py"], hits
