@@ -1,0 +1,426 @@
+"""The broadcaster's round logic as a pure planner: sessions, epochs, acks, benching, publishing.
+
+``RoundPlanner`` holds what the broadcaster knows (who has a session and which version each
+generator holds, the held version's layout, the round in progress) and decides what happens
+next. It does no I/O, starts no thread, imports no torch and reads no clock: every method takes
+``now`` (seconds on the caller's clock) and returns a list of effects, small dataclasses that
+the actor carries out in order (send a message, start the collective, tell the broker, log).
+The weights' bytes stay with the actor; the planner knows only a version's size and layout.
+
+The inputs, one method each: ``hello``, ``touch`` (any message from a session), ``update`` (a
+learner's ``weights_update``), ``heartbeat`` (a generator's ack or nack, its ``policy_version``),
+``bye``, ``expired`` (the hub heard nothing from a peer for ``peer_timeout_s``),
+``collective_finished`` (the worker thread's result or error) and ``tick``.
+
+The rules, as the actor's docstring describes them: a round starts when some generator heard
+from in the last ``peer_timeout_s / 2`` holds an older version than the one held; it re-forms
+the group (a new epoch) when its receivers differ from the last group's or the last round lost
+someone; it waits for each member's answer up to ``timeout_s`` after the collective ends;
+members that neither acked nor failed by then are forgotten and benched for ``2 × timeout_s``;
+after a round that lost someone the next starts no earlier than ``peer_timeout_s / 2`` later.
+A member that says hello again mid-round is answered for at once by what its hello says it
+holds, or, while the collective still runs, sent its announce again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from april_async.broadcaster.config import BroadcasterConfig
+from april_async.wire import messages as m
+
+ROLES = ("learner", "generator")
+
+
+# ---------------------------------------------------------------------------------------------
+# Effects
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``body`` to the session ``name`` (``reply``: as the answer to the message in hand)."""
+
+    name: str
+    body: m.Body
+    reply: bool = False
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Answer the message in hand on the connection it came from (its sender has no session)."""
+
+    body: m.Body
+
+
+@dataclass(frozen=True)
+class Open:
+    """The connection of the message in hand (a hello) is now the session ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Forget:
+    """The session ``name`` is over: its next message is refused until it says hello again."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Keep:
+    """The ``weights_update`` in hand is now the held version: keep its bytes."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class StartCollective:
+    """Run the round's collective on the worker thread, then feed ``collective_finished``.
+
+    ``root`` is this process's place in the group (None: no member receives over the group);
+    ``rejoin``: form the group of ``root.epoch`` first; ``servers``: the SGLang members and their
+    servers, pushed to after the broadcast."""
+
+    version: int
+    root: m.GroupSpec | None
+    rejoin: bool
+    servers: dict[str, list[str]]
+    bucket_bytes: int
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Tell the broker that ``version`` is out (``weights_published``)."""
+
+    version: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Log:
+    level: str  # debug | info | warning
+    event: str
+    fields: dict
+
+
+def _log(level: str, event: str, **fields) -> Log:
+    return Log(level, event, fields)
+
+
+@dataclass(frozen=True)
+class StatusChanged:
+    """Something the status file shows has changed."""
+
+
+Effect = Send | Reply | Open | Forget | Keep | StartCollective | Publish | Log | StatusChanged
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and state
+
+
+@dataclass(frozen=True)
+class CollectiveResult:
+    """What the worker thread reports: the seconds of the join and of the broadcast, the
+    broadcast's failure (None: fine), and each SGLang member's failure (None: its servers hold
+    the version)."""
+
+    join_s: float
+    bcast_s: float
+    failed: str | None
+    pushed: dict[str, str | None] = field(default_factory=dict)
+
+
+@dataclass
+class Session:
+    role: str
+    version: int = -1  # a generator's held policy version (-1: none)
+    joined: float = 0.0
+    heard: float = 0.0  # last message from it
+    servers: tuple[str, ...] = ()  # a generator on SGLang servers: their URLs (it receives nothing itself)
+
+
+@dataclass(frozen=True)
+class HeldVersion:
+    """The newest version handed over: its layout and size (the bytes stay with the actor)."""
+
+    version: int
+    tensors: list[m.TensorSpec]
+    num_bytes: int
+    learner: str
+
+
+@dataclass
+class Round:
+    version: int
+    epoch: int
+    members: tuple[str, ...]
+    num_bytes: int
+    rejoin: bool
+    started: float
+    servers: dict[str, list[str]] = field(default_factory=dict)  # SGLang members and their servers
+    collective_end: float | None = None
+    timings: tuple[float, float] = (0.0, 0.0)  # (join, broadcast) seconds
+    failed: str | None = None
+    acked: set[str] = field(default_factory=set)
+    nacked: set[str] = field(default_factory=set)
+    announces: dict[str, m.WeightsAnnounce] = field(default_factory=dict)  # what each group member was sent
+
+    @property
+    def running(self) -> bool:
+        """The collective has not reported back yet."""
+        return self.collective_end is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner
+
+
+class RoundPlanner:
+    """Sessions and rounds of one broadcaster process; see the module docstring.
+
+    ``backend`` is the group's resolved backend, ``store`` the TCPStore's ``host:port``, and
+    ``epoch_id`` this process's identity in every ``welcome`` (new at each start)."""
+
+    def __init__(self, cfg: BroadcasterConfig, *, backend: str, store: str, epoch_id: str):
+        self.cfg = cfg
+        self.backend = backend
+        self.store = store
+        self.epoch_id = epoch_id
+        self.timeout_s = cfg.timeout_s
+        self.fresh_s = cfg.link.peer_timeout_s / 2  # a member must have spoken this recently
+        self.sessions: dict[str, Session] = {}
+        self.benched: dict[str, float] = {}  # generator -> time until which rounds leave it out
+        self.held: HeldVersion | None = None
+        self.published = -1
+        self.epoch = 0
+        self.group_members: tuple[str, ...] = ()
+        self.group_ok = False
+        self.round: Round | None = None
+        self.retry_at = 0.0
+        self.rounds = 0
+        self.failed_rounds = 0
+
+    @property
+    def held_version(self) -> int | None:
+        return self.held.version if self.held is not None else None
+
+    # ------------------------------------------------------------------ messages
+
+    def hello(self, name: str, role: str, version: int | None, servers: list[str] | tuple[str, ...],
+              now: float) -> list[Effect]:
+        """A learner or generator opens (or re-opens) its session; a generator's ``version`` is
+        the one it holds."""
+        if role not in ROLES:
+            return [Reply(m.Error(code="refused",
+                                  message=f"the broadcaster takes learners and generators, not {role!r}"))]
+        held = -1 if version is None else version
+        old = self.sessions.get(name)
+        self.sessions[name] = Session(role, held, joined=old.joined if old else now, heard=now,
+                                      servers=tuple(servers) if role == "generator" else ())
+        link = self.cfg.link
+        welcome = m.Welcome(broker_epoch=self.epoch_id,
+                            policy_version=self.held.version if self.held else max(self.published, 0),
+                            heartbeat_interval_s=link.heartbeat_interval_s,
+                            peer_timeout_s=link.peer_timeout_s, max_message_bytes=self.cfg.max_update_bytes)
+        out: list[Effect] = [Open(name), Send(name, welcome, reply=True), StatusChanged(),
+                             _log("info", "hello", peer=name, role=role, version=version)]
+        r = self.round
+        if role == "generator" and r is not None and name in r.members and name not in r.servers:
+            out += self._member_hello(r, name, held)
+        return out
+
+    def _member_hello(self, r: Round, name: str, version: int) -> list[Effect]:
+        """A member opened a new session mid-round (it thought this process dead, say, while it
+        was stopped): what went down its old connection may be lost, its ack or its announce.
+        Its hello says what it holds. Holding the version: acked. Else, while the collective
+        still runs, it gets its announce again (a member acts on each epoch and version once, so
+        a copy that did arrive is ignored); after the collective, the round failed for it.
+        Nobody waits for it until the round's timeout, nor benches it. (An SGLang member is
+        answered for by its servers' push, not by its session.)"""
+        if version < r.version and r.running and name in r.announces:
+            return [Send(name, r.announces[name]),
+                    _log("info", "announce_resent", peer=name, version=r.version, epoch=r.epoch)]
+        return self._ack(name, version)
+
+    def touch(self, name: str, now: float) -> bool:
+        """Any message from ``name``: False when it has no session (the message is refused)."""
+        s = self.sessions.get(name)
+        if s is None:
+            return False
+        s.heard = now
+        return True
+
+    def update(self, name: str, version: int, tensors: list[m.TensorSpec], num_bytes: int,
+               layout_error: str | None, now: float) -> list[Effect]:
+        """A ``weights_update`` from the session ``name``: held when it comes from a learner, is
+        newer than the held version and its layout fits (``layout_error`` says why not)."""
+        s = self.sessions.get(name)
+        if s is None:
+            return []
+        if s.role != "learner":
+            why = f"weights_update comes from learners, not a {s.role}"
+            return [Send(name, m.Error(code="refused", message=why), reply=True)]
+        if self.held is not None and version <= self.held.version:
+            return [_log("info", "update_ignored", version=version, held=self.held.version)]
+        if layout_error is not None:
+            why = f"weights_update {version}: {layout_error}"[:500]
+            return [_log("warning", "update_refused", version=version, error=layout_error),
+                    Send(name, m.Error(code="refused", message=why, field="tensors"), reply=True)]
+        self.held = HeldVersion(version, list(tensors), num_bytes, name)
+        return [Keep(version), StatusChanged(),
+                _log("info", "update", version=version, tensors=len(tensors), bytes=num_bytes, learner=name)]
+
+    def heartbeat(self, name: str, policy_version: int | None, now: float) -> list[Effect]:
+        """A heartbeat from a session; a generator's ``policy_version`` acks (or fails) a round."""
+        s = self.sessions.get(name)
+        if s is None or policy_version is None or s.role != "generator":
+            return []
+        return self._ack(name, policy_version)
+
+    def bye(self, name: str, reason: str, now: float) -> list[Effect]:
+        return self._forget(name, reason or "bye")
+
+    def expired(self, name: str, now: float) -> list[Effect]:
+        """The hub heard nothing from ``name`` for ``peer_timeout_s``."""
+        return self._forget(name, "silent")
+
+    def _ack(self, name: str, version: int) -> list[Effect]:
+        s = self.sessions[name]
+        s.version = version
+        r = self.round
+        if r is not None and name in r.members and name not in r.acked and name not in r.nacked:
+            if version >= r.version:
+                r.acked.add(name)
+            else:  # the member's receive failed: it left the group and waits for the next round
+                r.nacked.add(name)
+        return [StatusChanged()]
+
+    def _forget(self, name: str, reason: str) -> list[Effect]:
+        if self.sessions.pop(name, None) is None:
+            return []
+        return [Forget(name, reason), StatusChanged(), _log("info", "peer_gone", peer=name, reason=reason)]
+
+    # ------------------------------------------------------------------ the collective
+
+    def collective_finished(self, now: float, result: CollectiveResult | None = None,
+                            error: str | None = None) -> list[Effect]:
+        """The worker thread is done: its ``result``, or the ``error`` it raised (a bug, not a
+        failed collective: every member counts as failed). The round ends on the next ``tick``
+        once every member still present has answered, or ``timeout_s`` from now."""
+        r = self.round
+        if r is None or not r.running:
+            return []
+        r.collective_end = now
+        if result is None:
+            r.failed = error or "the collective ended without a result"
+            r.nacked.update(r.servers)
+            return []
+        r.timings = (result.join_s, result.bcast_s)
+        r.failed = result.failed
+        for name, why in result.pushed.items():  # SGLang members answer through the push itself
+            if why is None and name in self.sessions:
+                self.sessions[name].version = r.version
+            (r.acked if why is None else r.nacked).add(name)
+        return []
+
+    # ------------------------------------------------------------------ tick
+
+    def tick(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        if self.round is not None:
+            out += self._progress(self.round, now)
+        if self.round is None and now >= self.retry_at:
+            out += self._maybe_start(now)
+        return out
+
+    def _maybe_start(self, now: float) -> list[Effect]:
+        held = self.held
+        if held is None:
+            return []
+        gens = [name for name, s in sorted(self.sessions.items(), key=lambda kv: kv[1].joined)
+                if s.role == "generator" and self.benched.get(name, 0.0) <= now]
+        if not any(self.sessions[g].version < held.version for g in gens):
+            if held.version > self.published:  # no generator, or all hold it already
+                return self._publish(held.version, held.num_bytes, members=len(gens))
+            return []
+        # Members: the generators heard from lately (a dead one is not waited for in a rendezvous).
+        members = tuple(g for g in gens if now - self.sessions[g].heard <= self.fresh_s)
+        if not any(self.sessions[g].version < held.version for g in members):
+            return []  # those that need it are quiet: wait until they speak again or expire
+        servers = {g: list(self.sessions[g].servers) for g in members if self.sessions[g].servers}
+        receivers = tuple(g for g in members if g not in servers)  # members of the torch.distributed group
+        rejoin = bool(receivers) and (receivers != self.group_members or not self.group_ok)
+        if rejoin:
+            self.epoch += 1
+            self.group_members, self.group_ok = receivers, True
+        world = len(receivers) + 1
+        out: list[Effect] = []
+        announces = {}
+        for rank, name in enumerate(receivers, start=1):
+            announces[name] = m.WeightsAnnounce(
+                version=held.version, tensors=held.tensors, num_bytes=held.num_bytes,
+                bucket_bytes=self.cfg.bucket_bytes, group=self._spec(rank, world))
+            out.append(Send(name, announces[name]))
+        root = self._spec(0, world) if receivers else None
+        out.append(StartCollective(held.version, root, rejoin, servers, self.cfg.bucket_bytes))
+        self.round = Round(held.version, self.epoch, members, held.num_bytes, rejoin, now, servers=servers,
+                           announces=announces)
+        out.append(_log("debug", "round_started", version=held.version, epoch=self.epoch,
+                        members=list(members), rejoin=rejoin, sglang=sorted(servers)))
+        return out
+
+    def _spec(self, rank: int, world: int) -> m.GroupSpec:
+        return m.GroupSpec(epoch=self.epoch, rank=rank, world_size=world, store=self.store,
+                           backend=self.backend, timeout_s=self.timeout_s)
+
+    def _progress(self, r: Round, now: float) -> list[Effect]:
+        if r.running:
+            return []
+        present = {n for n in r.members if n in self.sessions}
+        pending = present - r.acked - r.nacked
+        if pending and now < r.collective_end + self.timeout_s:
+            return []
+        return self._finish(r, now, late=pending)
+
+    def _finish(self, r: Round, now: float, late: set[str]) -> list[Effect]:
+        self.round = None
+        self.rounds += 1
+        out: list[Effect] = []
+        gone = {n for n in r.members if n not in self.sessions}
+        for name in sorted(late):  # neither acked nor failed in time: forget it, and leave it out for a while
+            out += self._forget(name, "no_ack")
+            self.benched[name] = now + 2 * self.timeout_s
+        lost = bool(r.failed or r.nacked or late or gone)
+        if lost:
+            self.group_ok = False
+            self.failed_rounds += 1
+            self.retry_at = now + self.fresh_s  # by then a dead member is no longer fresh
+        join_s, bcast_s = r.timings
+        fields = {"version": r.version, "epoch": r.epoch, "members": len(r.members), "acked": len(r.acked),
+                  "bytes": r.num_bytes, "join_s": round(join_s, 3), "bcast_s": round(bcast_s, 3),
+                  "gb_s": round(r.num_bytes / bcast_s / 1e9, 3) if bcast_s > 0 and not r.failed else None,
+                  "s": round(now - r.started, 3)}
+        if lost:
+            out.append(_log("warning", "round_incomplete", failed=r.failed, nacked=sorted(r.nacked),
+                            late=sorted(late), gone=sorted(gone), **fields))
+        else:
+            out.append(_log("info", "round", **fields))
+        if r.acked and r.version > self.published:
+            out += self._publish(r.version, r.num_bytes, members=len(r.acked))
+        out.append(StatusChanged())
+        return out
+
+    def _publish(self, version: int, num_bytes: int, members: int) -> list[Effect]:
+        self.published = version
+        return [Publish(version, num_bytes), StatusChanged(),
+                _log("info", "published", version=version, bytes=num_bytes, generators=members)]
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        return {"version": self.held.version if self.held else -1, "published": self.published,
+                "epoch": self.epoch,
+                "members": {n: s.version for n, s in self.sessions.items() if s.role == "generator"},
+                "rounds": self.rounds, "failed_rounds": self.failed_rounds}
