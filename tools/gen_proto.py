@@ -108,7 +108,20 @@ def _version_span_schema() -> dict[str, Any]:
     }
 
 
+STRING_KEYS = ("Every key, at every depth, is a string (SPEC envelope rule 6); "
+               "JSON cannot show a MessagePack key's type.")
+
+# The values of ``batch.stats``: the broker's counters, numbers or maps of numbers.
+STATS_VALUES = {"anyOf": [{"type": "number"}, {"type": "object", "additionalProperties": {"type": "number"}}]}
+
+
 def _patch_defs(defs: dict[str, Any]) -> None:
+    for definition in defs.values():
+        for prop in definition.get("properties", {}).values():
+            if prop.get("type") == "object" and "properties" not in prop:  # a free-form map
+                prop["$comment"] = STRING_KEYS
+    if "Batch" in defs:
+        defs["Batch"]["properties"]["stats"]["additionalProperties"] = STATS_VALUES
     for (struct, name), extra in FIELD_CONSTRAINTS.items():
         if struct in defs:
             defs[struct]["properties"][name].update(extra)
@@ -245,6 +258,8 @@ def _batch_2x2() -> m.Batch:
         prompt_tokens=_i4(_PROMPT_A + _PROMPT_B),
         response_tokens=_i4([13, 2, 29, 30, 2, 5, 6, 2]),
         logprobs=_f4([-0.5, -0.25, -2.0, -0.125, -1.5, -0.75, -3.0, -0.0625]),
+        stats={"batches_delivered": 6, "groups_retired": {"stale": 1},
+               "staleness_tokens": {"0": 3, "1": 4, "2": 1}, "staleness_samples": {"0": 1, "1": 3}},
     )
 
 
@@ -316,7 +331,8 @@ VECTORS: list[Vector] = [
            msg_id="c000000000000002"),
     Vector("batch_request", "the learner at version 4 asks for its next batch", "learner-0", 1,
            lambda: m.BatchRequest(policy_version=4), msg_id="d000000000000001"),
-    Vector("batch", "2 groups x 2 samples; prompt and response tokens concatenated", "broker", 8,
+    Vector("batch", "2 groups x 2 samples; prompt and response tokens concatenated; stats keyed by strings",
+           "broker", 8,
            _batch_2x2, parent_id="d000000000000001", msg_id="b000000000000008"),
     Vector("batch_report", "the learner trained batch 3 into version 5 and dropped one all-equal group",
            "learner-0", 2, lambda: m.BatchReport(batch_id=3, policy_version=5, dropped_groups=[7], reason="zero_variance"),

@@ -14,7 +14,9 @@ world do something (abort a lease) return ``AbortLease`` effects; the service se
 Reports are idempotent: a report on an unknown or ended lease, a chunk already applied, a score
 for a sample not awaiting one, an old version — each is a counted no-op, so redelivery is safe.
 
-``to_bytes``/``from_bytes`` snapshot the whole state; the derived indexes are rebuilt on restore.
+``to_bytes``/``from_bytes`` snapshot the whole state as a typed ``Snapshot`` (MessagePack, one
+named field per part of the state); the derived indexes are rebuilt on restore. Snapshots of the
+earlier positional format 1 still load, through one conversion (``_snapshot_from_format_1``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgpack
+import msgspec
 
 from april_async.broker.config import RolloutConfig
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+"""What ``to_bytes`` writes. 1: positional lists (read only); 2: the ``Snapshot`` struct."""
 
 
 class Place(enum.StrEnum):
@@ -157,9 +162,15 @@ class BatchOut:
     groups: list[BatchGroupOut]
 
 
-@dataclass
-class Counters:
-    """Everything a user will plot. Plain ints, or dicts of ints keyed by a reason or a lag."""
+class Counters(msgspec.Struct, kw_only=True):
+    """Everything a user will plot. Plain ints, or maps of ints keyed by a reason or a lag.
+
+    Every map key is a string, a lag as its decimal digits (``"0"``, ``"1"``, ...): the counters
+    travel in ``batch.stats``, and the protocol sends string keys only, so that any MessagePack
+    decoder reads them with its defaults. A struct rather than a dataclass because it is also the
+    snapshot's record of the counters: a counter added later loads as its default from an older
+    snapshot.
+    """
 
     groups_admitted: int = 0
     duplicate_prompts: int = 0
@@ -179,7 +190,7 @@ class Counters:
     samples_finished: int = 0
     restarts: int = 0  # samples restarted for breaking η
     tokens_discarded: int = 0  # tokens dropped by those restarts
-    groups_retired: dict = field(default_factory=dict)  # reason -> groups
+    groups_retired: dict[str, int] = {}  # reason -> groups
     tokens_retired: int = 0
     scores_ok: int = 0
     score_errors: int = 0
@@ -190,17 +201,17 @@ class Counters:
     samples_delivered: int = 0
     tokens_delivered: int = 0
     off_policy_tokens: int = 0  # delivered tokens made by a version older than the learner's
-    staleness_tokens: dict = field(default_factory=dict)  # lag V - v -> delivered tokens
-    staleness_samples: dict = field(default_factory=dict)  # lag V - oldest -> delivered samples
+    staleness_tokens: dict[str, int] = {}  # lag V - v ("0", "1", ...) -> delivered tokens
+    staleness_samples: dict[str, int] = {}  # lag V - oldest -> delivered samples
     version_updates: int = 0
-    groups_filtered: dict = field(default_factory=dict)  # reason -> delivered groups the learner left out
+    groups_filtered: dict[str, int] = {}  # reason -> delivered groups the learner left out
     steps_skipped: int = 0  # batches the learner took no step on (every group filtered)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in self.__struct_fields__}
 
 
-def _bump(d: dict, key, by: int = 1) -> None:
+def _bump(d: dict[str, int], key: str, by: int = 1) -> None:
     d[key] = d.get(key, 0) + by
 
 
@@ -782,73 +793,89 @@ class BrokerCore:
         c.tokens_delivered += len(s.tokens)
         for version, count in s.spans:
             lag = V - version
-            _bump(c.staleness_tokens, lag, count)
+            _bump(c.staleness_tokens, str(lag), count)
             if lag > 0:
                 c.off_policy_tokens += count
         if s.spans:
-            _bump(c.staleness_samples, V - s.oldest_version)
+            _bump(c.staleness_samples, str(V - s.oldest_version))
 
     # ------------------------------------------------------------------ snapshot
 
     def to_bytes(self) -> bytes:
-        """The whole state as MessagePack (queue order included; derived indexes are not)."""
-        state = {
-            "format": SNAPSHOT_FORMAT,
-            "config": self.config.model_dump(mode="json"),
-            "version": self.version,
-            "next": self._next,
-            "counters": self.counters.as_dict(),
-            "prompt_ids": sorted(self.prompt_ids),
-            "step_groups": sorted(self.step_groups),
-            "awaiting_version": self.awaiting_version,
-            "groups": [
-                [g.group_id, g.prompt_id, g.prompt, g.task, g.meta, g.sample_ids, g.admitted_at, g.state, g.retire_reason]
-                for g in self.groups.values()
-            ],
-            "samples": [
-                [s.sample_id, s.group_id, s.index, s.place.value, s.tokens, s.logprobs, s.spans, s.attempts,
-                 s.lease_id, s.finish_reason, s.reward, s.finished_by]
-                for s in self.samples.values()
-            ],
-            "leases": [[x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting] for x in self.leases.values()],
-            "scoring": [[sid, scorer, deadline] for sid, (scorer, deadline) in self.scoring.items()],
-            "unacked_batches": [_batch_to_plain(b) for b in self.unacked_batches.values()],
-            "order": {"fresh": list(self._fresh), "recycle": list(self._recycle), "unscored": list(self._unscored),
-                      "done": list(self._done), "ready": list(self._ready)},
-        }
-        return msgpack.packb(state, use_bin_type=True)
+        """The whole state as a MessagePack ``Snapshot`` (queue order included; indexes are not)."""
+        snap = Snapshot(
+            format=SNAPSHOT_FORMAT,
+            config=self.config.model_dump(mode="json"),
+            version=self.version,
+            next_ids=NextIds(**self._next),
+            counters=self.counters,
+            prompt_ids=sorted(self.prompt_ids),
+            step_groups=sorted(self.step_groups),
+            awaiting_version=self.awaiting_version,
+            groups=[GroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
+                                meta=g.meta, sample_ids=g.sample_ids, admitted_at=g.admitted_at,
+                                state=g.state, retire_reason=g.retire_reason) for g in self.groups.values()],
+            samples=[SampleRecord(sample_id=s.sample_id, group_id=s.group_id, index=s.index, place=s.place,
+                                  tokens=s.tokens, logprobs=s.logprobs, spans=s.spans, attempts=s.attempts,
+                                  lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
+                                  finished_by=s.finished_by) for s in self.samples.values()],
+            leases=[LeaseRecord(lease_id=x.lease_id, sample_id=x.sample_id, generator=x.generator,
+                                deadline=x.deadline, aborting=x.aborting) for x in self.leases.values()],
+            scoring=[ScoringRecord(sample_id=sid, scorer=scorer, deadline=deadline)
+                     for sid, (scorer, deadline) in self.scoring.items()],
+            unacked_batches=[_batch_record(b) for b in self.unacked_batches.values()],
+            queues=Queues(fresh=list(self._fresh), recycle=list(self._recycle), unscored=list(self._unscored),
+                          done=list(self._done), ready=list(self._ready), live=list(self._live)),
+        )
+        return _SNAPSHOT_ENCODER.encode(snap)
 
     @classmethod
     def from_bytes(cls, data: bytes, config: RolloutConfig | None = None) -> BrokerCore:
-        """Rebuild a core from ``to_bytes``. ``config`` overrides the stored one (same shape only)."""
-        state = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if state.get("format") != SNAPSHOT_FORMAT:
-            raise BrokerError(f"snapshot format {state.get('format')!r} is not {SNAPSHOT_FORMAT}")
-        stored = RolloutConfig.model_validate(state["config"])
+        """Rebuild a core from a snapshot of any format ``read_snapshot`` reads.
+
+        ``config`` overrides the stored one (same shape only). Anything that cannot be restored is a
+        ``BrokerError`` naming the problem.
+        """
+        snap = read_snapshot(data)
+        try:
+            stored = RolloutConfig.model_validate(snap.config)
+        except ValueError as e:
+            raise BrokerError(f"snapshot holds an invalid config: {e}") from None
         if config is not None and config.group_size != stored.group_size:
             raise BrokerError(f"snapshot has group_size={stored.group_size}, config says {config.group_size}")
         core = cls(config or stored)
-        core.version = state["version"]
-        core._next = dict(state["next"])
-        core.counters = Counters(**state["counters"])
-        core.prompt_ids = set(state["prompt_ids"])
-        core.step_groups = set(state["step_groups"])
-        core.awaiting_version = state["awaiting_version"]
-        for gid, pid, prompt, task, meta, sids, at, gstate, why in state["groups"]:
-            core.groups[gid] = Group(gid, pid, prompt, task, meta, sids, at, gstate, why)
-        for sid, gid, idx, place, toks, lps, spans, attempts, lid, reason, reward, by in state["samples"]:
-            core.samples[sid] = Sample(sid, gid, idx, Place(place), toks, lps, spans, attempts, lid, reason, reward, by)
-        for lid, sid, gen, deadline, aborting in state["leases"]:
-            core.leases[lid] = Lease(lid, sid, gen, deadline, aborting)
-        for sid, scorer, deadline in state["scoring"]:
-            core.scoring[sid] = (scorer, deadline)
-        for plain in state["unacked_batches"]:
-            batch = _batch_from_plain(plain)
-            core.unacked_batches[batch.batch_id] = batch
+        core.version = snap.version
+        core._next = msgspec.structs.asdict(snap.next_ids)
+        core.counters = snap.counters
+        core.prompt_ids = set(snap.prompt_ids)
+        core.step_groups = set(snap.step_groups)
+        core.awaiting_version = snap.awaiting_version
+        for g in snap.groups:
+            core.groups[g.group_id] = Group(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, g.sample_ids,
+                                            g.admitted_at, g.state, g.retire_reason)
+        for s in snap.samples:
+            core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, s.tokens,
+                                               s.logprobs, s.spans, s.attempts, s.lease_id, s.finish_reason,
+                                               s.reward, s.finished_by)
+        for x in snap.leases:
+            core.leases[x.lease_id] = Lease(x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting)
+        for r in snap.scoring:
+            core.scoring[r.sample_id] = (r.scorer, r.deadline)
+        for b in snap.unacked_batches:
+            core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, [
+                BatchGroupOut(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, [
+                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, x.tokens, x.logprobs, x.spans)
+                    for x in g.samples])
+                for g in b.groups])
+        missing = sorted(({x.sample_id for x in snap.leases} | set(core.scoring)) - set(core.samples))
+        if missing:
+            raise BrokerError(
+                f"snapshot is inconsistent: leases or score requests name unknown samples {missing}")
         core._rebuild_indexes()
         # Queue order is part of the policy (FIFO fairness): the indexes rebuilt from the samples
         # must hold what the snapshot lists, in the snapshot's order.
-        for name, ids in state["order"].items():
+        for name in Queues.__struct_fields__:
+            ids = getattr(snap.queues, name)
             attr = "_" + name
             if set(getattr(core, attr)) != set(ids):
                 raise BrokerError(f"snapshot is inconsistent: queue {name!r} does not match the samples' places")
@@ -863,19 +890,216 @@ class BrokerCore:
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
 
 
-
-def _batch_to_plain(b: BatchOut) -> list:
-    return [b.batch_id, b.policy_version, [
-        [g.group_id, g.prompt_id, g.prompt, g.task, g.meta,
-         [[x.sample_id, x.reward, x.finish_reason, x.tokens, x.logprobs, x.spans] for x in g.samples]]
-        for g in b.groups]]
+# ---------------------------------------------------------------------------------------------
+# The snapshot: one struct per part of the state, every field named. A field added later gets a
+# default, so that older snapshots of the same format still load; anything else is a new format.
 
 
-def _batch_from_plain(plain: list) -> BatchOut:
-    bid, version, groups = plain
-    return BatchOut(bid, version, [
-        BatchGroupOut(gid, pid, prompt, task, meta, [BatchSampleOut(*x) for x in samples])
-        for gid, pid, prompt, task, meta, samples in groups])
+class NextIds(msgspec.Struct, kw_only=True):
+    """The next id each kind of thing gets."""
+
+    group: int
+    sample: int
+    lease: int
+    batch: int
+
+
+class GroupRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One admitted prompt and its ``n`` samples."""
+
+    group_id: int
+    prompt_id: str
+    prompt: list[int]
+    task: str = ""
+    meta: dict[str, Any] = {}
+    sample_ids: list[int]
+    admitted_at: float
+    state: Literal["open", "delivered", "retired"] = "open"
+    retire_reason: str | None = None
+
+
+class SampleRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sample: its place, what it holds, and the lease that has it or finished it."""
+
+    sample_id: int
+    group_id: int
+    index: int  # 0 .. n-1 within its group
+    place: Place
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    spans: list[list[int]] = []  # [[version, count], ...]
+    attempts: int = 0
+    lease_id: int | None = None
+    finish_reason: str | None = None
+    reward: float | None = None
+    finished_by: int | None = None
+
+
+class LeaseRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One lease a generator holds."""
+
+    lease_id: int
+    sample_id: int
+    generator: str
+    deadline: float  # on the old process's clock; a restart rebases it
+    aborting: bool = False
+
+
+class ScoringRecord(msgspec.Struct, kw_only=True):
+    """One score request out at a scorer."""
+
+    sample_id: int
+    scorer: str
+    deadline: float
+
+
+class BatchSampleRecord(msgspec.Struct, kw_only=True):
+    sample_id: int
+    reward: float
+    finish_reason: str
+    tokens: list[int]
+    logprobs: list[float]
+    spans: list[list[int]]
+
+
+class BatchGroupRecord(msgspec.Struct, kw_only=True):
+    group_id: int
+    prompt_id: str
+    prompt: list[int]
+    task: str
+    meta: dict[str, Any]
+    samples: list[BatchSampleRecord]
+
+
+class BatchRecord(msgspec.Struct, kw_only=True):
+    """A batch sent to the learner and not yet acknowledged, kept whole to be sent again."""
+
+    batch_id: int
+    policy_version: int
+    groups: list[BatchGroupRecord]
+
+
+class Queues(msgspec.Struct, kw_only=True):
+    """The order of each queue (the samples' places say what is in it; the snapshot says in what order)."""
+
+    fresh: list[int]  # queued samples
+    recycle: list[int]  # partials waiting to be resumed
+    unscored: list[int]  # finished samples not out for scoring
+    done: list[int]  # open groups whose n samples are finished or scored
+    ready: list[int]  # open groups whose n samples are scored
+    # Samples not delivered or retired, in the order they last moved: a new version applies the
+    # staleness bound to them in this order, which decides the order of the partials it makes.
+    live: list[int]
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """The whole state of a ``BrokerCore``; ``format`` comes first so that it can be read alone."""
+
+    format: int
+    config: dict[str, Any]  # the RolloutConfig it ran with (checked by pydantic on restore)
+    version: int
+    next_ids: NextIds
+    counters: Counters
+    prompt_ids: list[str]
+    step_groups: list[int]  # sync/april: the groups of the current rollout step
+    awaiting_version: int | None
+    groups: list[GroupRecord]
+    samples: list[SampleRecord]
+    leases: list[LeaseRecord]
+    scoring: list[ScoringRecord]
+    unacked_batches: list[BatchRecord]
+    queues: Queues
+
+
+class _FormatProbe(msgspec.Struct):
+    format: int | None = None
+
+
+_SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(Snapshot)
+_FORMAT_DECODER = msgspec.msgpack.Decoder(_FormatProbe)
+
+
+def read_snapshot(data: bytes) -> Snapshot:
+    """The ``Snapshot`` in ``data``, whatever format wrote it; a ``BrokerError`` naming the problem
+    when it is not a snapshot, is damaged, or has a format this code does not read."""
+    try:
+        fmt = _FORMAT_DECODER.decode(data).format
+    except msgspec.DecodeError as e:
+        raise BrokerError(f"snapshot is not readable: {e}") from None
+    if fmt == SNAPSHOT_FORMAT:
+        try:
+            return _SNAPSHOT_DECODER.decode(data)
+        except msgspec.DecodeError as e:
+            raise BrokerError(f"snapshot (format {fmt}) is malformed: {e}") from None
+    if fmt == 1:
+        return _snapshot_from_format_1(data)
+    raise BrokerError(f"snapshot format {fmt!r} is not one this broker reads (1 or {SNAPSHOT_FORMAT})")
+
+
+# Format 1 stored each record as a list, in these field orders.
+_V1_GROUP = ("group_id", "prompt_id", "prompt", "task", "meta", "sample_ids", "admitted_at", "state",
+             "retire_reason")
+_V1_SAMPLE = ("sample_id", "group_id", "index", "place", "tokens", "logprobs", "spans", "attempts",
+              "lease_id", "finish_reason", "reward", "finished_by")
+_V1_LEASE = ("lease_id", "sample_id", "generator", "deadline", "aborting")
+_V1_SCORING = ("sample_id", "scorer", "deadline")
+_V1_BATCH_GROUP = ("group_id", "prompt_id", "prompt", "task", "meta", "samples")
+_V1_BATCH_SAMPLE = ("sample_id", "reward", "finish_reason", "tokens", "logprobs", "spans")
+
+
+def _snapshot_from_format_1(data: bytes) -> Snapshot:
+    """The one conversion from format 1: positional lists become named records, and the lag keys
+    of the staleness counters (integers in format 1) become decimal strings."""
+
+    def named(keys: tuple[str, ...], row: list) -> dict:
+        if len(row) != len(keys):
+            raise ValueError(f"a record of {len(row)} values where {len(keys)} ({', '.join(keys)}) belong")
+        return dict(zip(keys, row, strict=True))
+
+    def batch(row: list) -> dict:
+        batch_id, policy_version, groups = row
+        return {"batch_id": batch_id, "policy_version": policy_version, "groups": [
+            {**named(_V1_BATCH_GROUP, g), "samples": [named(_V1_BATCH_SAMPLE, x) for x in g[5]]}
+            for g in groups]}
+
+    try:
+        old = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        counters = dict(old["counters"])
+        for name in ("staleness_tokens", "staleness_samples"):
+            counters[name] = {str(lag): n for lag, n in counters.get(name, {}).items()}
+        plain = {
+            "format": SNAPSHOT_FORMAT,
+            "config": old["config"],
+            "version": old["version"],
+            "next_ids": old["next"],
+            "counters": counters,
+            "prompt_ids": old["prompt_ids"],
+            "step_groups": old["step_groups"],
+            "awaiting_version": old["awaiting_version"],
+            "groups": [named(_V1_GROUP, row) for row in old["groups"]],
+            "samples": [named(_V1_SAMPLE, row) for row in old["samples"]],
+            "leases": [named(_V1_LEASE, row) for row in old["leases"]],
+            "scoring": [named(_V1_SCORING, row) for row in old["scoring"]],
+            "unacked_batches": [batch(row) for row in old["unacked_batches"]],
+            # Format 1 did not keep the order of live samples; restoring it gave them in sample order.
+            "queues": {**old["order"], "live": [row[0] for row in old["samples"]
+                                                if row[3] not in (Place.DELIVERED, Place.RETIRED)]},
+        }
+        return msgspec.convert(plain, Snapshot)
+    except KeyError as e:
+        raise BrokerError(f"snapshot (format 1) is malformed: no {e.args[0]!r}") from None
+    except (msgspec.ValidationError, ValueError, TypeError, AttributeError) as e:
+        raise BrokerError(f"snapshot (format 1) is malformed: {e}") from None
+
+
+def _batch_record(b: BatchOut) -> BatchRecord:
+    return BatchRecord(batch_id=b.batch_id, policy_version=b.policy_version, groups=[
+        BatchGroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
+                         meta=g.meta, samples=[BatchSampleRecord(sample_id=x.sample_id, reward=x.reward,
+                                                    finish_reason=x.finish_reason, tokens=x.tokens,
+                                                    logprobs=x.logprobs, spans=x.spans) for x in g.samples])
+        for g in b.groups])
 
 
 def _plain(values) -> list:

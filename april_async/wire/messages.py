@@ -5,6 +5,11 @@ This module builds messages and opens no sockets. Each body struct carries a one
 travel as separate zero-copy frames; the header holds a small reference to each (see
 ``codec.py`` and ``proto/SPEC.md`` §Frames). Optional fields default to ``None``; a peer MUST
 ignore fields it does not know (that is how a minor version adds fields).
+
+Every map key on the wire is a string, at every depth (SPEC envelope rule 6): a reader with its
+default settings refuses other keys. The free-form maps (``meta``, ``stats``) are typed
+``dict[str, Any]``, so what sits inside them is the sender's to keep to strings; a number used as
+a key is sent as its decimal digits.
 """
 
 from __future__ import annotations
@@ -223,7 +228,7 @@ class ScoreRequest(Body):
     response: np.ndarray
     finish_reason: FinishReason
     task: str
-    meta: dict[str, Any] = {}  # task data: the reference answer, a test case, ...
+    meta: dict[str, Any] = {}  # task data: the reference answer, a test case, ...; string keys at every depth
 
 
 class Scored(Body):
@@ -290,7 +295,9 @@ class Batch(Body):
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
     logprobs: np.ndarray  # behaviour log-probs, aligned with response_tokens
-    stats: dict[str, Any] = {}  # the broker's counters when the batch was made (for the learner's metrics)
+    # The broker's counters when the batch was made (for the learner's metrics): numbers, or maps of
+    # numbers keyed by strings (a lag as its digits: ``staleness_tokens = {"0": 812, "1": 40}``).
+    stats: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
         super().__post_init__()
