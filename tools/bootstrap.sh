@@ -12,8 +12,10 @@ fi
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: from the local CPU wheel where one is cached, never a CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]"
+  # --no-compile: byte-compiling every file of every package took two thirds of the install's time;
+  # Python compiles the modules a process imports, once, on first use.
+  .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
+  .venv/bin/python -m pip install -q --no-compile -e ".[test]"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

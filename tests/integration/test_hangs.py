@@ -16,9 +16,11 @@ import time
 
 import pytest
 
-from tests.integration.harness import FAST_LINK, Cluster, check_batch_tokens
+from april_async.testing.cluster import FAST_LINK, Cluster, check_batch_tokens
+from april_async.testing.runs import children_of, metrics, up, wait_for, write_config
 
-FREEZE_S = 4 * FAST_LINK["link.peer_timeout_s"]
+FREEZE_S = 6 * FAST_LINK["link.peer_timeout_s"]
+"""The longest freeze: past every peer timeout of these processes, with room for a loaded machine."""
 
 
 def test_each_peer_frozen_in_turn_is_logged_and_recovered_from(tmp_path):
@@ -52,10 +54,10 @@ def test_each_peer_frozen_in_turn_is_logged_and_recovered_from(tmp_path):
             marks = {w: len(cluster.logs[w].read_text()) for w in witnesses}
             proc = cluster.procs[frozen]
             proc.send_signal(signal.SIGSTOP)
-            try:
+            try:  # frozen until every witness has logged it (or FREEZE_S, far past every peer timeout)
                 deadline = time.monotonic() + FREEZE_S
-                while time.monotonic() < deadline:  # the learner keeps polling (a frozen broker: it reconnects)
-                    if (b := learner.next_batch(0.1)) is not None:
+                while time.monotonic() < deadline and not all(logged(w, t, marks[w]) for w, t in witnesses.items()):
+                    if (b := learner.next_batch(0.1)) is not None:  # the learner keeps polling (it may reconnect)
                         delivered.extend(check_batch_tokens(b))
             finally:
                 proc.send_signal(signal.SIGCONT)
@@ -80,8 +82,6 @@ def test_the_learner_and_the_broadcaster_frozen_in_a_whole_run_are_noticed_and_r
     generators log it; after SIGCONT the learner takes steps again, each within 45 s — less than
     the broadcaster's collective timeout (60 s), which a round would otherwise wait out for
     generators that re-opened their sessions during the freeze, then bench them for two more."""
-    from tests.integration.test_up import children_of, metrics, up, wait_for, write_config
-
     run_dir = tmp_path / "run"
     config = write_config(tmp_path, run_dir)
     log = tmp_path / "up.log"
@@ -102,8 +102,11 @@ def test_the_learner_and_the_broadcaster_frozen_in_a_whole_run_are_noticed_and_r
             marks = {w: len((logs / f"{w}.log").read_text()) for w in witnesses}
             pid = pid_of(frozen)
             os.kill(pid, signal.SIGSTOP)
-            try:
-                time.sleep(8.0)  # past every peer timeout of the run (the default link: 3 s)
+            try:  # frozen until the witnesses log it, at most well past the run's peer timeout (3 s)
+                deadline = time.monotonic() + 12.0
+                while time.monotonic() < deadline and not all(
+                        text in (logs / f"{w}.log").read_text()[marks[w]:] for w, text in witnesses.items()):
+                    time.sleep(0.1)
             finally:
                 os.kill(pid, signal.SIGCONT)
             for w, text in witnesses.items():

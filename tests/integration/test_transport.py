@@ -20,7 +20,8 @@ from april_async.transport.hub import Hub
 from april_async.transport.peer import Peer
 from april_async.wire import messages as m
 from april_async.wire.codec import decode, encode
-from tests.integration.harness import Cluster
+from april_async.testing.cluster import Cluster
+from april_async.testing.strategies import frames_strategy
 
 LINK = LinkConfig(heartbeat_interval_s=0.05, peer_timeout_s=0.3, max_message_bytes=64 * 1024)
 
@@ -169,24 +170,9 @@ def test_peer_reconnects_with_backoff_to_a_new_hub_and_says_hello_again(hub):
         new.close()
 
 
-frames_strategy = st.lists(
-    st.one_of(
-        st.binary(max_size=64),
-        st.builds(msgpack.packb, st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=8)
-                                              | st.binary(max_size=8),
-                                              lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                                              max_leaves=12)),
-        st.builds(lambda body, t: msgpack.packb({"msg_id": "f", "msg_type": t, "sender": "fuzz", "seq": 1,
-                                                 "proto_version": "1.0", "sent_at": 0.0, "body": body}),
-                  st.dictionaries(st.text(max_size=10), st.integers(-2**40, 2**40) | st.text(max_size=5), max_size=5),
-                  st.sampled_from(sorted(m.MESSAGE_TYPES))),
-    ),
-    min_size=1,
-    max_size=3,
-)
-
-
-def test_10k_malformed_frames_at_a_real_broker_then_a_good_client_is_served(tmp_path):
+def test_2k_malformed_frames_at_a_real_broker_then_a_good_client_is_served(tmp_path):
+    """The broker process answers a burst of junk and then serves a good run. The decoder itself is
+    fuzzed in process (``tests/unit/test_codec.py``); this checks the process around it."""
     cluster = Cluster(tmp_path)
     cluster.broker({"batch_groups": 1, "group_size": 1})
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -195,7 +181,7 @@ def test_10k_malformed_frames_at_a_real_broker_then_a_good_client_is_served(tmp_
     sock.connect(cluster.endpoint)
     sent = 0
     try:
-        @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(st.lists(frames_strategy, min_size=100, max_size=100))
         def blast(messages):
             nonlocal sent
@@ -204,9 +190,9 @@ def test_10k_malformed_frames_at_a_real_broker_then_a_good_client_is_served(tmp_
                 sent += 1
 
         blast()
-        assert sent >= 10_000
+        assert sent >= 2_000
         replies = 0
-        while sock.poll(2000):
+        while sock.poll(1000):
             sock.recv_multipart()
             replies += 1
             if replies >= sent:
