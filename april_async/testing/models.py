@@ -8,12 +8,13 @@ import torch
 
 from april_async.model.decoder import CausalLM, ModelConfig
 
-TINY = ModelConfig(  # vocabulary 1000: the scripted engine's toovocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
+"""A 2-layer decoder with the scripted engine's vocabulary (1000), so either engine can serve a test."""
 
 
 def checkpoint(path: Path, seed: int) -> CausalLM:
-    """A ``TINY`` model with weights from ``seed``, written to ``path`` as a Hugging Face checkpoint and read back."""
+    """A ``TINY`` model with weights from ``seed``, written to ``path`` (Hugging Face format) and read back."""
     torch.manual_seed(seed)
     CausalLM(TINY).save_pretrained(path)
     return CausalLM.from_pretrained(path)
