@@ -134,12 +134,13 @@ class Bench:
         for e in effects:
             g = self.by_name[e.generator]
             if e.lease_id in g.leases and g.engine.abort(e.lease_id) is not None:
-                self._report(g, e.lease_id, "abort")
+                self._apply(self._report(g, e.lease_id, "abort"))
 
-    def _report(self, g: _Gen, lease_id: int, reason: str) -> None:
+    def _report(self, g: _Gen, lease_id: int, reason: str) -> list[AbortLease]:
+        """Report a lease's end to the core; the aborts it causes, for the caller to apply."""
         lease = g.leases.pop(lease_id)
         spans = version_runs(lease.versions)
-        self._apply(self.core.finish(lease_id, lease.offset, lease.tokens, lease.logprobs, spans, reason, self.now))
+        return self.core.finish(lease_id, lease.offset, lease.tokens, lease.logprobs, spans, reason, self.now)
 
     def _fill(self, g: _Gen) -> float:
         """Lease into free slots and prefill them; the prefill's measured seconds."""
@@ -190,11 +191,13 @@ class Bench:
                 lease.tokens += out.tokens
                 lease.logprobs += out.logprobs
                 lease.versions += out.versions
-            for out in outs:
+            aborts: list[AbortLease] = []  # applied once every lease this step ended is reported, so that
+            for out in outs:  # an early termination cannot turn a lease that just finished into a partial
                 if out.finish is not None and out.lease_id in g.leases:
                     lease = g.leases[out.lease_id]
                     done = lease.offset + len(lease.tokens)
-                    self._report(g, out.lease_id, "length" if done >= self.cfg.max_response_tokens else "stop")
+                    aborts += self._report(g, out.lease_id, "length" if done >= self.cfg.max_response_tokens else "stop")
+            self._apply(aborts)
             self._learn()
             heapq.heappush(events, (g.clock, i))
         return self._result()
