@@ -32,7 +32,8 @@ def _actor_config(args: argparse.Namespace):
     from april_async.config import ConfigError, actor_config_model, dump, resolve
 
     try:
-        cfg = resolve(actor_config_model(args.command), file=args.config, section=args.command, overrides=args.set)
+        model = actor_config_model(args.command)
+        cfg = resolve(model, file=args.config, section=args.command, overrides=args.set)
     except ConfigError as e:
         print(f"april {args.command}: {e}", file=sys.stderr)
         return None

@@ -20,7 +20,7 @@ class SimSettings(BaseModel):
     """The simulated cluster and the batches it makes. The rollout knobs of one mode (r, η) come on
     top (``rollout``): the same settings run every mode of a comparison."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)  # the docstrings: --help
 
     generators: int = Field(1000, ge=1)
     """Simulated generators (G)."""
@@ -29,11 +29,11 @@ class SimSettings(BaseModel):
     costs: Literal["gpu", "cpu"] = "gpu"
     """Decode and prefill cost preset (``sim/costs.py``); the three below override it."""
     step_a_s: float = Field(COSTS["gpu"][0], ge=0)
-    """Seconds: the fixed cost of one decode step (default: the preset's)."""
+    """Seconds: the fixed cost of one decode step."""
     step_b_s: float = Field(COSTS["gpu"][1], ge=0)
-    """Seconds per active sequence in a decode step (default: the preset's)."""
+    """Seconds per active sequence in a decode step."""
     prefill_s: float = Field(COSTS["gpu"][2], ge=0)
-    """Seconds per token prefilled when a sequence starts, prompt and resumed response (default: the preset's)."""
+    """Seconds per token prefilled when a sequence starts, prompt and resumed response."""
     prompt_tokens: int = Field(256, ge=1)
     workload: str = "math"
     """Response lengths, scaled to ``max_response_tokens`` (``sim/workload.py``)."""

@@ -46,8 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(*flags, dest=name, choices=sorted(COSTS), default=None,
                            help=f"{help_text} (default: {info.default})")
         else:
-            p.add_argument(*flags, dest=name, type=kind, default=None, help=f"{help_text} (default: {info.default:g})"
-                           if isinstance(info.default, float) else f"{help_text} (default: {info.default})")
+            shown = f"{info.default:g}" if isinstance(info.default, float) else info.default
+            if name in ("step_a_s", "step_b_s", "prefill_s"):
+                shown = "the --costs preset's"
+            p.add_argument(*flags, dest=name, type=kind, default=None, help=f"{help_text} (default: {shown})")
     p.add_argument("--json", type=Path, help="also write the settings and every row here")
     p.add_argument("--smoke", action="store_true",
                    help="seconds: 8 generators × 16 slots, n=4, budget 1024, 1 + 2 batches")
@@ -55,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
     """The ``SimSettings`` the flags describe (the flags given, over the model's defaults)."""
-    given = {name: getattr(args, name) for name in SimSettings.model_fields if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in SimSettings.model_fields
+             if getattr(args, name, None) is not None}
     if args.smoke:
         given = {**given, **SMOKE}
     return sim_settings(given, "simulate")
