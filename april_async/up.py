@@ -272,12 +272,11 @@ class Supervisor:
                 time.sleep(1.0)
             return
         from april_async.warmstart.config import WarmStartConfig
+        from april_async.warmstart.sft import write_initial_policy
 
         cfg = validate(WarmStartConfig, self.doc.get("warmstart", {}), "warmstart")
         print(f"april up: warm start -> {init} (once per run directory)", flush=True)
         t0 = time.monotonic()
-        from april_async.warmstart.sft import write_initial_policy
-
         stats = write_initial_policy(init, cfg)  # complete or absent: another host may be waiting for it
         print(f"april up: warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}",
               flush=True)

@@ -22,9 +22,11 @@ LATENCY_CALLS = ("lease", "finish", "scored", "pull_batch", "publish_version")
 SMOKE = dict(generators=8, slots=16, group_size=4, max_response_tokens=1024, batches=2, warmup=1)
 
 
-FLAGS = {  # flag -> SimSettings field, where the flag's name is not the field's
-    "--step-a": "step_a_s", "--step-b": "step_b_s", "--prefill": "prefill_s", "--budget": "max_response_tokens",
+FLAGS = {  # SimSettings field -> its flags, where they are not simply --field-name
+    "step_a_s": ["--step-a"], "step_b_s": ["--step-b"], "prefill_s": ["--prefill"],
+    "max_response_tokens": ["--max-response-tokens", "--budget"],
 }
+PRESET_COSTS = ("step_a_s", "step_b_s", "prefill_s")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,23 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma-separated MODE[:r]; the first is the baseline (default: %(default)s)")
     p.add_argument("--eta", type=int, default=4, help="staleness bound η of april and async (sync: 0)")
-    other = {field: flag for flag, field in FLAGS.items()}
     for name, info in SimSettings.model_fields.items():
-        if name == "step_by_step":
+        if name == "step_by_step":  # the tests' reference mode, not a setting of a run
             continue
-        flags = [f"--{name.replace('_', '-')}"] if name not in ("step_a_s", "step_b_s", "prefill_s") else []
-        if name in other:
-            flags.append(other[name])
-        kind = type(info.default) if info.default is not None else float
-        help_text = (info.description or "").replace("%", "%%")
-        if name == "costs":
-            p.add_argument(*flags, dest=name, choices=sorted(COSTS), default=None,
-                           help=f"{help_text} (default: {info.default})")
+        if name in PRESET_COSTS:
+            shown = "the --costs preset's"
         else:
             shown = f"{info.default:g}" if isinstance(info.default, float) else info.default
-            if name in ("step_a_s", "step_b_s", "prefill_s"):
-                shown = "the --costs preset's"
-            p.add_argument(*flags, dest=name, type=kind, default=None, help=f"{help_text} (default: {shown})")
+        kind = {"choices": sorted(COSTS)} if name == "costs" else {"type": type(info.default)}
+        p.add_argument(*FLAGS.get(name, [f"--{name.replace('_', '-')}"]), dest=name, default=None,
+                       help=f"{(info.description or '').replace('%', '%%')} (default: {shown})", **kind)
     p.add_argument("--json", type=Path, help="also write the settings and every row here")
     p.add_argument("--smoke", action="store_true",
                    help="seconds: 8 generators × 16 slots, n=4, budget 1024, 1 + 2 batches")

@@ -11,13 +11,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from april_async.config import LinkConfig
 from april_async.generator.scripted import scripted_logprob, scripted_token
-from april_async.testing.procs import free_port, spawn
+from april_async.testing.procs import free_port, spawn, stop
 from april_async.learner.client import BatchClient
 from april_async.transport.peer import Peer
 
@@ -115,18 +114,7 @@ class Cluster:
         proc.wait(timeout=10)
 
     def stop_all(self) -> dict[str, int]:
-        codes = {}
-        for name, proc in self.procs.items():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
-        return codes
+        return stop(self.procs)
 
     def dump_logs(self) -> str:
         return "\n".join(f"===== {n}\n{p.read_text()[-3000:]}" for n, p in sorted(self.logs.items()))

@@ -27,18 +27,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(cmd: list[str], *, log: Path | None = None, stdout=None, own_group: bool = False,
-          env: dict[str, str] | None = None, text: bool = False) -> subprocess.Popen:
-    """Start ``cmd`` from the checkout, unbuffered, with its output in ``log`` (or ``stdout``); it gets
-    SIGTERM when this process dies (``die_with_parent``), so a crashed test leaves nothing running."""
-    out = log.open("w") if log is not None else stdout
-    try:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log is not None else None, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, text=text,
+def spawn(cmd: list[str], *, log: Path, stdout=None, own_group: bool = False,
+          text: bool = False) -> subprocess.Popen:
+    """Start ``cmd`` from the checkout, unbuffered, its output in ``log`` (its stdout elsewhere when
+    ``stdout`` is given, e.g. ``subprocess.PIPE``). It gets SIGTERM when this process dies
+    (``die_with_parent``), so a crashed test or tool leaves nothing running."""
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, stdout=out if stdout is None else stdout, stderr=out, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=text,
                                 preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, own_group=own_group))
-    finally:
-        if log is not None:
-            out.close()
+
+
+def stop(procs: dict[str, subprocess.Popen], timeout_s: float = 10.0) -> dict[str, int]:
+    """SIGTERM every process still running, then SIGKILL what has not exited after ``timeout_s``;
+    the exit codes by name."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    codes = {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes[name] = proc.wait()
+    return codes
 
 
 class ChildFailed(RuntimeError):
@@ -57,13 +71,8 @@ class Children:
     pids: list[int] = field(default_factory=list)
 
     def start(self, name: str, cmd: list[str], *, reports: bool) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("w")
-        try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if reports else log, stderr=log, cwd=ROOT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
-                                    preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, own_group=True))
-        finally:
-            log.close()
+        proc = spawn(cmd, log=self.logs / f"{name}.log", stdout=subprocess.PIPE if reports else None,
+                     own_group=True, text=True)
         self.procs[name] = proc
         self.pids.append(proc.pid)
         if reports:
@@ -109,17 +118,4 @@ class Children:
 
     def stop(self, names=None, timeout_s: float = 10.0) -> dict[str, int]:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit codes."""
-        names = list(self.procs if names is None else names)
-        for n in names:
-            if self.procs[n].poll() is None:
-                self.procs[n].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        codes = {}
-        for n in names:
-            proc = self.procs[n]
-            try:
-                codes[n] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[n] = proc.wait()
-        return codes
+        return stop({n: self.procs[n] for n in (self.procs if names is None else names)}, timeout_s)

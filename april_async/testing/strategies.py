@@ -1,8 +1,9 @@
-"""Hypothesis strategies for fuzzing the wire."""
+"""Hypothesis strategies for fuzzing the wire, and the search settings of the planted-bug tests."""
 
 from __future__ import annotations
 
 import msgpack
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from april_async.wire import messages as m
@@ -22,3 +23,11 @@ frames_strategy = st.lists(  # one message's frames: junk, any msgpack, or an en
     min_size=1,
     max_size=3,
 )
+
+
+def planted_search(max_examples: int, steps: int) -> settings:
+    """The fixed search a planted-bug test runs a state machine with: the same examples every run
+    (a planted bug is found, or the test fails), stopping at the first failure, unshrunk."""
+    return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None, database=None,
+                    derandomize=True, report_multiple_bugs=False, phases=(Phase.generate,),
+                    suppress_health_check=list(HealthCheck))

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -58,6 +57,7 @@ from april_async.broadcaster.rounds import (
 )
 from april_async.config import LinkConfig
 from april_async.wire import messages as m
+from april_async.testing.strategies import planted_search
 
 TIMEOUT_S = 10.0
 PEER_TIMEOUT_S = 4.0
@@ -509,16 +509,7 @@ class NeverResendsTheAnnounce(RoundPlanner):
 
 PLANTED = [(LeavesReconnectedMembersPending, "rejoin_bench"), (NeverResendsTheAnnounce, "resend")]
 
-SEARCH = settings(
-    max_examples=300,
-    stateful_step_count=30,
-    deadline=None,
-    database=None,
-    derandomize=True,  # the same search every run: a planted bug is found, or the test fails
-    report_multiple_bugs=False,
-    phases=(Phase.generate,),  # the failure itself is the point, not its shrunk form
-    suppress_health_check=list(HealthCheck),
-)
+SEARCH = planted_search(max_examples=300, steps=30)
 
 
 @pytest.mark.parametrize(("broken", "invariant"), PLANTED, ids=[c.__name__ for c, _ in PLANTED])

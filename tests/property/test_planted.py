@@ -6,10 +6,11 @@ that the planted bug breaks (not merely disagree with the model).
 """
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from april_async.broker.core import BrokerCore, Place
+from april_async.testing.strategies import planted_search
 from tests.property.broker_model import InvariantViolation, make_machine
 
 
@@ -84,16 +85,7 @@ PLANTED = [
     (ForgetsPartialsOnRestart, 7),
 ]
 
-SEARCH = settings(
-    max_examples=2000,
-    stateful_step_count=50,
-    deadline=None,
-    database=None,
-    derandomize=True,  # the same search every run: a planted bug is found, or the test fails
-    report_multiple_bugs=False,
-    phases=(Phase.generate,),  # the failure itself is the point, not its shrunk form
-    suppress_health_check=list(HealthCheck),
-)
+SEARCH = planted_search(max_examples=2000, steps=50)
 
 
 @pytest.mark.parametrize(("broken", "invariant"), PLANTED, ids=[f"{i}-{c.__name__}" for c, i in PLANTED])
