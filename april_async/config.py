@@ -42,6 +42,19 @@ def check_endpoint(value: str) -> str:
 
 
 Endpoint = Annotated[str, AfterValidator(check_endpoint)]
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(value: str) -> str:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` (what a learner or an engine runs on)."""
+    if not _DEVICE.fullmatch(value):
+        raise ValueError(f"device {value!r} is not one of auto, cpu, cuda, cuda:<index>")
+    return value
+
+
+Device = Annotated[str, AfterValidator(check_device)]
+"""A device setting: ``auto`` picks CUDA when present, else the CPU (see ``runtime.resolve_device``)."""
 """A config field holding a ZeroMQ endpoint, checked when the config is read."""
 
 

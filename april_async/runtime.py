@@ -51,3 +51,25 @@ def die_with_parent(sig: int = signal.SIGTERM, *, own_group: bool = False) -> No
         pass
     if own_group:
         os.setpgrp()
+
+
+def resolve_device(setting: str, local_rank: int = 0):
+    """The ``torch.device`` a device setting names (``config.Device``).
+
+    ``auto`` is CUDA when torch sees a GPU, else the CPU. ``cuda`` (or ``auto`` on a GPU host) is
+    GPU ``local_rank`` (a process's place on its host), so several ranks on one host each take
+    their own; ``cuda:<i>`` is exactly GPU i. Asking for CUDA where there is none is an error
+    naming the setting.
+    """
+    import torch
+
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {setting!r}: torch sees no CUDA device here (torch {torch.__version__})")
+    index = local_rank if setting == "cuda" else int(setting.partition(":")[2])
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {setting!r}: GPU {index} does not exist ({torch.cuda.device_count()} visible)")
+    return torch.device("cuda", index)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from april_async.config import Device
 
 
 class TorchEngineConfig(BaseModel):
@@ -16,6 +20,8 @@ class TorchEngineConfig(BaseModel):
     """Concurrent requests (rows of the KV cache)."""
     max_seq_len: int = Field(1024, ge=2)
     """Prompt + response tokens one slot holds."""
-    dtype: str = "float32"
-    """float32 | bfloat16."""
-    device: str = "cpu"
+    device: Device = "auto"
+    """auto | cpu | cuda | cuda:<i>; ``auto`` is CUDA when torch sees a GPU, else the CPU (``cuda`` is GPU 0)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights, activations and KV cache; ``auto`` is bfloat16 on CUDA, float32 on the CPU.
+    Sampling always works on float32 logits."""

@@ -8,6 +8,11 @@ the weights that produced its logits, and ``load_weights`` swaps weights between
 Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled token (plain
 ``log_softmax`` for greedy decoding), i.e. of the tempered distribution before top-k/top-p
 truncation — what a learner recomputes with the same temperature.
+
+The engine runs on one device (``auto | cpu | cuda[:i]``) and every tensor it makes lives there.
+A decode step reads back from the device once: the sampled ids and their log-probs, together. Host
+data goes to the device through pinned memory without blocking, and the cache's key span is known
+on the host, so nothing else waits for the GPU; a prefill reads nothing back.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from april_async.engines.base import EngineOutput, EngineRequest
 from april_async.engines.config import TorchEngineConfig
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
+from april_async.runtime import resolve_device
 
 
 @dataclass
@@ -50,8 +57,11 @@ class TorchEngine:
 
     @classmethod
     def from_config(cls, cfg: TorchEngineConfig) -> TorchEngine:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        model = CausalLM.from_pretrained(Path(cfg.checkpoint), dtype=dtype).to(cfg.device)
+        """Load ``cfg.checkpoint`` onto ``cfg.device`` in ``cfg.dtype`` (``auto``: bfloat16 on CUDA, float32 on the CPU)."""
+        device = resolve_device(cfg.device, local_rank=0)
+        name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+        model = CausalLM.from_pretrained(Path(cfg.checkpoint), dtype=dtype).to(device)
         return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len)
 
     def active(self) -> int:
@@ -65,9 +75,10 @@ class TorchEngine:
         if len(self._active) >= self.slots:
             raise RuntimeError(f"torch engine: all {self.slots} slots are busy (lease {request.lease_id})")
         free = len(self._active)  # active requests always hold rows 0..n-1 (see _release)
-        ids = torch.tensor([tokens], device=self.device)
+        ids = _on(self.device, [tokens], torch.int64)
         pos = torch.arange(len(tokens), device=self.device)[None]
-        logits, _ = self.model(ids, positions=pos, cache=self.cache.view(torch.tensor([free], device=self.device), pos))
+        slots = torch.full((1,), free, device=self.device)
+        logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, span=len(tokens)))
         gen = None
         if request.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(request.seed)
@@ -82,6 +93,7 @@ class TorchEngine:
         order = list(self._active.items())
         tokens, logprobs = sample_batch(torch.stack([slot.next_logits for _, slot in order]),
                                         [slot.request for _, slot in order], [slot.generator for _, slot in order])
+        # The one device -> host read of the step is over; from here on the host only queues work.
         for (idx, slot), token, logprob in zip(order, tokens, logprobs):
             r = slot.request
             slot.generated += 1
@@ -98,9 +110,10 @@ class TorchEngine:
         if self._active:  # rows 0..n-1 after the releases: attention reads the cache in place
             cont = sorted(self._active.items())
             slots = torch.arange(len(cont), device=self.device)
-            pos = torch.tensor([[slot.length] for _, slot in cont], device=self.device)
-            ids = torch.tensor([[slot.pending] for _, slot in cont], device=self.device)
-            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, leading=True))
+            pos = _on(self.device, [[slot.length] for _, slot in cont], torch.int64)
+            ids = _on(self.device, [[slot.pending] for _, slot in cont], torch.int64)
+            span = max(slot.length for _, slot in cont) + 1
+            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, leading=True, span=span))
             for row, (_, slot) in enumerate(cont):
                 slot.length += 1
                 slot.next_logits = logits[row, -1].float()
@@ -135,18 +148,23 @@ def sample_batch(logits: torch.Tensor, requests: list[EngineRequest], generators
     Tempered log-softmax, then top-k and top-p on one descending sort, then an inverse-CDF draw
     with one uniform per row (from the row's own generator when the request is seeded).
     Greedy rows (temperature 0) take the argmax. Returns tokens and behaviour log-probs.
+
+    Everything runs on ``logits.device``; the tokens and log-probs come back to the host in one
+    transfer (one float64 [2, B] tensor: token ids are exact in float64, log-probs widen exactly).
     """
-    temps = torch.tensor([r.temperature for r in requests], dtype=logits.dtype)
+    device = logits.device
+    temps = _on(device, [r.temperature for r in requests], logits.dtype)
     greedy = temps == 0
     logprobs = torch.log_softmax(logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None], -1)
-    u = torch.stack([torch.rand((), generator=g) if g is not None else torch.rand(()) for g in generators])
+    u = torch.stack([torch.rand((), generator=g, device=device) if g is not None else torch.rand((), device=device)
+                     for g in generators])
     if any(r.top_k or r.top_p < 1.0 for r in requests):
         # Truncation needs the tokens in rank order: one descending sort for the whole batch.
         sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
         probs = sorted_lp.exp()
-        ranks = torch.arange(probs.shape[1])[None]
-        top_k = torch.tensor([r.top_k or probs.shape[1] for r in requests])[:, None]
-        top_p = torch.tensor([r.top_p for r in requests], dtype=probs.dtype)[:, None]
+        ranks = torch.arange(probs.shape[1], device=device)[None]
+        top_k = _on(device, [r.top_k or probs.shape[1] for r in requests], torch.int64)[:, None]
+        top_p = _on(device, [r.top_p for r in requests], probs.dtype)[:, None]
         before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each one
         probs = torch.where((ranks < top_k) & (before < top_p), probs, torch.zeros_like(probs))
     else:
@@ -157,4 +175,13 @@ def sample_batch(logits: torch.Tensor, requests: list[EngineRequest], generators
     tokens = (pick if order is None else order.gather(1, pick))[:, 0]
     tokens = torch.where(greedy, logprobs.argmax(-1), tokens)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    ids, lps = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()  # the one sync
+    return [int(t) for t in ids], lps
+
+
+def _on(device: torch.device, data: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on ``device``. To CUDA it goes by a pinned, non-blocking copy:
+    ``torch.tensor(..., device="cuda")`` waits for the GPU to finish its queued work first."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -19,13 +19,16 @@ class SlotCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def view(self, slots: torch.Tensor, positions: torch.Tensor, *, leading: bool = False) -> _View:
+    def view(self, slots: torch.Tensor, positions: torch.Tensor, *, leading: bool = False,
+             span: int | None = None) -> _View:
         """``slots`` [B]: the rows; ``positions`` [B, T]: where the T new tokens of each row go.
 
         ``leading``: the rows are exactly 0..B-1, in order, so attention reads the cache in place
-        (a view) instead of gathering a copy of B rows × S positions per layer.
+        (a view) instead of gathering a copy of B rows × S positions per layer. ``span``: the keys
+        attended over, 1 + the largest position, when the caller knows it; otherwise it is read
+        from ``positions``, which waits for the device (a sync on CUDA).
         """
-        return _View(self, slots, positions, leading)
+        return _View(self, slots, positions, leading, span)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (every layer)."""
@@ -34,10 +37,11 @@ class SlotCache:
 
 
 class _View:
-    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, leading: bool = False):
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, leading: bool = False,
+                 span: int | None = None):
         self.cache, self.slots, self.positions = cache, slots, positions
         self.rows = slice(0, len(slots)) if leading else slots
-        S = int(positions.max()) + 1
+        S = int(positions.max()) + 1 if span is None else span
         keys = torch.arange(S, device=positions.device)
         self.mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
         self.S = S

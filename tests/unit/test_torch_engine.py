@@ -1,12 +1,20 @@
 """The embedded engine: continuous batching changes nothing, abort + resume continues exactly,
-behaviour log-probs equal the learner's recomputation, weights swap between steps."""
+behaviour log-probs equal the learner's recomputation, weights swap between steps, a decode step
+reads back from the device once, and the engine runs on the device and dtype its config names."""
+
+import re
+import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from april_async.engines.base import EngineRequest
+from april_async.engines.config import TorchEngineConfig
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.testing.models import checkpoint
 
 CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
@@ -127,3 +135,129 @@ def test_requests_that_do_not_fit_are_refused_clearly():
     engine.submit(req(2, [1, 2], 4))
     with pytest.raises(RuntimeError, match="all 1 slots are busy"):
         engine.submit(req(3, [1, 2], 4))
+
+
+# ---------------------------------------------------------------- device -> host reads
+
+
+READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+"""The ``Tensor`` methods that bring a value to the host (each waits for the device on CUDA)."""
+
+
+@contextmanager
+def counting_reads(monkeypatch, counts: dict[str, int]):
+    """Count every call of a ``READS`` method while the block runs, by name."""
+    with monkeypatch.context() as patch:
+        for name in READS:
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(self, *args, _name=name, _original=original, **kwargs):
+                counts[_name] = counts.get(_name, 0) + 1
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, wrapper)
+        yield
+
+
+def test_a_decode_step_reads_back_from_the_device_once(monkeypatch):
+    """A mixed batch (seeded and unseeded, greedy and sampled, top-k and top-p) that requests join
+    and leave: every step reads the device once (ids and log-probs together), a prefill never."""
+    mix = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.8},
+           {"temperature": 1.0, "top_k": 5, "seed": 4}, {"temperature": 0.7, "top_p": 0.9},
+           {"temperature": 1.2, "top_k": 20, "top_p": 0.8, "seed": 5}]
+    joins = {0: [0, 1, 2], 2: [3], 4: [4, 5]}
+    engine = TorchEngine(model(), slots=6, max_seq_len=64)
+    per_step, per_submit = [], []
+    for k in range(12):
+        for i in joins.get(k, []):
+            counts: dict[str, int] = {}
+            with counting_reads(monkeypatch, counts):
+                engine.submit(req(i, [3 + i, 8, 1 + k], 4 + i, **mix[i]))
+            per_submit.append(counts)
+        counts = {}
+        with counting_reads(monkeypatch, counts):
+            outs = engine.step()
+        if outs:
+            per_step.append(counts)
+    assert len(per_step) == 12 and engine.active() < 6  # some finished, rows were compacted
+    assert all(c == {"tolist": 1} for c in per_step), per_step
+    assert not any(per_submit), per_submit
+
+
+def test_the_read_counter_sees_a_hidden_read(monkeypatch):
+    counts: dict[str, int] = {}
+    t = torch.arange(3)
+    with counting_reads(monkeypatch, counts):
+        if t.max() > 1:
+            int(t[0]), t.sum().item(), t.tolist()
+    assert counts == {"__bool__": 1, "__int__": 1, "item": 1, "tolist": 1}
+
+
+# ---------------------------------------------------------------- device and dtype
+
+
+@pytest.mark.parametrize("value", ["cuda:x", "gpu", "CPU", "cuda:"])
+def test_a_device_that_is_not_auto_cpu_or_cuda_is_refused_by_name(value):
+    with pytest.raises(ValidationError, match=re.escape(f"device {value!r} is not one of")):
+        TorchEngineConfig(device=value)
+
+
+def test_a_dtype_other_than_auto_float32_or_bfloat16_is_refused():
+    with pytest.raises(ValidationError, match="dtype"):
+        TorchEngineConfig(dtype="float16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only resolution; this host has CUDA")
+def test_auto_resolves_to_the_cpu_in_float32_and_cuda_fails_clearly_without_a_gpu(tmp_path):
+    checkpoint(tmp_path / "ckpt", 0)
+    engine = TorchEngine.from_config(TorchEngineConfig(checkpoint=str(tmp_path / "ckpt"), slots=2, max_seq_len=32))
+    assert engine.device == torch.device("cpu") and engine.cache.k.dtype == torch.float32
+    assert next(engine.model.parameters()).dtype == torch.float32
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=f"device '{device}': torch sees no CUDA device"):
+            TorchEngine.from_config(TorchEngineConfig(checkpoint=str(tmp_path / "ckpt"), device=device))
+
+
+def test_bfloat16_on_the_cpu_loads_and_decodes(tmp_path):
+    checkpoint(tmp_path / "ckpt", 0)
+    engine = TorchEngine.from_config(TorchEngineConfig(checkpoint=str(tmp_path / "ckpt"), device="cpu",
+                                                       dtype="bfloat16", slots=2, max_seq_len=32))
+    assert next(engine.model.parameters()).dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16
+    toks, lps, finish = run(engine, {0: [req(1, PROMPTS[1], 6, seed=1)]})[1]
+    assert len(toks) == 6 and finish == "length" and all(lp <= 0.0 for lp in lps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_in_bfloat16_decodes_with_one_synchronisation_per_step(tmp_path):
+    """On CUDA: ``auto`` is the GPU in bfloat16; a mixed batch decodes, seeded sampling repeats, and
+    torch's sync debug mode sees one synchronisation per step (hidden ones included)."""
+    checkpoint(tmp_path / "ckpt", 0)
+    cfg = TorchEngineConfig(checkpoint=str(tmp_path / "ckpt"), slots=4, max_seq_len=64)
+    engine = TorchEngine.from_config(cfg)
+    assert engine.device.type == "cuda" and engine.cache.k.dtype == torch.bfloat16
+    assert engine.cache.k.device == engine.device
+    joins = {0: [req(1, PROMPTS[1], 10, temperature=0.0), req(2, PROMPTS[2], 10, seed=2, top_k=50, top_p=0.9)],
+             2: [req(3, PROMPTS[3], 10, seed=3)]}
+    got = run(engine, joins)
+    assert all(len(t) == 10 and f == "length" for t, _, f in got.values())
+    assert all(0 <= t < 1000 for toks, _, _ in got.values() for t in toks)
+    assert all(lp <= 0.0 for _, lps, _ in got.values() for lp in lps)
+    assert run(TorchEngine.from_config(cfg), joins)[2] == got[2]  # seeded rows repeat on the GPU
+
+    engine = TorchEngine.from_config(cfg)
+    for r in joins[0] + joins[2]:
+        engine.submit(r)
+    engine.step()  # warm-up: first-use allocations may synchronise
+    torch.cuda.synchronize()
+    syncs = []
+    for _ in range(5):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+    assert all(n == 1 for n in syncs), syncs
