@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout: april_async is not installed
     sys.path.insert(0, str(ROOT))
 
-import msgpack  # noqa: E402
-import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
+import msgpack
+import msgspec
+import numpy as np
 
-from april_async.wire import codec  # noqa: E402
-from april_async.wire import messages as m  # noqa: E402
-from april_async.wire.version import PROTO_VERSION  # noqa: E402
+from april_async.wire import codec
+from april_async.wire import messages as m
+from april_async.wire.version import PROTO_VERSION
 
 SCHEMA_DIR = Path("proto/schemas")
 VECTOR_DIR = Path("proto/vectors")
@@ -81,6 +81,10 @@ FIELD_CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("SamplingParams", "temperature"): {"minimum": 0},
     ("SamplingParams", "top_p"): {"exclusiveMinimum": 0, "maximum": 1},
     ("SamplingParams", "top_k"): {"minimum": 0},
+    ("WeightsUpdate", "part"): {"minimum": 0},
+    ("WeightsUpdate", "parts"): {"minimum": 1},
+    ("WeightsUpdate", "offset"): {"minimum": 0},
+    ("WeightsUpdate", "total_bytes"): {"minimum": 0},
 }
 
 CROSS_FIELD_RULES: dict[str, str] = {
@@ -91,6 +95,7 @@ CROSS_FIELD_RULES: dict[str, str] = {
         "every sample's response slice lies inside response_tokens and its version counts sum to "
         "response_len"
     ),
+    "WeightsUpdate": "part < parts",
 }
 
 
@@ -343,6 +348,19 @@ VECTORS: list[Vector] = [
                                    m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
                data=np.frombuffer(np.asarray([1.0, 1.0, 0.5, -0.5, 0.25, 2.0], dtype="<f4").tobytes(), dtype="|u1")),
            msg_id="d000000000000003"),
+    Vector("weights_update_part0", "since 1.4: version 6 in 2 parts; part 0 carries the layout, the size and "
+           "bytes [0, 8)", "learner-0", 4, lambda: m.WeightsUpdate(
+               version=6, tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0),
+                                   m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
+               data=np.frombuffer(np.asarray([1.0, 0.5], dtype="<f4").tobytes(), dtype="|u1"),
+               parts=2, total_bytes=24),
+           msg_id="d000000000000004"),
+    Vector("weights_update_part1", "since 1.4: the last part of version 6: no layout, bytes [8, 24)",
+           "learner-0", 5, lambda: m.WeightsUpdate(
+               version=6, tensors=[],
+               data=np.frombuffer(np.asarray([0.25, -0.5, 2.0, 4.0], dtype="<f4").tobytes(), dtype="|u1"),
+               part=1, parts=2, offset=8),
+           msg_id="d000000000000005"),
     Vector("weights_announce", "the broadcaster asks rank 1 of a 3-process gloo group to receive version 5",
            "broadcaster", 2, lambda: m.WeightsAnnounce(
                version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo"),

@@ -7,6 +7,17 @@ Sessions. Learners and generators open sessions on the broadcaster's own hub wit
 each new version over once (``weights_update``); only the newest is kept, an older or equal one
 is ignored. A generator acknowledges each version with ``heartbeat`` ``policy_version``.
 
+Parts (protocol 1.4). A version may come as ``parts`` messages, consecutive byte ranges of its
+buffer. Part 0 (layout, ``total_bytes``) starts an assembly in a receive buffer, abandoning any
+unfinished one; each later part is copied in at its offset; the last one hands the whole buffer
+to the planner exactly as a one-part update. A part that does not fit the sequence (another
+version or part count, no part 0 before it, out of turn, a gap or an overlap, bytes past
+``total_bytes`` or a last part ending short of it, a layout in a later part) drops the assembly
+and is answered with ``error`` ``refused`` naming the field, once per version: that version's later
+parts are dropped unanswered. A ``total_bytes`` over ``max_update_bytes`` is ``too_large``. Receive
+buffers are reused between versions of one size: on nccl the one buffer (its bytes are copied to
+the GPU), on gloo two in turn (the held version's is read by the broadcast while the next arrives).
+
 A round, top to bottom (``tick``):
 
     need       some generator holds an older version than the one held;
@@ -52,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 from april_async.broadcaster.config import BroadcasterConfig
@@ -97,6 +109,29 @@ class Buffer:
     version: int
     tensors: list[m.TensorSpec]
     data: torch.Tensor
+    owned: np.ndarray | None = None
+    """The receive buffer that ``data`` views, when it was assembled here (to be reused)."""
+
+
+@dataclass
+class Assembly:
+    """A version arriving in parts: where its bytes go, and what must come next."""
+
+    sender: str
+    version: int
+    parts: int
+    tensors: list[m.TensorSpec]
+    data: np.ndarray  # total_bytes long; [0, filled) has arrived
+    filled: int = 0
+    next_part: int = 1
+
+
+class PartRefused(Exception):
+    """A ``weights_update`` part that does not fit the sequence: the error code and field to answer."""
+
+    def __init__(self, field: str, why: str, code: str = "refused"):
+        super().__init__(why)
+        self.field, self.why, self.code = field, why, code
 
 
 class _Job:
@@ -112,7 +147,7 @@ class _Job:
     def _run(self, fn, *args) -> None:
         try:
             self.result = fn(*args)
-        except BaseException as e:  # handed to the loop, which logs it and re-forms the group
+        except BaseException as e:  # noqa: BLE001 -- handed to the loop, which logs it and re-forms the group
             self.error = e
         finally:
             self._done.set()
@@ -181,6 +216,10 @@ class BroadcasterActor:
         self.links: dict[str, Link] = {}
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
+        self._job_buffer: Buffer | None = None  # what the job reads
+        self._assembly: Assembly | None = None  # a version arriving in parts
+        self._refused_parts: tuple[str, int] | None = None  # (sender, version) whose later parts are dropped
+        self._spare: np.ndarray | None = None  # a receive buffer free for the next assembly
         self._status_dirty = True
         self.broker = BrokerLink(cfg.name, broker_peer_factory, cfg.link.heartbeat_interval_s / 4)
         self.fanout: SGLangFanout | None = None  # made when the first SGLang generator says hello
@@ -230,13 +269,7 @@ class BroadcasterActor:
                           parent_id=msg.msg_id)
             return
         if isinstance(body, m.WeightsUpdate):
-            try:
-                check_layout(body.tensors, len(body.data))
-                layout_error = None
-            except ValueError as e:
-                layout_error = str(e)
-            self._apply(p.update(sender, body.version, body.tensors, len(body.data), layout_error, now),
-                        identity, msg)
+            self._update(sender, identity, msg, now)
         elif isinstance(body, m.Heartbeat):
             self._apply(p.heartbeat(sender, body.policy_version, now), identity, msg)
         elif isinstance(body, m.Bye):
@@ -248,14 +281,127 @@ class BroadcasterActor:
                                        message=f"the broadcaster does not take {msg.msg_type}"),
                        parent_id=msg.msg_id)
 
-    def _keep(self, version: int, body: m.WeightsUpdate) -> None:
+    # ------------------------------------------------------------------ updates, whole or in parts
+
+    def _update(self, sender: str, identity: bytes, msg, now: float) -> None:
+        body: m.WeightsUpdate = msg.body
+        try:
+            if body.part == 0:
+                self._drop_assembly("superseded", by=body.version)
+                self._refused_parts = None
+                if body.parts == 1:  # the whole version in one message: no copy
+                    if body.offset != 0:
+                        raise PartRefused("offset", f"part 0 starts at offset {body.offset}, not 0")
+                    if body.total_bytes not in (0, len(body.data)):
+                        raise PartRefused("total_bytes", f"total_bytes {body.total_bytes} but the one part "
+                                                         f"has {len(body.data)} bytes")
+                    self._complete(sender, body.version, body.tensors, body.data, False, identity, msg, now)
+                    return
+                self._start_assembly(sender, body)
+            elif self._refused_parts == (sender, body.version):  # refused once: the rest goes unanswered
+                self.log.debug("update_part_dropped", version=body.version, part=body.part, learner=sender)
+            else:
+                a = self._continue_assembly(sender, body)
+                if a is not None:
+                    self._assembly = None
+                    self._complete(sender, a.version, a.tensors, a.data, True, identity, msg, now)
+        except PartRefused as e:
+            if self._assembly is not None and self._assembly.sender == sender:
+                self._drop_assembly("refused")
+            self._refused_parts = (sender, body.version)
+            self.log.warning("update_part_refused", version=body.version, part=body.part, parts=body.parts,
+                             field=e.field, error=e.why, learner=sender)
+            why = f"weights_update {body.version} part {body.part} of {body.parts}: {e.why}"[:500]
+            self._send(sender, m.Error(code=e.code, message=why, field=f"$.body.{e.field}"), parent_id=msg.msg_id)
+
+    def _start_assembly(self, sender: str, body: m.WeightsUpdate) -> None:
+        total = body.total_bytes or len(body.data)
+        if body.offset != 0:
+            raise PartRefused("offset", f"part 0 starts at offset {body.offset}, not 0")
+        if total > self.cfg.max_update_bytes:
+            raise PartRefused("total_bytes", f"total_bytes {total} is over the broadcaster's max_update_bytes "
+                                             f"{self.cfg.max_update_bytes}", code="too_large")
+        if len(body.data) > total:
+            raise PartRefused("data", f"bytes [0, {len(body.data)}) run past total_bytes {total}")
+        a = Assembly(sender, body.version, body.parts, list(body.tensors), self._buffer(total))
+        a.data[: len(body.data)] = body.data
+        a.filled = len(body.data)
+        self._assembly = a
+
+    def _continue_assembly(self, sender: str, body: m.WeightsUpdate) -> Assembly | None:
+        """Copy a later part in; the assembly when it is complete."""
+        a = self._assembly
+        if a is None or a.sender != sender:
+            raise PartRefused("part", f"no part 0 of version {body.version} came before")
+        if body.version != a.version:
+            raise PartRefused("version", f"version {body.version} while version {a.version} is being assembled")
+        if body.parts != a.parts:
+            raise PartRefused("parts", f"parts {body.parts}, but part 0 of version {a.version} said {a.parts}")
+        if body.part != a.next_part:
+            raise PartRefused("part", f"part {body.part} out of turn: part {a.next_part} comes next")
+        if body.tensors:
+            raise PartRefused("tensors", "only part 0 carries the layout")
+        if body.offset > a.filled:
+            raise PartRefused("offset", f"offset {body.offset} leaves a gap: bytes [{a.filled}, {body.offset}) "
+                                        f"never came")
+        if body.offset < a.filled:
+            raise PartRefused("offset", f"offset {body.offset} overlaps bytes [{body.offset}, {a.filled}) "
+                                        f"that came before")
+        end = body.offset + len(body.data)
+        total = len(a.data)
+        if end > total:
+            raise PartRefused("data", f"bytes [{body.offset}, {end}) run past total_bytes {total}")
+        if body.part == a.parts - 1 and end != total:
+            raise PartRefused("data", f"the last part ends at byte {end}, short of total_bytes {total}")
+        a.data[body.offset:end] = body.data
+        a.filled, a.next_part = end, a.next_part + 1
+        return a if body.part == a.parts - 1 else None
+
+    def _complete(self, sender: str, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool,
+                  identity: bytes, msg, now: float) -> None:
+        """A whole version is in hand: the planner decides, as for any update."""
+        try:
+            check_layout(tensors, len(data))
+            layout_error = None
+        except ValueError as e:
+            layout_error = str(e)
+        effects = self.planner.update(sender, version, tensors, len(data), layout_error, now)
+        self._apply(effects, identity, msg, update=(tensors, data, owned))
+        if owned and not any(isinstance(e, Keep) for e in effects):
+            self._spare = data  # ignored or refused: the buffer is free again
+
+    def _drop_assembly(self, reason: str, **fields) -> None:
+        a, self._assembly = self._assembly, None
+        if a is None:
+            return
+        self._spare = a.data
+        if reason != "refused":  # a refusal logs itself
+            self.log.warning("assembly_abandoned", version=a.version, parts_received=a.next_part, parts=a.parts,
+                             reason=reason, **fields)
+
+    def _buffer(self, num_bytes: int) -> np.ndarray:
+        """A receive buffer: the spare one when it has this size and no collective reads it."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.nbytes == num_bytes:
+            job = self._job_buffer
+            if job is None or job.owned is not spare:
+                return spare
+            self._spare = spare  # still broadcast from: kept for later
+        return np.empty(num_bytes, dtype=np.uint8)
+
+    def _keep(self, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool) -> None:
         """The update in hand is held: its bytes as a tensor (on the GPU for nccl)."""
         with warnings.catch_warnings():  # a read-only view of the received frame; rank 0 only reads it
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(body.data)
+            held = torch.from_numpy(data)
+        replaced = self.held
         if self.backend == "nccl":
-            data = data.to(self.group.device or torch.device("cuda", torch.cuda.current_device()))
-        self.held = Buffer(version, list(body.tensors), data)
+            held = held.to(self.group.device or torch.device("cuda", torch.cuda.current_device()))
+            if owned:
+                self._spare, owned = data, False  # copied to the GPU: the receive buffer is free again
+        self.held = Buffer(version, list(tensors), held, data if owned else None)
+        if replaced is not None and replaced.owned is not None:
+            self._spare = replaced.owned  # reused once no collective reads it (``_buffer``)
 
     def _send(self, name: str, body: m.Body, parent_id: str | None = None) -> None:
         link = self.links.get(name)
@@ -264,8 +410,9 @@ class BroadcasterActor:
 
     # ------------------------------------------------------------------ effects
 
-    def _apply(self, effects, identity: bytes | None = None, msg=None) -> None:
-        """Carry out the planner's effects in order; ``identity``/``msg``: the message in hand."""
+    def _apply(self, effects, identity: bytes | None = None, msg=None, update=None) -> None:
+        """Carry out the planner's effects in order; ``identity``/``msg``: the message in hand;
+        ``update``: ``(tensors, data, owned)`` of the whole version in hand, for ``Keep``."""
         for e in effects:
             if isinstance(e, Send):
                 self._send(e.name, e.body, parent_id=msg.msg_id if e.reply and msg is not None else None)
@@ -280,7 +427,7 @@ class BroadcasterActor:
             elif isinstance(e, Reply):
                 self.hub.send(identity, e.body, parent_id=msg.msg_id)
             elif isinstance(e, Keep):
-                self._keep(e.version, msg.body)
+                self._keep(e.version, *update)
             elif isinstance(e, StartCollective):
                 self._start(e)
             elif isinstance(e, Publish):
@@ -293,6 +440,7 @@ class BroadcasterActor:
         if held is None or held.version != e.version:
             raise RuntimeError(f"the planner started version {e.version}; the bytes held are of "
                                f"{held.version if held else None}")
+        self._job_buffer = held
         self.job = _Job(self._collective, e.root, held, e.bucket_bytes, e.rejoin, e.servers)
 
     def _collective(self, spec: m.GroupSpec | None, held: Buffer, bucket_bytes: int, rejoin: bool,
@@ -325,7 +473,7 @@ class BroadcasterActor:
             if now - link.last_sent >= self.cfg.link.heartbeat_interval_s:
                 self._send(name, m.Heartbeat(policy_version=p.held_version))
         if self.job is not None and self.job.done:
-            job, self.job = self.job, None
+            job, self.job, self._job_buffer = self.job, None, None
             if job.error is not None:  # a bug, not a failed collective: every member counts as failed
                 self._apply(p.collective_finished(now, error=f"{type(job.error).__name__}: {job.error}"))
             else:

@@ -44,9 +44,9 @@ class BroadcasterConfig(BaseModel):
     link: LinkConfig = LinkConfig()
     """Where the broker is, and the heartbeat timing of both the broker link and the hub."""
     max_update_bytes: int = Field(1 << 34, ge=1024)
-    """The hub's message size limit (``max_message_bytes``): a ``weights_update`` carries every
-    weight of a version in one message, so this bounds the model size (16 GiB: 8B parameters in
-    bfloat16; a 300M float32 model is 1.2 GB)."""
+    """The largest version (``total_bytes`` of a hand-off in parts) and the hub's message size limit
+    (``max_message_bytes``): a one-part ``weights_update`` carries every weight in one message, so
+    this bounds the model size (16 GiB: 8B parameters in bfloat16; a 300M float32 model is 1.2 GB)."""
     store_host: str = "127.0.0.1"
     """The address at which generators reach the TCPStore this process hosts (rendezvous). The
     store itself listens on every interface (torch's TCPStore has no bind address)."""

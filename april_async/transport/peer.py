@@ -14,6 +14,9 @@
   then (no connection was ever made — a refused CurveZMQ handshake leaves none — or the queue is
   full) is dropped and logged (``send_dropped``). What matters is sent again after the reconnect
   that follows, as after any lost connection.
+- ``send(..., track=True)`` keeps the message's ``zmq.MessageTracker`` in ``last_tracker`` (None
+  when the message was dropped): done once ZeroMQ no longer references the bytes of the
+  message's last frame, so that their owner may change them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Peer:
         self.reconnects = 0
         self.seq = 0  # never reset: see the module docstring
         self.dropped = 0  # messages send() could not queue
+        self.last_tracker: zmq.MessageTracker | None = None  # of the last send(track=True)
         self._connect()
 
     def _connect(self) -> None:
@@ -63,11 +67,15 @@ class Peer:
         self.last_recv = self.last_send = self.last_hello = now
         self.on_connect(self)
 
-    def send(self, body: m.Body, parent_id: str | None = None) -> int:
-        """Send one message; returns its ``seq``."""
+    def send(self, body: m.Body, parent_id: str | None = None, *, track: bool = False) -> int:
+        """Send one message; returns its ``seq``. ``track``: see the module docstring."""
         self.seq += 1
+        self.last_tracker = None
         try:
-            self.sock.send_multipart(encode(body, sender=self.sender, seq=self.seq, parent_id=parent_id), copy=False)
+            tracker = self.sock.send_multipart(encode(body, sender=self.sender, seq=self.seq, parent_id=parent_id),
+                                               copy=False, track=track)
+            if track:
+                self.last_tracker = tracker
         except zmq.Again:  # not queued within peer_timeout_s: the hub is unreachable or refuses us
             self.dropped += 1
             self.log.warning("send_dropped", msg_type=body.msg_type, endpoint=self.endpoint, dropped=self.dropped)

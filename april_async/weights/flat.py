@@ -3,9 +3,11 @@
 This is the layout of ``weights_update`` and ``weights_announce`` (``proto/SPEC.md``): every
 tensor's bytes, in native little-endian order, at the byte ``offset`` its ``TensorSpec`` names.
 
-- ``flatten`` copies a state dict into one new contiguous buffer (the only copy the hand-off
-  makes). Each offset is rounded up to the tensor's element size, so a state dict of one dtype
-  is packed back to back, and every tensor can later be viewed in place.
+- ``layout`` places named tensors (name, dtype, shape) in a buffer without touching their bytes:
+  each offset is rounded up to the tensor's element size, so a state dict of one dtype is packed
+  back to back, and every tensor can later be viewed in place.
+- ``flatten`` copies a state dict into one new contiguous buffer laid out by ``layout`` (the only
+  copy the hand-off makes).
 - ``unflatten`` returns views into the buffer (no copy), with the dtype and shape of each spec.
   A tensor whose offset is not a multiple of its element size (another implementation may pack
   without padding) cannot be viewed and is copied out instead. A layout that does not fit the
@@ -13,13 +15,16 @@ tensor's bytes, in native little-endian order, at the byte ``offset`` its ``Tens
   ``ValueError`` naming the tensor.
 - ``buckets`` cuts ``num_bytes`` into consecutive ``bucket_bytes`` ranges (the last one shorter):
   the pieces the broadcaster sends one collective at a time.
+- ``tensor_buckets`` cuts a layout at tensor boundaries instead, into ranges of whole tensors: the
+  parts of a ``weights_update`` that a sharded learner gathers and sends one at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -37,17 +42,24 @@ def _nbytes(spec: TensorSpec, dtype: torch.dtype) -> int:
     return math.prod(spec.shape) * dtype.itemsize
 
 
-def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], torch.Tensor]:
-    """Copy every tensor of ``state_dict`` into one new 1-D uint8 CPU buffer; returns its layout too."""
+def layout(items: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[list[TensorSpec], int]:
+    """Where each ``(name, dtype, shape)`` lies in a flat buffer, in the given order, and the
+    buffer's size: each offset rounded up to the dtype's size (a view later needs it)."""
     specs: list[TensorSpec] = []
     offset = 0
-    for name, t in state_dict.items():
-        if t.dtype not in _NAMES:
-            raise ValueError(f"tensor {name!r} has dtype {t.dtype}; the weights wire carries {sorted(DTYPES)}")
-        offset = -(-offset // t.element_size()) * t.element_size()  # aligned: a view later needs it
-        specs.append(TensorSpec(name, _NAMES[t.dtype], list(t.shape), offset))
-        offset += t.numel() * t.element_size()
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    for name, dtype, shape in items:
+        if dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}; the weights wire carries {sorted(DTYPES)}")
+        offset = -(-offset // dtype.itemsize) * dtype.itemsize
+        specs.append(TensorSpec(name, _NAMES[dtype], list(shape), offset))
+        offset += math.prod(shape) * dtype.itemsize
+    return specs, offset
+
+
+def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], torch.Tensor]:
+    """Copy every tensor of ``state_dict`` into one new 1-D uint8 CPU buffer; returns its layout too."""
+    specs, num_bytes = layout((name, t.dtype, t.shape) for name, t in state_dict.items())
+    buffer = torch.empty(num_bytes, dtype=torch.uint8)
     for spec, t in zip(specs, state_dict.values(), strict=True):
         n = t.numel() * t.element_size()
         if n:
@@ -73,7 +85,7 @@ def check_layout(specs: list[TensorSpec], num_bytes: int) -> None:
         if end > spec.offset:
             spans.append((spec.offset, end, spec.name))
     spans.sort()
-    for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
+    for (_, a_end, a), (b_start, _, b) in itertools.pairwise(spans):
         if b_start < a_end:
             raise ValueError(f"tensor {b!r} (from byte {b_start}) overlaps tensor {a!r} (to byte {a_end})")
 
@@ -100,3 +112,34 @@ def buckets(num_bytes: int, bucket_bytes: int) -> Iterator[tuple[int, int]]:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     for start in range(0, num_bytes, bucket_bytes):
         yield start, min(start + bucket_bytes, num_bytes)
+
+
+def tensor_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[tuple[int, int, list[int]]]:
+    """The layout ``specs`` cut at tensor boundaries: consecutive ``(start, stop, indices)`` byte
+    ranges covering ``[0, end of the last tensor)``, each holding the specs (by index into
+    ``specs``) that lie wholly inside it.
+
+    Greedy, in offset order: a range takes tensors while it stays within ``bucket_bytes``; a
+    range over ``bucket_bytes`` holds one tensor alone (one bigger than a bucket, or within a few
+    bytes of it with its padding). The alignment padding before a tensor belongs to the range
+    that holds the tensor, so every range starts where the one before it stops. Overlapping
+    tensors (``check_layout``) are not cut apart and are not checked here."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    out: list[tuple[int, int, list[int]]] = []
+    start = stop = 0
+    inside: list[int] = []
+    for i in sorted(range(len(specs)), key=lambda i: specs[i].offset):
+        spec = specs[i]
+        dtype = DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {spec.name!r} has dtype {spec.dtype!r}; known: {sorted(DTYPES)}")
+        end = spec.offset + _nbytes(spec, dtype)
+        if inside and max(stop, end) - start > bucket_bytes:
+            out.append((start, stop, inside))
+            start, inside = stop, []
+        inside.append(i)
+        stop = max(stop, end)
+    if inside:
+        out.append((start, stop, inside))
+    return out

@@ -19,7 +19,6 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
-
 # Dtypes of bulk arrays on the wire: little-endian, fixed width.
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -335,13 +334,25 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
 
 
 class WeightsUpdate(Body):
-    """learner → broadcaster: every weight of policy ``version``, flattened into one byte buffer."""
+    """learner → broadcaster: every weight of policy ``version``, flattened into one byte buffer,
+    in one message or (since 1.4) in ``parts`` messages sent in order, each the next byte range."""
 
     msg_type: ClassVar[str] = "weights_update"
     bulk_fields: ClassVar[dict[str, np.dtype]] = {"data": BYTES_DTYPE}
     version: int
-    tensors: list[TensorSpec]
-    data: np.ndarray
+    tensors: list[TensorSpec]  # the whole layout in part 0; [] in every later part
+    data: np.ndarray  # bytes [offset, offset + len(data)) of the version's buffer
+    part: int = 0  # since 1.4: this message's index, 0 .. parts - 1
+    parts: int = 1  # since 1.4: how many messages carry the version
+    offset: int = 0  # since 1.4: where ``data`` starts in the version's buffer
+    total_bytes: int = 0  # since 1.4, part 0: the buffer's size; 0 means len(data) (one part)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.parts < 1 or not 0 <= self.part < self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts must be >= 1 and 0 <= part < parts")
+        if self.offset < 0 or self.total_bytes < 0:
+            raise ValueError(f"offset and total_bytes must be >= 0, got {self.offset}, {self.total_bytes}")
 
 
 class GroupSpec(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,6 +1,6 @@
 """The weight broadcaster end to end: a real broadcaster process (``april broadcaster``), real
-generator-side processes (a ``WeightSubscriber`` over a recording engine, started from this file:
-``python -m tests.integration.test_broadcaster member ...``), real gloo groups over loopback; the
+generator-side processes (a ``WeightSubscriber`` over a recording engine, started from the testing
+kit: ``python -m april_async.testing.weights member ...``), real gloo groups over loopback; the
 test process plays the learner (a ``Peer`` on the broadcaster's hub) and the broker (a ``Hub``).
 
 Also: ``WeightGroup`` on its own, with real gloo groups between threads of this process.
@@ -8,169 +8,18 @@ Also: ``WeightGroup`` on its own, with real gloo groups between threads of this 
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, Weights, digest, policy
 from april_async.weights.flat import flatten
 from april_async.weights.group import GroupError, WeightGroup
-from april_async.config import LinkConfig
-from april_async.transport.peer import Peer
 from april_async.wire import messages as m
-from april_async.testing.cluster import FAST_LINK, Cluster
-from april_async.testing.procs import free_port
-from april_async.testing.fake_broker import FakeBroker
-
-TIMEOUT_S = 4.0  # the broadcaster's collective / ack limit in these tests
-LINK = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
-
-
-def digest(state: dict[str, torch.Tensor]) -> str:
-    """Names, dtypes, shapes and bytes of a state dict, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def policy(version: int) -> dict[str, torch.Tensor]:
-    """A small random policy, different for every version; float32 and bfloat16 (~1.3 MB)."""
-    g = torch.Generator().manual_seed(1000 + version)
-    return {
-        "embed.weight": torch.randn(256, 512, generator=g),
-        "layers.0.mlp.weight": torch.randn(512, 512, generator=g).to(torch.bfloat16),
-        "norm.weight": torch.randn(511, generator=g).to(torch.bfloat16),  # odd: the next offset needs padding
-        "lm_head.bias": torch.randn(7, generator=g),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The generator side, as its own process
-
-
-class RecordingEngine:
-    """Stands in for an inference engine: appends what it loads to a JSON-lines file."""
-
-    def __init__(self, out: Path):
-        self.policy_version = 0
-        self.out = out
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        line = {"version": version, "digest": digest(state_dict), "pid": os.getpid()}
-        with self.out.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-        self.policy_version = version
-
-
-def member_main(argv: list[str]) -> int:
-    from april_async.weights.subscriber import WeightSubscriber
-    from april_async.logs import configure
-    from april_async.runtime import StopFlag
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--name", required=True)
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    stop = StopFlag()
-    configure(level="debug")
-    sub = WeightSubscriber(args.name, args.endpoint, LINK, RecordingEngine(args.out))
-    while not stop:
-        sub.poll(0.05)
-    sub.close()
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# The test process: learner and broker
-
-
-class Weights:
-    """The cluster of this test: broadcaster + members + learner peer + fake broker."""
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.cluster = Cluster(tmp)
-        self.broker = FakeBroker(LINK)
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.status_file = tmp / "broadcaster.json"
-        self.learner: Peer | None = None
-
-    def start_broadcaster(self) -> None:
-        self.cluster.start("broadcaster", "broadcaster", {
-            "name": "broadcaster", "bind": self.endpoint, "link.broker": self.broker.hub.endpoint, **FAST_LINK,
-            "store_port": free_port(), "backend": "gloo", "bucket_mb": 0.25, "timeout_s": TIMEOUT_S,
-            "status_file": str(self.status_file)})
-
-    def start_member(self, name: str):
-        import subprocess
-
-        log = self.tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "tests.integration.test_broadcaster", "member", "--name", name,
-               "--endpoint", self.endpoint, "--out", str(self.loads_file(name))]
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=Path(__file__).parents[2])
-        self.cluster.procs[name], self.cluster.logs[name] = proc, log
-        return proc
-
-    def loads_file(self, name: str) -> Path:
-        return self.tmp / f"{name}.loads.jsonl"
-
-    def loads(self, name: str) -> list[dict]:
-        path = self.loads_file(name)
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def connect_learner(self) -> None:
-        def hello(peer):
-            peer.send(m.Hello(role="learner", instance="learner-0", policy_version=0))
-
-        self.learner = Peer(self.endpoint, "learner-0", link=LINK, on_connect=hello)
-
-    def send_version(self, version: int) -> str:
-        specs, buf = flatten(policy(version))
-        self.learner.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()))
-        return digest(policy(version))
-
-    def status(self) -> dict:
-        try:
-            return json.loads(self.status_file.read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
-
-    def wait(self, what: str, cond, timeout_s: float = 25.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}; status {self.status()}\n"
-                                     f"{self.cluster.dump_logs()}")
-            self.broker.pump(0.05)
-            if self.learner is not None:
-                while self.learner.poll(0.0) is not None:
-                    pass
-            self.cluster.assert_alive()
-
-    def holds(self, name: str, version: int, expect: str) -> bool:
-        got = self.loads(name)
-        return bool(got) and got[-1]["version"] == version and got[-1]["digest"] == expect
-
-    def close(self) -> dict[str, int]:
-        if self.learner is not None:
-            self.learner.send(m.Bye(reason="done"))
-            self.learner.close()
-        codes = self.cluster.stop_all()
-        self.broker.hub.close()
-        return codes
 
 
 @pytest.fixture
@@ -265,6 +114,9 @@ def test_a_restarted_broadcaster_serves_the_same_generators(weights):
     w.status_file.unlink()
     w.start_broadcaster()  # same endpoint, a new store port: generators learn it from the announce
     w.wait("gen-0 back with version 1", lambda: w.status().get("members", {}).get("gen-0") == 1)
+    # The learner's session is new too (a real learner hands its version over again then); an
+    # update sent before its hello reaches the new broadcaster would be refused as sessionless.
+    w.wait("the learner's new session", lambda: w.learner_sessions >= 2)
     v2 = w.send_version(2)
     w.wait("version 2 after the restart", lambda: w.holds("gen-0", 2, v2))
     w.wait("published 2", lambda: 2 in w.broker.published)
@@ -413,7 +265,7 @@ def _round(root: WeightGroup, members: list[WeightGroup], epoch: int, data: torc
             buf = torch.empty(sizes[i] if sizes else data.numel(), dtype=torch.uint8)
             members[i].broadcast(buf, bucket, tag=epoch)
             got[i] = buf
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- returned to the caller, which checks its type
             got[i] = e
 
     threads = [threading.Thread(target=member, args=(i,)) for i in range(len(members))]
@@ -497,8 +349,3 @@ def test_nccl_broadcast_between_two_gpus():
         member.close()
         root.close()
 
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["member"]:
-        sys.exit(member_main(sys.argv[2:]))
-    sys.exit(f"usage: python -m {__spec__.name if __spec__ else __file__} member --name N --endpoint E --out F")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from april_async.weights.flat import DTYPES, buckets, check_layout, flatten, unflatten
+from april_async.weights.flat import DTYPES, buckets, check_layout, flatten, layout, tensor_buckets, unflatten
 from april_async.wire import messages as m
 from april_async.wire.codec import decode, encode
 
@@ -28,9 +31,9 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert list(a) == list(b)
-    for name in a:
-        assert b[name].dtype == a[name].dtype and b[name].shape == a[name].shape, name
-        assert torch.equal(a[name], b[name]), name
+    for name, t in a.items():
+        assert b[name].dtype == t.dtype and b[name].shape == t.shape, name
+        assert torch.equal(t, b[name]), name
 
 
 def test_round_trip_mixed_dtypes_returns_views():
@@ -126,7 +129,7 @@ def test_buckets_cover_the_buffer_in_order(num_bytes, bucket_bytes):
     assert [a for a, _ in ranges] == list(range(0, num_bytes, bucket_bytes))
     assert all(0 < b - a <= bucket_bytes for a, b in ranges)
     assert sum(b - a for a, b in ranges) == num_bytes
-    assert all(b == a2 for (_, b), (a2, _) in zip(ranges, ranges[1:]))
+    assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(ranges))
 
 
 def test_buckets_refuse_a_zero_size():
@@ -141,3 +144,90 @@ def test_round_trip_any_layout(entries):
     specs, buf = flatten(sd)
     check_layout(specs, buf.numel())
     _same(sd, unflatten(specs, buf))
+
+
+# ---------------------------------------------------------------------------------------------
+# layout and tensor_buckets: the parts of a hand-off
+
+
+def test_layout_is_the_layout_flatten_makes():
+    sd = _state(5)
+    specs, buf = flatten(sd)
+    assert layout((name, t.dtype, t.shape) for name, t in sd.items()) == (specs, buf.numel())
+
+
+def test_layout_aligns_each_offset_to_its_dtype():
+    specs, total = layout([("a", torch.bfloat16, (3,)), ("b", torch.float32, [2]), ("c", torch.float16, (5,)),
+                           ("d", torch.float32, (0, 7)), ("e", torch.bfloat16, ())])
+    assert [(s.name, s.dtype, s.shape, s.offset) for s in specs] == [
+        ("a", "bfloat16", [3], 0), ("b", "float32", [2], 8), ("c", "float16", [5], 16), ("d", "float32", [0, 7], 28),
+        ("e", "bfloat16", [], 28)]
+    assert total == 30
+
+
+def test_layout_refuses_a_dtype_by_name():
+    with pytest.raises(ValueError, match="'steps'.*torch.int64"):
+        layout([("w", torch.float32, (2,)), ("steps", torch.int64, (1,))])
+
+
+def _specs(entries: list[tuple[str, list[int]]]) -> list[m.TensorSpec]:
+    return layout((f"t{i}", DTYPES[dt], shape) for i, (dt, shape) in enumerate(entries))[0]
+
+
+@pytest.mark.parametrize("entries, bucket, want", [
+    # one dtype, 16 bytes each: two per bucket of 32
+    ([("float32", [4])] * 5, 32, [(0, 32, [0, 1]), (32, 64, [2, 3]), (64, 80, [4])]),
+    # a tensor bigger than a bucket stands alone; the small ones around it are grouped
+    ([("float32", [1]), ("float32", [100]), ("float32", [1]), ("float32", [1])], 16,
+     [(0, 4, [0]), (4, 404, [1]), (404, 412, [2, 3])]),
+    # the padding before b (bytes 6..8) belongs to b's range
+    ([("bfloat16", [3]), ("float32", [2]), ("float16", [5])], 8, [(0, 6, [0]), (6, 16, [1]), (16, 26, [2])]),
+    ([("bfloat16", [3]), ("float32", [2]), ("float16", [5])], 16, [(0, 16, [0, 1]), (16, 26, [2])]),
+    ([("bfloat16", [3]), ("float32", [2]), ("float16", [5])], 26, [(0, 26, [0, 1, 2])]),
+    # empty tensors go with the range they sit in
+    ([("float32", [0]), ("float32", [2]), ("float32", [0, 3]), ("float32", [2])], 8,
+     [(0, 8, [0, 1, 2]), (8, 16, [3])]),
+    ([], 8, []),
+])
+def test_tensor_buckets_cases(entries, bucket, want):
+    assert tensor_buckets(_specs(entries), bucket) == want
+
+
+def test_tensor_buckets_refuse_a_zero_size():
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
+        tensor_buckets(_specs([("float32", [1])]), 0)
+
+
+@given(st.lists(st.tuples(st.sampled_from(sorted(DTYPES)), st.lists(st.integers(0, 6), max_size=3)), max_size=12),
+       st.integers(1, 400))
+def test_tensor_buckets_cut_whole_tensors_greedily(entries, bucket):
+    specs = _specs(entries)
+    total = layout((f"t{i}", DTYPES[dt], shape) for i, (dt, shape) in enumerate(entries))[1]
+    ranges = tensor_buckets(specs, bucket)
+    # consecutive ranges covering [0, total), every tensor in exactly one, wholly inside it
+    assert [a for a, _, _ in ranges] == [0, *(b for _, b, _ in ranges[:-1])][: len(ranges)]
+    assert (ranges[-1][1] if ranges else 0) == total
+    assert sorted(i for _, _, idx in ranges for i in idx) == list(range(len(specs)))
+    for start, stop, idx in ranges:
+        assert idx and start <= stop
+        for i in idx:
+            s = specs[i]
+            assert start <= s.offset and s.offset + math.prod(s.shape) * DTYPES[s.dtype].itemsize <= stop
+        if len(idx) > 1:
+            assert stop - start <= bucket
+        if stop > start:  # a range ends where its last tensor ends
+            assert max(specs[i].offset + math.prod(specs[i].shape) * DTYPES[specs[i].dtype].itemsize
+                       for i in idx) == stop
+    # greedy: the next range's first tensor would not have fitted in the range before
+    for (start, _, _), (_, _, nxt) in itertools.pairwise(ranges):
+        s = specs[nxt[0]]
+        assert s.offset + math.prod(s.shape) * DTYPES[s.dtype].itemsize - start > bucket
+
+
+def test_tensor_buckets_cut_a_real_state_dict_into_parts_that_rebuild_it():
+    sd = _state(7)
+    specs, buf = flatten(sd)
+    ranges = tensor_buckets(specs, 40)
+    assert len(ranges) > 2
+    rebuilt = torch.cat([buf[a:b] for a, b, _ in ranges])
+    assert torch.equal(rebuilt, buf)

@@ -1,0 +1,180 @@
+"""The weight broadcaster's test cluster, for the integration tests of the broadcaster and of
+weights handed over in parts: a real broadcaster process (``april broadcaster``), real
+generator-side member processes (a ``WeightSubscriber`` over a ``RecordingEngine``, started from
+this module: ``python -m april_async.testing.weights member ...``), and in the test process the
+learner (a ``Peer`` on the broadcaster's hub) and the broker (a ``FakeBroker``). Also a small
+random ``policy`` per version and the ``digest`` that compares what the members loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from april_async.config import LinkConfig
+from april_async.testing.cluster import FAST_LINK, Cluster
+from april_async.testing.fake_broker import FakeBroker
+from april_async.testing.procs import ROOT, free_port
+from april_async.transport.peer import Peer
+from april_async.weights.flat import flatten
+from april_async.wire import messages as m
+
+TIMEOUT_S = 4.0  # the broadcaster's collective / ack limit in these tests
+LINK = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """Names, dtypes, shapes and bytes of a state dict, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def policy(version: int) -> dict[str, torch.Tensor]:
+    """A small random policy, different for every version; float32 and bfloat16 (~1.3 MB)."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        "embed.weight": torch.randn(256, 512, generator=g),
+        "layers.0.mlp.weight": torch.randn(512, 512, generator=g).to(torch.bfloat16),
+        "norm.weight": torch.randn(511, generator=g).to(torch.bfloat16),  # odd: the next offset needs padding
+        "lm_head.bias": torch.randn(7, generator=g),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator side, as its own process
+
+
+class RecordingEngine:
+    """Stands in for an inference engine: appends what it loads to a JSON-lines file."""
+
+    def __init__(self, out: Path):
+        self.policy_version = 0
+        self.out = out
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        line = {"version": version, "digest": digest(state_dict), "pid": os.getpid()}
+        with self.out.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.policy_version = version
+
+
+def member_main(argv: list[str]) -> int:
+    """A generator-side member: a ``WeightSubscriber`` over a ``RecordingEngine`` until SIGTERM
+    (``python -m april_async.testing.weights member --name N --endpoint E --out F``)."""
+    from april_async.logs import configure
+    from april_async.runtime import StopFlag
+    from april_async.weights.subscriber import WeightSubscriber
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--name", required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    stop = StopFlag()
+    configure(level="debug")
+    sub = WeightSubscriber(args.name, args.endpoint, LINK, RecordingEngine(args.out))
+    while not stop:
+        sub.poll(0.05)
+    sub.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The test process: learner and broker
+
+
+class Weights:
+    """The cluster of a broadcaster test: broadcaster + members + learner peer + fake broker."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.cluster = Cluster(tmp)
+        self.broker = FakeBroker(LINK)
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.status_file = tmp / "broadcaster.json"
+        self.learner: Peer | None = None
+
+    def start_broadcaster(self) -> None:
+        self.cluster.start("broadcaster", "broadcaster", {
+            "name": "broadcaster", "bind": self.endpoint, "link.broker": self.broker.hub.endpoint, **FAST_LINK,
+            "store_port": free_port(), "backend": "gloo", "bucket_mb": 0.25, "timeout_s": TIMEOUT_S,
+            "status_file": str(self.status_file)})
+
+    def start_member(self, name: str):
+        """A member process (``member_main``) named ``name``, its loads in ``loads_file(name)``."""
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "april_async.testing.weights", "member", "--name", name,
+               "--endpoint", self.endpoint, "--out", str(self.loads_file(name))]
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+        self.cluster.procs[name], self.cluster.logs[name] = proc, log
+        return proc
+
+    def loads_file(self, name: str) -> Path:
+        return self.tmp / f"{name}.loads.jsonl"
+
+    def loads(self, name: str) -> list[dict]:
+        path = self.loads_file(name)
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def connect_learner(self) -> None:
+        self.learner_sessions = 0
+
+        def hello(peer):
+            peer.send(m.Hello(role="learner", instance="learner-0", policy_version=0))
+            self.learner_sessions += 1
+
+        self.learner = Peer(self.endpoint, "learner-0", link=LINK, on_connect=hello)
+
+    def send_version(self, version: int) -> str:
+        specs, buf = flatten(policy(version))
+        self.learner.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()))
+        return digest(policy(version))
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.status_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def wait(self, what: str, cond, timeout_s: float = 25.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; status {self.status()}\n"
+                                     f"{self.cluster.dump_logs()}")
+            self.broker.pump(0.05)
+            if self.learner is not None:
+                while self.learner.poll(0.0) is not None:
+                    pass
+            self.cluster.assert_alive()
+
+    def holds(self, name: str, version: int, expect: str) -> bool:
+        got = self.loads(name)
+        return bool(got) and got[-1]["version"] == version and got[-1]["digest"] == expect
+
+    def close(self) -> dict[str, int]:
+        if self.learner is not None:
+            self.learner.send(m.Bye(reason="done"))
+            self.learner.close()
+        codes = self.cluster.stop_all()
+        self.broker.hub.close()
+        return codes
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["member"]:
+        sys.exit(member_main(sys.argv[2:]))
+    sys.exit(f"usage: python -m {__spec__.name if __spec__ else __file__} member --name N --endpoint E --out F")
