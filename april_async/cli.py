@@ -109,16 +109,20 @@ def _generator(args: argparse.Namespace) -> int:
 
 def _learner(args: argparse.Namespace) -> int:
     def build(cfg):
-        from april_async.learner.actor import LearnerActor
+        from april_async.learner.actor import LearnerActor, RankWorker
+        from april_async.learner.parallel import join
         from april_async.model.decoder import CheckpointError
         from april_async.transport.peer import Peer
 
+        group = join(cfg)  # with learner.ranks > 1, one of several processes (the env names which)
         bcast = None
         if cfg.broadcaster is not None:
             def bcast(on_connect):
                 return Peer(cfg.broadcaster, cfg.name, link=cfg.link, on_connect=on_connect)
         try:
-            return LearnerActor(cfg, _peer_factory(cfg), bcast)
+            if group.rank > 0:
+                return RankWorker(cfg, group)
+            return LearnerActor(cfg, _peer_factory(cfg), bcast, group=group)
         except CheckpointError as e:
             raise ValueError(str(e)) from None
 

@@ -28,6 +28,12 @@ a token made by a lost version is never taken for one of the new line. A batch m
 version older than the learner's (sent before the crash, delivered after it) is not trained:
 its groups are reported dropped with reason ``stale``.
 
+Ranks. With ``ranks = N`` the learner is N processes (``april up`` starts them; see
+``parallel.py``): this actor is rank 0, the only one that talks to the broker and the
+broadcaster; every collective it starts (a step, a hand-off, a checkpoint) it first announces to
+the others (``RankWorker``) as a command over the group, and they follow. A step's rows are
+dealt out by ``step.plan_step``; every rank takes the same optimizer step on its shards.
+
 Every batch taken is recorded in ``<run_dir>/batches.jsonl``: its id, the learner's version and
 step, and each sample's id with the oldest and newest version of its tokens (an audit trail).
 """
@@ -44,48 +50,46 @@ import torch
 from april_async.learner import checkpoint as ckpt
 from april_async.learner.client import BatchClient
 from april_async.learner.config import LearnerConfig
-from april_async.learner.losses import group_advantages, policy_loss, zero_variance_groups
+from april_async.learner.losses import group_advantages, zero_variance_groups
 from april_async.learner.metrics import MetricsSink
+from april_async.learner.parallel import SHARDED_DIR, LearnerGroup, ShardedPolicy, join, target_logprobs
+from april_async.learner.step import Row, pack, plan_step, run_shard
 from april_async.logs import get_logger
 from april_async.model.decoder import CausalLM, CheckpointError
+from april_async.weights import flat
 from april_async.weights.handoff import WeightHandoff
 from april_async.wire import messages as m
 
+IDLE_COMMAND_S = 5.0
+"""Rank 0 waiting for a batch tells the other ranks so this often (they wait in a collective)."""
+
+
+def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int) -> tuple[list[Row], list[float], list[int]]:
+    """One ``Row`` per sample of ``groups`` (advantage not yet set), its reward and its group's index."""
+    rows, rewards, gidx = [], [], []
+    for gi, g in enumerate(groups):
+        prompt = batch.prompt_tokens[g.prompt_offset:g.prompt_offset + g.prompt_len]
+        for s in g.samples:
+            sl = slice(s.response_offset, s.response_offset + s.response_len)
+            versions = np.repeat([sp.version for sp in s.versions], [sp.count for sp in s.versions])
+            seq = np.concatenate([prompt, batch.response_tokens[sl]]).astype(np.int64)
+            rows.append(Row(seq, len(prompt) - 1, np.asarray(batch.logprobs[sl], dtype=np.float32),
+                            (learner_version - versions).astype(np.int64)))
+            rewards.append(s.reward)
+            gidx.append(gi)
+    return rows, rewards, gidx
+
 
 class PackedBatch:
-    """A batch as padded tensors: ``inputs``/``targets`` [N, L], response ``mask``, behaviour
-    log-probs and per-token version lag aligned with ``targets``."""
+    """A whole batch as padded tensors (``step.Packed``) with its rewards, group indices and lengths."""
 
     def __init__(self, batch: m.Batch, groups: list[m.BatchGroup], learner_version: int):
-        rows, rewards, gidx, lens = [], [], [], []
-        for gi, g in enumerate(groups):
-            prompt = batch.prompt_tokens[g.prompt_offset:g.prompt_offset + g.prompt_len]
-            for s in g.samples:
-                sl = slice(s.response_offset, s.response_offset + s.response_len)
-                versions = np.repeat([sp.version for sp in s.versions], [sp.count for sp in s.versions])
-                rows.append((prompt, batch.response_tokens[sl], batch.logprobs[sl], learner_version - versions))
-                rewards.append(s.reward)
-                gidx.append(gi)
-                lens.append(s.response_len)
-        N = len(rows)
-        L = max((len(p) + len(r) - 1 for p, r, _, _ in rows), default=1)
-        self.inputs = torch.zeros(N, max(L, 1), dtype=torch.long)
-        self.targets = torch.zeros_like(self.inputs)
-        self.mask = torch.zeros(N, max(L, 1))
-        self.behav = torch.zeros(N, max(L, 1))
-        self.lag = torch.zeros(N, max(L, 1), dtype=torch.long)
-        for i, (prompt, resp, lps, lag) in enumerate(rows):
-            seq = np.concatenate([prompt, resp]).astype(np.int64)
-            n = len(seq) - 1
-            self.inputs[i, :n] = torch.from_numpy(seq[:-1])
-            self.targets[i, :n] = torch.from_numpy(seq[1:])
-            start = len(prompt) - 1  # targets[start] is the first response token
-            self.mask[i, start:n] = 1.0
-            self.behav[i, start:n] = torch.from_numpy(np.asarray(lps, dtype=np.float32))
-            self.lag[i, start:n] = torch.from_numpy(np.asarray(lag, dtype=np.int64))
+        rows, rewards, gidx = batch_rows(batch, groups, learner_version)
+        p = pack(rows)
+        self.inputs, self.targets, self.mask, self.behav, self.lag = p.inputs, p.targets, p.mask, p.behav, p.lag
         self.rewards = torch.tensor(rewards, dtype=torch.float32)
         self.group_index = torch.tensor(gidx, dtype=torch.long)
-        self.response_lens = lens
+        self.response_lens = [len(r.behav) for r in rows]
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -94,27 +98,45 @@ class PackedBatch:
 def token_logprobs(model: CausalLM, inputs: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """log π(target | prefix) at ``temperature`` for every position: [N, L] (float32)."""
     logits, _ = model(inputs)
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[..., None])[..., 0]
+    return target_logprobs(logits, targets, temperature)
+
+
+def open_policy(cfg: LearnerConfig, group: LearnerGroup, source: Path, resume: bool) -> ShardedPolicy:
+    """The policy from ``source``: a run's own checkpoint (``resume``: its sharded state, or an
+    earlier release's ``optimizer.pt``) or an initial Hugging Face checkpoint."""
+    sharded = resume and (source / SHARDED_DIR).is_dir()
+    if resume and not sharded:
+        if group.distributed:
+            raise CheckpointError(f"checkpoint {str(source)!r} has no {SHARDED_DIR}/ (an earlier release's "
+                                  f"format): resume it once with learner.ranks = 1 on the CPU, which writes the new one")
+        policy = ShardedPolicy(cfg, group, source, sharded=False)
+        ckpt.load_legacy(source, policy.model, policy.optimizer)
+        return policy
+    return ShardedPolicy(cfg, group, source, sharded=sharded)
 
 
 class LearnerActor:
-    def __init__(self, cfg: LearnerConfig, broker_peer_factory, broadcaster_peer_factory=None):
+    """Rank 0 of the learner (the only rank, by default): see the module docstring."""
+
+    def __init__(self, cfg: LearnerConfig, broker_peer_factory, broadcaster_peer_factory=None,
+                 group: LearnerGroup | None = None):
         self.cfg = cfg
         self.log = get_logger(actor="learner", instance=cfg.name)
         self.loss_cfg = cfg.loss_settings()
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        self.group = group if group is not None else join(cfg)
         resume = ckpt.latest(cfg.run_dir)
         source = resume or (Path(cfg.checkpoint) if cfg.checkpoint else None)
         if source is None:
+            self.group.broadcast(("fail",))
             raise CheckpointError("learner.checkpoint is not set and run_dir holds no checkpoint to resume from")
-        self.model = CausalLM.from_pretrained(source, dtype=dtype).train()
+        self.group.broadcast(("open", str(source), resume is not None))
+        self.policy = open_policy(cfg, self.group, source, resume is not None)
+        self.model = self.policy.model
+        self.optimizer = self.policy.optimizer
         self.side_files = source
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
         self.state = ckpt.TrainerState()
         if resume is not None:
             self.state = ckpt.load_state(resume)
-            ckpt.load_optimizer(resume, self.optimizer)
             self.log.info("resumed", checkpoint=str(resume), version=self.state.version, step=self.state.step)
         issued = ckpt.read_issued_version(cfg.run_dir)
         if issued is not None and issued > self.state.version:
@@ -124,11 +146,13 @@ class LearnerActor:
         self.client.last_batch_id = self.state.last_batch_id
         self.handoff = None
         if broadcaster_peer_factory is not None:
-            self.handoff = WeightHandoff(cfg.name, broadcaster_peer_factory,
-                                         lambda: (self.state.version, self.model.state_dict()))
+            # The weights are gathered from every rank's shards, so a restarted broadcaster is
+            # handed the current version again by this loop (``resend_due``), not by the session.
+            self.handoff = WeightHandoff(cfg.name, broadcaster_peer_factory, lambda: (self.state.version, None))
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard)
         self.audit = open(Path(cfg.run_dir) / "batches.jsonl", "a", buffering=1) if cfg.audit else None
         self._last_batch_at: float | None = None
+        self._last_command = time.monotonic()
 
     def _roll_forward(self, seen: int, why: str) -> None:
         """Versions up to ``seen`` exist but these weights are version ``c < seen``: number them
@@ -148,18 +172,35 @@ class LearnerActor:
 
     # ------------------------------------------------------------------ loop
 
+    def command(self, *cmd) -> None:
+        """Tell the other ranks which collective comes next (they follow in ``RankWorker.serve``)."""
+        self.group.broadcast(cmd)
+        self._last_command = time.monotonic()
+
     def run(self, stop) -> None:
         self.log.info("training", version=self.state.version, algorithm=self.cfg.algorithm,
-                      correction=self.cfg.correction, params=sum(p.numel() for p in self.model.parameters()))
-        if self.state.version > 0:
-            self.publish()  # a resumed policy: generators still hold the initial one
-        while not stop and (self.cfg.max_steps is None or self.state.step < self.cfg.max_steps):
-            self._pump()
-            batch = self.client.next_batch(0.2)
-            if batch is not None:
-                self.train_on(batch)
-        if self.state.step and ckpt.latest(self.cfg.run_dir) != ckpt.checkpoint_dir(self.cfg.run_dir, self.state.version):
-            self.save()
+                      correction=self.cfg.correction, params=self.policy.num_parameters(), ranks=self.group.world,
+                      device=str(self.policy.device), dtype=str(self.policy.dtype).removeprefix("torch."))
+        try:
+            if self.state.version > 0:
+                self.publish()  # a resumed policy: generators still hold the initial one
+            while not stop and (self.cfg.max_steps is None or self.state.step < self.cfg.max_steps):
+                self._pump()
+                batch = self.client.next_batch(0.2)
+                if batch is not None:
+                    self.train_on(batch)
+                elif self.group.distributed and time.monotonic() - self._last_command > IDLE_COMMAND_S:
+                    self.command("idle")
+            if self.state.step and ckpt.latest(self.cfg.run_dir) != ckpt.checkpoint_dir(self.cfg.run_dir,
+                                                                                      self.state.version):
+                self.save()
+            self.command("stop")
+            self.group.close(clean=True)
+        finally:
+            self.close()
+        self.log.info("stopped", version=self.state.version, steps=self.state.step)
+
+    def close(self) -> None:
         # Ask once more so the broker hears the ack of the last batch before we go.
         self.client.peer.send(m.BatchRequest(policy_version=self.state.version, acked_batch_id=self.client.last_batch_id))
         self.client.close()
@@ -168,12 +209,14 @@ class LearnerActor:
         self.metrics.close()
         if self.audit is not None:
             self.audit.close()
-        self.log.info("stopped", version=self.state.version, steps=self.state.step)
+        self.group.close()
 
     def _pump(self) -> None:
         """Keep the broadcaster session alive (heartbeats, reconnects) and hear its errors."""
         if self.handoff is not None:
             self.handoff.pump()
+            if self.handoff.resend_due is not None:  # a restarted broadcaster holds nothing
+                self.publish()
 
     # ------------------------------------------------------------------ one step
 
@@ -192,8 +235,8 @@ class LearnerActor:
         groups, dropped = list(batch.groups), []
         all_rewards = [s.reward for g in groups for s in g.samples]
         if self.cfg.filters_zero_variance:
-            packed_all = PackedBatch(batch, groups, V)
-            zero = set(zero_variance_groups(packed_all.rewards, packed_all.group_index))
+            rows, rewards, gidx = batch_rows(batch, groups, V)
+            zero = set(zero_variance_groups(torch.tensor(rewards), torch.tensor(gidx)))
             dropped = [g.group_id for i, g in enumerate(groups) if i in zero]
             groups = [g for i, g in enumerate(groups) if i not in zero]
         row = {"batch_id": batch.batch_id, "groups": len(batch.groups), "dropped_groups": len(dropped),
@@ -203,30 +246,19 @@ class LearnerActor:
             self._skip(batch, dropped, "zero_variance", "every group has equal rewards")
             return
 
-        data = PackedBatch(batch, groups, V)
-        adv = group_advantages(data.rewards, data.group_index, scale=self.cfg.advantage_scale)
-        N = len(data)
-        parts = [idx for idx in torch.arange(N).tensor_split(self.cfg.minibatches) if len(idx)]
-        prox = None
-        if len(parts) > 1:
-            with torch.no_grad():
-                prox = token_logprobs(self.model, data.inputs, data.targets, self.cfg.temperature)
-        lr = self.cfg.lr
-        step_metrics: list[dict] = []
-        for idx in parts:
-            self._pump()
-            logp = token_logprobs(self.model, data.inputs[idx], data.targets[idx], self.cfg.temperature)
-            p = logp.detach() if prox is None else prox[idx]
-            loss, lm = policy_loss(logp, p, data.behav[idx], data.lag[idx], adv[idx], data.mask[idx], self.loss_cfg)
-            if self.cfg.ess_lr_scale:
-                lr = self.cfg.lr * max(lm["ess"], self.cfg.ess_lr_floor)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            lm["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-            self.optimizer.step()
-            step_metrics.append(lm)
+        # batch -> rows with advantages -> each rank's share -> the same step on every rank
+        rows, rewards, gidx = batch_rows(batch, groups, V)
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(gidx),
+                               scale=self.cfg.advantage_scale)
+        for r, a in zip(rows, adv.tolist(), strict=True):
+            r.adv = a
+        plan = plan_step([r.tokens for r in rows], minibatches=self.cfg.minibatches, ranks=self.group.world,
+                         max_tokens=self.cfg.max_tokens_per_microbatch)
+        shards = [[[[rows[i] for i in mb] for mb in mini] for mini in per_rank] for per_rank in plan]
+        self.command("step")
+        step_metrics = run_shard(self.policy, self.group, self.group.scatter(shards), self.cfg, self.loss_cfg)
+        lr = step_metrics[-1]["lr"]
+        train_s = time.monotonic() - t0
 
         self.state.version = V + 1
         self.state.step += 1
@@ -240,17 +272,18 @@ class LearnerActor:
             self.save()
 
         now = time.monotonic()
-        lags = data.lag[data.mask.bool()]
-        tokens = int(sum(data.response_lens))
+        lags = np.concatenate([r.lag for r in rows]) if rows else np.zeros(0, dtype=np.int64)
+        lens = [len(r.behav) for r in rows]
+        tokens = int(sum(lens))
         stats = batch.stats or {}
         row.update({k: float(np.mean([x[k] for x in step_metrics])) for k in step_metrics[0]})
         row.update({
             "step": self.state.step, "version": self.state.version, "time": time.time(), "lr": lr,
-            "response_len_mean": float(np.mean(data.response_lens)), "response_len_max": int(max(data.response_lens)),
+            "response_len_mean": float(np.mean(lens)), "response_len_max": int(max(lens)),
             "tokens": tokens, "tokens_per_s": tokens / max(wait_s + (now - t0), 1e-6) if self._last_batch_at else 0.0,
-            "step_s": now - t0, "wait_s": wait_s,
-            "off_policy_frac": float((lags > 0).float().mean()) if len(lags) else 0.0,
-            "lag_mean": float(lags.float().mean()) if len(lags) else 0.0,
+            "step_s": now - t0, "train_s": train_s, "wait_s": wait_s,
+            "off_policy_frac": float((lags > 0).mean()) if len(lags) else 0.0,
+            "lag_mean": float(lags.mean()) if len(lags) else 0.0,
             "lag_max": int(lags.max()) if len(lags) else 0,
         })
         for key in ("partials_recycled", "tokens_resumed", "aborts_sent", "restarts", "tokens_discarded",
@@ -293,13 +326,89 @@ class LearnerActor:
         version = self.state.version
         ckpt.write_issued_version(self.cfg.run_dir, version)  # before anyone can hold it
         if self.handoff is not None:
-            self.handoff.send(version, self.model.state_dict())
+            self.command("handoff")
+            hand_off(self.policy, self.handoff, version, self.cfg.gather_bucket_bytes)
             return
         path = self.save()
         self.client.publish(version, source=str(path.resolve()))
 
     def save(self) -> Path:
-        path = ckpt.save(self.cfg.run_dir, self.model, self.optimizer, self.state, side_files_from=self.side_files,
-                         keep=self.cfg.keep_checkpoints)
+        self.command("save", self.state.version)
+        path = ckpt.save(self.cfg.run_dir, self.policy, self.state, side_files_from=self.side_files,
+                         keep=self.cfg.keep_checkpoints, bucket_bytes=self.cfg.gather_bucket_bytes)
         self.side_files = path
         return path
+
+
+def hand_off(policy: ShardedPolicy, handoff: WeightHandoff | None, version: int, bucket_bytes: int) -> None:
+    """The full weights, gathered bucket by bucket, to the broadcaster as ``version`` (a collective:
+    every rank calls it; rank 0 passes its ``handoff``, the others None)."""
+    specs, total = flat.layout(policy.shapes())
+    cuts = flat.tensor_buckets(specs, bucket_bytes)
+    names = [sp.name for sp in specs]
+
+    def parts():
+        buffer = None
+        for start, stop, idx in cuts:
+            full = dict(policy.full_weights([names[i] for i in idx]))
+            if handoff is None:
+                continue
+            if buffer is None or len(buffer) < stop - start:
+                buffer = np.empty(stop - start, dtype=np.uint8)
+            view = buffer[:stop - start]
+            view[:] = 0
+            for i in idx:
+                sp = specs[i]
+                t = full[sp.name]
+                n = t.numel() * t.element_size()
+                view[sp.offset - start:sp.offset - start + n] = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+            reuse = yield start, view
+            if not reuse:  # ZeroMQ may still hold it: the next bucket gets a new buffer
+                buffer = None
+
+    if handoff is None:
+        for _ in parts():
+            pass
+    else:
+        handoff.send_parts(version, specs, total, parts(), len(cuts))
+
+
+class RankWorker:
+    """A learner rank other than 0: it follows rank 0's commands (``LearnerActor.command``) and
+    joins each collective with its own shards. It ignores SIGTERM (``stop``): rank 0 ends the
+    group with a ``stop`` command once it has written its checkpoint."""
+
+    def __init__(self, cfg: LearnerConfig, group: LearnerGroup):
+        self.cfg = cfg
+        self.group = group
+        self.loss_cfg = cfg.loss_settings()
+        self.log = get_logger(actor="learner", instance=cfg.name, rank=group.rank)
+        cmd = group.broadcast()
+        if cmd[0] != "open":
+            raise CheckpointError("rank 0 found no checkpoint to start from")
+        _, source, resume = cmd
+        self.policy = open_policy(cfg, group, Path(source), resume)
+
+    def run(self, stop=None) -> None:
+        self.log.info("rank_ready", rank=self.group.rank, ranks=self.group.world, device=str(self.policy.device))
+        state = ckpt.TrainerState()
+        try:
+            while True:
+                cmd = self.group.broadcast()
+                kind = cmd[0]
+                if kind == "step":
+                    run_shard(self.policy, self.group, self.group.scatter(), self.cfg, self.loss_cfg)
+                elif kind == "handoff":
+                    hand_off(self.policy, None, 0, self.cfg.gather_bucket_bytes)
+                elif kind == "save":
+                    state.version = cmd[1]
+                    ckpt.save(self.cfg.run_dir, self.policy, state, side_files_from=None,
+                              bucket_bytes=self.cfg.gather_bucket_bytes)
+                elif kind == "stop":
+                    self.group.close(clean=True)
+                    break
+                elif kind != "idle":
+                    raise RuntimeError(f"rank {self.group.rank}: unknown command {kind!r} from rank 0")
+        finally:
+            self.group.close()
+        self.log.info("rank_stopped", rank=self.group.rank)

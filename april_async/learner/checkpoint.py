@@ -1,21 +1,29 @@
-"""Learner checkpoints: a Hugging Face model directory plus the optimizer and the trainer's state.
+"""Learner checkpoints: sharded model and optimizer state, a Hugging Face export, the trainer's state.
 
     <run_dir>/checkpoints/v000012/
+        sharded/                          model and AdamW state, torch.distributed.checkpoint
+                                          (each rank writes its shards; any number of ranks reads)
         config.json, model.safetensors    the policy at version 12 (HF format, loadable anywhere)
         <tokenizer files>                 copied from the initial checkpoint
-        optimizer.pt                      AdamW state (torch.save)
         trainer_state.json                version, step, last batch id, time
+
+``save`` is a collective: every rank of the learner calls it. Rank 0 writes the export,
+gathering the full tensors bucket by bucket and streaming them into ``model.safetensors``, so
+it never holds more than one bucket of full weights beside its shards.
 
 A checkpoint is written into ``v000012.tmp`` and renamed into place, so a directory without
 the ``.tmp`` suffix is always complete; ``latest`` skips anything else. Only the newest ``keep``
-are kept.
+are kept. A checkpoint of an earlier release (``optimizer.pt`` instead of ``sharded/``) resumes
+in a single CPU process (``load_legacy``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,15 +66,23 @@ def copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def save(run_dir: Path, model: CausalLM, optimizer: torch.optim.Optimizer, state: TrainerState, *,
-         side_files_from: Path | None, keep: int = 2) -> Path:
+def save(run_dir: Path, policy, state: TrainerState, *, side_files_from: Path | None, keep: int = 2,
+         bucket_bytes: int = 256 << 20) -> Path:
+    """Write checkpoint ``state.version`` (a collective: every rank calls it; ``state`` counts on
+    rank 0 only). ``policy`` is a ``parallel.ShardedPolicy``."""
     final = checkpoint_dir(run_dir, state.version)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    rank0 = policy.group.rank == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    policy.group.broadcast(None)  # the others write into tmp only once rank 0 has made it afresh
+    policy.save_sharded(tmp)
+    export_hf(tmp, policy, bucket_bytes=bucket_bytes)
+    if not rank0:
+        return final
     if side_files_from is not None:
         copy_side_files(side_files_from, tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     state.saved_at = time.time()
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
     shutil.rmtree(final, ignore_errors=True)
@@ -75,6 +91,64 @@ def save(run_dir: Path, model: CausalLM, optimizer: torch.optim.Optimizer, state
     for p in older[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def export_hf(directory: Path, policy, *, bucket_bytes: int = 256 << 20) -> None:
+    """``config.json`` + ``model.safetensors`` of the full weights in the compute dtype (Hugging
+    Face names; a tied ``lm_head.weight`` left out as HF does). A collective: the tensors are
+    gathered in buckets of about ``bucket_bytes`` and rank 0 streams each bucket to the file
+    (the safetensors layout: an 8-byte header length, a JSON header, the tensors' bytes)."""
+    config = policy.model.config
+    items = [(n, d, s) for n, d, s in policy.shapes() if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    rank0 = policy.group.rank == 0
+    header, offset = {}, 0
+    for name, dtype, shape in items:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    out = None
+    if rank0:
+        (Path(directory) / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+        out = open(Path(directory) / "model.safetensors", "wb")
+        out.write(struct.pack("<Q", len(raw)) + raw)
+    try:
+        names = [n for n, _, _ in items]
+        for bucket in _bucketed(names, [math.prod(s) * d.itemsize for _, d, s in items], bucket_bytes):
+            gathered = [t for _, t in policy.full_weights(bucket)]  # one bucket of full tensors at most
+            if out is not None:
+                out.writelines(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in gathered)
+            del gathered
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _bucketed(names: list[str], sizes: list[int], bucket_bytes: int) -> list[list[str]]:
+    """``names`` in order, cut into runs of at most ``bucket_bytes`` (a bigger tensor alone)."""
+    out: list[list[str]] = []
+    total = 0
+    for name, size in zip(names, sizes, strict=True):
+        if out and total + size <= bucket_bytes:
+            out[-1].append(name)
+            total += size
+        else:
+            out.append([name])
+            total = size
+    return out
+
+
+def load_legacy(directory: Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> None:
+    """A checkpoint of an earlier release: its weights from ``model.safetensors`` into ``model``
+    (a plain module) and its ``optimizer.pt``."""
+    loaded = CausalLM.from_pretrained(directory, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(loaded.state_dict())
+    load_optimizer(directory, optimizer)
 
 
 def load_state(directory: Path) -> TrainerState:

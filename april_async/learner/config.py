@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.config import Endpoint, LinkConfig, LogConfig
+from april_async.config import Device, Endpoint, LinkConfig, LogConfig
 
 Algorithm = Literal["grpo", "dapo", "gspo"]
 Correction = Literal["none", "tis", "decoupled", "mask"]
@@ -70,8 +70,27 @@ class LearnerConfig(BaseModel):
     ess_lr_scale: bool = False
     """VCPO-style: multiply the learning rate by the batch's ESS (never below ``ess_lr_floor``)."""
     ess_lr_floor: float = Field(0.1, gt=0, le=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype (bfloat16 roughly doubles speed on CPUs with AMX; float32 is the safe default)."""
+    ranks: int = Field(1, ge=1)
+    """Learner processes forming one ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), the
+    model sharded over them with FSDP2. ``april up`` starts them; rank 0 alone talks to the broker
+    and the broadcaster."""
+    device: Device = "auto"
+    """``auto`` (CUDA when present, else the CPU) | ``cpu`` | ``cuda`` | ``cuda:<i>``. With several
+    ranks on CUDA, rank r takes GPU ``LOCAL_RANK`` (``cuda`` then means each rank's own)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """``auto``: bfloat16 on CUDA, float32 on the CPU. On CUDA, bfloat16 is mixed precision: float32
+    master weights and optimizer state, bfloat16 compute, float32 gradient reduction. On the CPU
+    it is the parameters' own dtype (roughly twice as fast on CPUs with AMX; float32 is safer)."""
+    max_tokens_per_microbatch: int | None = Field(None, ge=1)
+    """Padded tokens (rows × longest row) one forward/backward takes; a rank's share of a batch is
+    cut into micro-batches of at most this and their gradients accumulated. None: one micro-batch
+    per rank. The loss is normalised over the whole batch, so this changes memory, not the step."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % slower)."""
+    gather_bucket_mb: float = Field(256.0, gt=0)
+    """Full weights are gathered from the shards this many MiB at a time for the hand-off to the
+    broadcaster and the Hugging Face export; rank 0 holds one such bucket beside its shards."""
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % slower)."""
     save_every: int = Field(25, ge=1)
     """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -93,6 +112,10 @@ class LearnerConfig(BaseModel):
         return LossSettings(algorithm=self.algorithm, clip_low=self.clip_low, clip_high=high,
                             correction=self.correction, tis_cap=self.tis_cap,
                             behav_weight_cap=self.behav_weight_cap, mask_max_lag=self.mask_max_lag)
+
+    @property
+    def gather_bucket_bytes(self) -> int:
+        return max(1, int(self.gather_bucket_mb * (1 << 20)))
 
     @property
     def filters_zero_variance(self) -> bool:

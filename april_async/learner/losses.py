@@ -38,6 +38,7 @@ import torch
 
 from april_async.learner.config import LossSettings
 
+
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, scale: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i − mean of its group) / (std of its group + eps); groups by ``group_index`` [N].
@@ -80,61 +81,106 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def policy_loss(logp: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, lag: torch.Tensor,
-                adv: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss to minimise and its metrics. ``logp`` carries the gradient; the rest do not."""
-    mask = mask.to(logp.dtype)
-    prox, behav = prox.detach(), behav.detach()
-    log_iw = prox - behav  # log π_prox/μ: how off-policy each token is
-    weight = torch.ones_like(logp)
-    if cfg.correction in ("none", "mask"):
-        old = behav
-        if cfg.correction == "mask":
-            mask = mask * (lag <= cfg.mask_max_lag).to(mask.dtype)
-    elif cfg.correction == "tis":
-        old = prox
-        weight = torch.exp(log_iw).clamp(max=cfg.tis_cap)
-    elif cfg.correction == "decoupled":
-        old = prox
-        iw = torch.exp(log_iw)
-        mask = mask * (iw <= cfg.behav_weight_cap).to(mask.dtype)
-        weight = torch.where(iw <= cfg.behav_weight_cap, iw, torch.zeros_like(iw))
-    else:
+LOG_W_CLAMP = 150.0
+"""|log π_prox/μ| is clamped to this before the ESS sums (float64: e^(2·150) is far from overflow)."""
+
+
+SUM_KEYS = ("loss", "clip", "ratio", "clip_over", "is_weight", "kl_behav", "w", "w2", "tokens_used")
+"""The keys of ``policy_loss``'s sums, in a fixed order (ranks add them up as one tensor)."""
+
+
+def loss_mask(mask: torch.Tensor, lag: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor,
+              cfg: LossSettings) -> torch.Tensor:
+    """The response tokens that count in the loss after the off-policy correction (float, 0/1):
+    ``mask`` leaves out tokens more than ``mask_max_lag`` versions stale, ``decoupled`` those whose
+    weight π_prox/μ exceeds ``behav_weight_cap``; the other corrections keep every token."""
+    mask = mask.to(torch.float32)
+    if cfg.correction == "mask":
+        return mask * (lag <= cfg.mask_max_lag).to(mask.dtype)
+    if cfg.correction == "decoupled":
+        return mask * (torch.exp(prox.detach().float() - behav.float()) <= cfg.behav_weight_cap).to(mask.dtype)
+    if cfg.correction not in ("none", "tis"):
         raise ValueError(f"correction {cfg.correction!r} is not one of none, tis, decoupled, mask")
+    return mask
+
+
+def loss_denominator(mask: torch.Tensor, cfg: LossSettings) -> float:
+    """What the loss of the rows in ``mask`` (a ``loss_mask``) is divided by, summed over a whole
+    batch: its tokens for ``dapo`` (token-mean), its samples with at least one token for ``grpo``
+    (mean of per-sample means) and ``gspo`` (mean over sequences)."""
+    if cfg.algorithm == "dapo":
+        return float(mask.sum())
+    return float((mask.sum(1) > 0).sum())
+
+
+def policy_loss(logp: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, lag: torch.Tensor,
+                adv: torch.Tensor, mask: torch.Tensor, cfg: LossSettings, *,
+                denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss to minimise for these rows, and sums to build metrics from (``finish_metrics``).
+
+    ``logp`` carries the gradient; the rest do not. ``mask`` is the rows' response mask; the
+    correction's own exclusions are applied here (``loss_mask``). ``denominator`` is
+    ``loss_denominator`` summed over every row of the optimizer step, on every rank and in every
+    micro-batch: the loss is then a sum of per-token (dapo) or per-sample (grpo, gspo) terms
+    divided by a count fixed for the whole step, so the gradients of any split of the rows add
+    up to the gradient of the whole. None: these rows are the whole step.
+    """
+    prox, behav = prox.detach(), behav.detach()
+    mask = loss_mask(mask, lag, prox, behav, cfg).to(logp.dtype)
+    if denominator is None:
+        denominator = loss_denominator(mask, cfg)
+    denominator = max(denominator, 1.0)
+    log_iw = prox - behav  # log π_prox/μ: how off-policy each token is
+    if cfg.correction in ("none", "mask"):
+        old, weight = behav, torch.ones_like(logp)
+    elif cfg.correction == "tis":
+        old, weight = prox, torch.exp(log_iw).clamp(max=cfg.tis_cap)
+    else:  # decoupled: tokens above the cap are already out of the mask
+        old, weight = prox, torch.exp(log_iw) * mask
     A = adv[:, None].to(logp.dtype)
     lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    has_tokens = (mask.sum(1) > 0).to(logp.dtype)
 
     if cfg.algorithm == "gspo":
         log_s = masked_mean(logp - old, mask, dim=1)  # [N]: log of the sequence-level ratio
         s = torch.exp(log_s)
         surrogate = torch.minimum(s * A[:, 0], s.clamp(lo, hi) * A[:, 0])
         w_seq = masked_mean(weight, mask, dim=1).detach()
-        has_tokens = (mask.sum(1) > 0).to(logp.dtype)
-        loss = -(w_seq * surrogate * has_tokens).sum() / has_tokens.sum().clamp(min=1)
-        clipped = ((s < lo) | (s > hi)).to(logp.dtype)
-        clip_frac = float((clipped * has_tokens).sum() / has_tokens.sum().clamp(min=1))
-        ratio_mean = float((s.detach() * has_tokens).sum() / has_tokens.sum().clamp(min=1))
+        loss = -(w_seq * surrogate * has_tokens).sum() / denominator
+        clipped = ((s < lo) | (s > hi)).to(logp.dtype) * has_tokens
+        ratio = s.detach() * has_tokens
+        clip_over = has_tokens
     else:
-        ratio = torch.exp(logp - old)
-        surrogate = torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
+        ratio_t = torch.exp(logp - old)
+        surrogate = torch.minimum(ratio_t * A, ratio_t.clamp(lo, hi) * A)
         per_token = -weight.detach() * surrogate
         if cfg.algorithm == "dapo":
-            loss = masked_mean(per_token, mask)
+            loss = (per_token * mask).sum() / denominator
         elif cfg.algorithm == "grpo":
-            has_tokens = (mask.sum(1) > 0).to(logp.dtype)
-            loss = (masked_mean(per_token, mask, dim=1) * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+            loss = (masked_mean(per_token, mask, dim=1) * has_tokens).sum() / denominator
         else:
             raise ValueError(f"algorithm {cfg.algorithm!r} is not one of grpo, dapo, gspo")
-        clip_frac = float(masked_mean(((ratio < lo) | (ratio > hi)).to(logp.dtype), mask))
-        ratio_mean = float(masked_mean(ratio.detach(), mask))
+        clipped = ((ratio_t < lo) | (ratio_t > hi)).to(logp.dtype) * mask
+        ratio = ratio_t.detach() * mask
+        clip_over = mask
 
-    metrics = {
-        "loss": float(loss.detach()),
-        "clip_frac": clip_frac,
-        "ratio_mean": ratio_mean,
-        "ess": effective_sample_size(log_iw, mask),
-        "is_weight_mean": float(masked_mean(torch.exp(log_iw), mask)),
-        "kl_behav": float(masked_mean(behav - logp.detach(), mask)),  # k1 estimate of KL(μ‖π_θ)
-        "tokens_used": float(mask.sum()),
-    }
-    return loss, metrics
+    sel = log_iw.detach().double().clamp(-LOG_W_CLAMP, LOG_W_CLAMP) * mask.double()
+    keep = mask.double()
+    parts = [loss.detach(), clipped.sum(), ratio.sum(), clip_over.sum(), (torch.exp(log_iw.detach()) * mask).sum(),
+             ((behav - logp.detach()) * mask).sum(),  # k1 estimate of KL(μ‖π_θ)
+             (torch.exp(sel) * keep).sum(), (torch.exp(2 * sel) * keep).sum(), mask.sum()]
+    # One transfer to the host for all of them (on a GPU, one sync per micro-batch).
+    sums = dict(zip(SUM_KEYS, torch.stack([t.double() for t in parts]).tolist(), strict=True))
+    return loss, sums
+
+
+def finish_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The step's metrics from ``policy_loss`` sums added up over its micro-batches and ranks:
+    the loss, the clipped share and mean ratio (of tokens; of sequences for gspo), the ESS of the
+    weights π_prox/μ, their mean, the k1 KL estimate and the tokens that counted."""
+    n = max(sums["tokens_used"], 1.0)
+    over = max(sums["clip_over"], 1.0)
+    ess = sums["w"] ** 2 / (sums["tokens_used"] * sums["w2"]) if sums["tokens_used"] and sums["w2"] > 0 else 1.0
+    return {"loss": sums["loss"], "clip_frac": sums["clip"] / over, "ratio_mean": sums["ratio"] / over,
+            "ess": min(ess, 1.0), "is_weight_mean": sums["is_weight"] / n, "kl_behav": sums["kl_behav"] / n,
+            "tokens_used": sums["tokens_used"]}

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from april_async.model.errors import CheckpointError  # noqa: F401  (re-exported: its historical home)
+from april_async.model.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.activation_checkpointing = False
+        """Training: recompute each layer's activations in the backward pass instead of keeping them."""
 
     def forward(self, input_ids, positions=None, mask=None, past=None, cache=None):
         B, T = input_ids.shape
@@ -217,7 +220,12 @@ class CausalLM(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)[None, None]
         presents = []
         for i, layer in enumerate(self.model.layers):
-            x, present = layer(x, cos, sin, mask, None if past is None else past[i])
+            if self.activation_checkpointing and self.training and past is None and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(lambda h, layer=layer: layer(h, cos, sin, mask, None)[0], x,
+                                                      use_reentrant=False)
+                present = None
+            else:
+                x, present = layer(x, cos, sin, mask, None if past is None else past[i])
             presents.append(present)
         return self.lm_head(self.model.norm(x)), presents
 

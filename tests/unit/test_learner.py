@@ -11,19 +11,21 @@ import torch
 from april_async.learner import checkpoint as ckpt
 from april_async.learner.actor import LearnerActor, PackedBatch, token_logprobs
 from april_async.learner.config import LearnerConfig
-from april_async.weights.handoff import BroadcastRefused
 from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
+from april_async.weights.handoff import BroadcastRefused
 from april_async.wire import messages as m
 
 
 class FakePeer:
     """Records what the learner sends; nothing ever arrives."""
 
+    last_tracker = None  # what ZeroMQ would still hold of the last send: nothing, here
+
     def __init__(self, on_connect):
         self.sent = []
         on_connect(self)
 
-    def send(self, body, parent_id=None):
+    def send(self, body, parent_id=None, *, track=False):
         self.sent.append(body)
         return len(self.sent)
 
@@ -148,7 +150,30 @@ def test_missing_or_broken_checkpoints_are_named(tmp_path, policy):
                                    tensorboard=False), FakePeer)
     actor = learner(policy, tmp_path, save_every=1)
     actor.train_on(make_batch([[1.0, 0.0]]))
-    (ckpt.latest(tmp_path / "run") / "optimizer.pt").write_bytes(b"not a torch file")
+    sharded = ckpt.latest(tmp_path / "run") / "sharded"
+    for f in sharded.glob("*.distcp"):
+        f.write_bytes(b"not a checkpoint shard")
+    with pytest.raises(CheckpointError, match="sharded"):
+        learner(policy, tmp_path)
+    (sharded / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="sharded/.metadata is missing"):
+        learner(policy, tmp_path)
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_in_one_process(policy, tmp_path):
+    """``optimizer.pt`` beside the HF weights, no ``sharded/``: what runs of the previous release wrote."""
+    actor = learner(policy, tmp_path, save_every=1)
+    actor.train_on(make_batch([[1.0, 0.0]]))
+    saved = ckpt.latest(tmp_path / "run")
+    shutil.rmtree(saved / "sharded")
+    torch.save(actor.optimizer.state_dict(), saved / "optimizer.pt")
+    again = learner(policy, tmp_path)
+    assert again.state.version == 1
+    for k, v in actor.model.state_dict().items():
+        assert torch.equal(v, again.model.state_dict()[k])
+    assert torch.equal(actor.optimizer.state_dict()["state"][0]["exp_avg"],
+                       again.optimizer.state_dict()["state"][0]["exp_avg"])
+    (saved / "optimizer.pt").write_bytes(b"not a torch file")
     with pytest.raises(CheckpointError, match="optimizer.pt"):
         learner(policy, tmp_path)
 
@@ -164,10 +189,10 @@ def test_a_version_the_broadcaster_refuses_as_too_large_stops_the_learner_naming
             super().__init__(on_connect)
             self.inbox = []
 
-        def send(self, body, parent_id=None):
+        def send(self, body, parent_id=None, *, track=False):
             if isinstance(body, m.WeightsUpdate):
                 self.inbox.append(SimpleNamespace(body=m.Error(code="too_large", message="message of 9 bytes is over 8")))
-            return super().send(body, parent_id)
+            return super().send(body, parent_id, track=track)
 
         def poll(self, timeout_s):
             return self.inbox.pop(0) if self.inbox else None

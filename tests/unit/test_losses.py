@@ -9,10 +9,19 @@ import torch
 from april_async.learner.losses import (
     LossSettings,
     effective_sample_size,
+    finish_metrics,
     group_advantages,
-    policy_loss,
+    loss_denominator,
+    loss_mask,
     zero_variance_groups,
 )
+from april_async.learner.losses import policy_loss as policy_loss_sums
+
+
+def policy_loss(*args, **kwargs):
+    """The loss of rows that are a whole step, with its finished metrics."""
+    loss, sums = policy_loss_sums(*args, **kwargs)
+    return loss, finish_metrics(sums)
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -139,3 +148,44 @@ def test_gspo_clips_whole_sequences():
     loss.backward()
     assert torch.all(logp.grad[1] == 0) and torch.all(logp.grad[0] < 0)
     assert metrics["clip_frac"] == pytest.approx(0.5)
+
+
+CASES = [("grpo", "tis"), ("dapo", "tis"), ("gspo", "tis"), ("dapo", "mask"), ("grpo", "decoupled"),
+         ("dapo", "none")]
+
+
+@pytest.mark.parametrize("algorithm,correction", CASES)
+def test_any_split_of_the_rows_adds_up_to_the_whole_steps_gradient(algorithm, correction):
+    """Rows cut into parts (micro-batches, ranks), each part's loss over the step's denominator:
+    the parts' gradients and loss sums add up to those of the whole, and so do the metric sums."""
+    N, T = 7, 6
+    g = torch.Generator().manual_seed(3)
+    logp0 = -torch.rand(N, T, generator=g) * 3
+    behav = logp0 + torch.randn(N, T, generator=g) * 0.4
+    prox = logp0 + torch.randn(N, T, generator=g) * 0.1
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (N,), generator=g)[:, None]).float()
+    lag = torch.randint(0, 3, (N, T), generator=g)
+    adv = torch.randn(N, generator=g)
+    small = algorithm == "gspo"
+    cfg = LossSettings(algorithm=algorithm, correction=correction, clip_low=3e-4 if small else 0.2,
+                       clip_high=4e-4 if small else 0.28, mask_max_lag=1, behav_weight_cap=1.5)
+
+    whole = logp0.clone().requires_grad_(True)
+    loss, sums = policy_loss_sums(whole, prox, behav, lag, adv, mask, cfg)
+    loss.backward()
+
+    denominator = loss_denominator(loss_mask(mask, lag, prox, behav, cfg), cfg)
+    parts = [torch.tensor([0, 5]), torch.tensor([1]), torch.tensor([2, 3, 4, 6])]
+    grad = torch.zeros(N, T)
+    added = dict.fromkeys(sums, 0.0)
+    for idx in parts:
+        lp = logp0[idx].clone().requires_grad_(True)
+        part_loss, part_sums = policy_loss_sums(lp, prox[idx], behav[idx], lag[idx], adv[idx], mask[idx], cfg,
+                                                denominator=denominator)
+        part_loss.backward()
+        grad[idx] = lp.grad
+        for k, v in part_sums.items():
+            added[k] += v
+    assert torch.allclose(grad, whole.grad, atol=1e-7)
+    assert added == pytest.approx(sums, rel=1e-6, abs=1e-7)
+    assert finish_metrics(added) == pytest.approx(finish_metrics(sums), rel=1e-6, abs=1e-7)

@@ -1,0 +1,157 @@
+"""The learner's step on one process or on a group of ranks, driven without a broker: for tests
+and ``tools/bench_learner.py``.
+
+``run_steps(spec, ranks, workdir)`` starts ``ranks`` processes (``python -m
+april_async.testing.learner_ranks SPEC``) with the environment ``april up`` gives learner ranks;
+rank 0 trains on the spec's synthetic batches with a ``LearnerActor`` whose broker is a
+recorder and that publishes each version as a checkpoint (a collective save), the other ranks
+follow as ``RankWorker``s. Each version's ``model.safetensors`` under ``run_dir`` is what a test
+compares; rank 0 also writes ``result.json`` (metrics rows, seconds per step, peak memory).
+
+    spec = {"checkpoint": "...", "run_dir": "...", "learner": {...LearnerConfig settings...},
+            "batches": [{"rewards": [[1, 0], [0, 1]], "seed": 0, "lens": 5}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from april_async.testing.procs import ROOT, free_port
+from april_async.wire import messages as m
+
+
+def synthetic_batch(rewards: list[list[float]], *, batch_id: int = 0, version: int = 0, seed: int = 0,
+                    vocab: int = 32, prompt_len: int = 3, lens: int = 4, behav_noise: float = 0.5) -> m.Batch:
+    """A scored batch: one group per row of ``rewards``, random prompts and responses (1 to ``lens``
+    tokens, of ``vocab``), behaviour log-probs around −3, every token made at ``version``."""
+    rng = np.random.default_rng(seed)
+    groups, prompts, responses, logprobs = [], [], [], []
+    sid, r_off = 0, 0
+    for gi, group_rewards in enumerate(rewards):
+        prompts.append(rng.integers(1, vocab, prompt_len))
+        samples = []
+        for r in group_rewards:
+            n = int(rng.integers(1, lens + 1))
+            responses.append(rng.integers(1, vocab, n))
+            logprobs.append((-3.0 + behav_noise * rng.standard_normal(n)).astype(np.float32))
+            samples.append(m.BatchSample(sample_id=sid, reward=float(r), finish_reason="stop", response_offset=r_off,
+                                         response_len=n, versions=[m.VersionSpan(version, n)]))
+            r_off += n
+            sid += 1
+        groups.append(m.BatchGroup(group_id=gi, prompt_id=f"p{gi}", prompt_offset=gi * prompt_len,
+                                   prompt_len=prompt_len, samples=samples))
+    return m.Batch(batch_id=batch_id, policy_version=version, groups=groups,
+                   prompt_tokens=np.concatenate(prompts).astype(np.int32),
+                   response_tokens=np.concatenate(responses).astype(np.int32),
+                   logprobs=np.concatenate(logprobs), stats={})
+
+
+class RecordingPeer:
+    """A broker that records what the learner sends and never sends anything."""
+
+    last_tracker = None  # nothing of a send is held back (see ``Peer.send(track=True)``)
+
+    def __init__(self, on_connect):
+        self.sent = []
+        on_connect(self)
+
+    def send(self, body, parent_id=None, *, track=False):
+        self.sent.append(body)
+        return len(self.sent)
+
+    def poll(self, timeout_s):
+        return None
+
+    def close(self):
+        pass
+
+
+def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0) -> dict:
+    """Run ``spec`` on ``ranks`` processes; returns rank 0's ``result.json``. A rank that fails
+    raises ``RuntimeError`` with the end of its log."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONUNBUFFERED": "1"}
+        with open(workdir / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "april_async.testing.learner_ranks", str(spec_path)],
+                                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            codes.append(None)
+    for rank, code in enumerate(codes):
+        if code != 0:
+            tail = (workdir / f"rank{rank}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"learner rank {rank} of {ranks} ended with {code}:\n{tail}")
+    result = json.loads((workdir / "result.json").read_text())
+    result["peak_rss_mb_per_rank"] = [json.loads((workdir / f"rank{r}.json").read_text())["peak_rss_mb"]
+                                      for r in range(ranks)]
+    return result
+
+
+def _main(spec_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _train(spec, Path(spec_path).parent)
+    finally:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps({"peak_rss_mb": peak_mb}))
+
+
+def _train(spec: dict, workdir: Path) -> None:
+    from april_async.learner.actor import LearnerActor, RankWorker
+    from april_async.learner.config import LearnerConfig
+    from april_async.learner.parallel import join
+
+    settings = {"checkpoint": spec["checkpoint"], "run_dir": spec["run_dir"], "broadcaster": None,
+                "tensorboard": False, "save_every": 1000, "keep_checkpoints": 1000,
+                "ranks": int(os.environ.get("WORLD_SIZE", "1")), **spec.get("learner", {})}
+    cfg = LearnerConfig(**settings)
+    group = join(cfg)
+    if group.rank > 0:
+        RankWorker(cfg, group).run()
+        return
+    actor = LearnerActor(cfg, RecordingPeer, None, group=group)
+    times = []
+    for i, b in enumerate(spec["batches"]):
+        batch = synthetic_batch(b["rewards"], batch_id=b.get("batch_id", 1000 + i), version=actor.state.version,
+                                seed=b.get("seed", i), vocab=actor.model.config.vocab_size,
+                                prompt_len=b.get("prompt_len", 3), lens=b.get("lens", 4))
+        t0 = time.perf_counter()
+        actor.train_on(batch)
+        times.append(time.perf_counter() - t0)
+    rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()] \
+        if (Path(cfg.run_dir) / "metrics.jsonl").is_file() else []
+    actor.command("stop")
+    actor.group.close(clean=True)
+    actor.close()
+    (workdir / "result.json").write_text(json.dumps({"rows": rows, "step_s": times, "version": actor.state.version}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -1,0 +1,118 @@
+"""The learner's step at 1 and N ranks (FSDP2, gloo on the CPU): seconds per step and peak memory per rank.
+
+    .venv/bin/python tools/bench_learner.py                 # 30M parameters, 1 vs 2 ranks (a few minutes)
+    .venv/bin/python tools/bench_learner.py --smoke         # a tiny model, seconds (CI)
+    .venv/bin/python tools/bench_learner.py --params 30M --ranks 1 2 --threads 1 --steps 4 --json out.json
+
+Every configuration runs the real learner (``LearnerActor`` on rank 0, ``RankWorker`` on the
+others, ``april_async/testing/learner_ranks.py``) in its own processes, side by side in one run, on
+the same synthetic batches: ``--groups`` groups of ``--group-size`` samples, prompts of
+``--prompt-len`` tokens, responses of 1 to ``--response-len``. The model is a random Qwen2-shaped
+decoder with tied embeddings (``SIZES``). Reported per configuration:
+
+- **step_s**: the median of the learner's ``train_s`` (batch to updated weights: packing, the
+  forward and backward passes, the optimizer step; not the hand-off or the checkpoint), the first
+  step left out (warm-up);
+- **peak_rss_mb**: each rank's peak resident memory (``ru_maxrss``), whole process: Python, torch,
+  the model, its gradients and optimizer state, activations, and one gathered bucket of the
+  checkpoint export;
+- the parameters after the last step against those of the first configuration (max |Δ|): the same
+  training, whatever the ranks.
+
+``--threads`` sets torch's threads per rank; the default is the machine's cores divided by the
+ranks, so every configuration uses the whole machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.testing.learner_ranks import run_steps
+
+SIZES = {
+    "tiny": ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "30M": ModelConfig(model_type="qwen2", vocab_size=16384, hidden_size=512, intermediate_size=1536,
+                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
+    "100M": ModelConfig(model_type="qwen2", vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                        num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", choices=sorted(SIZES), default="30M")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
+    p.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is warm-up)")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--response-len", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--microbatch-tokens", type=int, default=None, help="learner.max_tokens_per_microbatch")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, small batch")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.params, args.steps, args.groups, args.group_size, args.response_len = "tiny", 2, 2, 4, 16
+    cores = os.cpu_count() or 1
+
+    work = Path(tempfile.mkdtemp(prefix="bench-learner-"))
+    try:
+        init = work / "init"
+        torch.manual_seed(0)
+        model = CausalLM(SIZES[args.params])
+        n_params = sum(t.numel() for t in model.parameters())  # the tied embedding once
+        model.save_pretrained(init)
+        del model
+        rng_rewards = [[float((g + k) % 2) for k in range(args.group_size)] for g in range(args.groups)]
+        batches = [{"rewards": rng_rewards, "seed": i, "lens": args.response_len, "prompt_len": args.prompt_len}
+                   for i in range(args.steps)]
+        learner = {"lr": 1e-4, "dtype": args.dtype, "gather_bucket_mb": 16.0,
+                   **({"max_tokens_per_microbatch": args.microbatch_tokens} if args.microbatch_tokens else {})}
+        results, first = [], None
+        for ranks in args.ranks:
+            threads = args.threads or max(1, cores // ranks)
+            name = f"ranks{ranks}"
+            spec = {"checkpoint": str(init), "run_dir": str(work / name / "run"), "learner": learner,
+                    "batches": batches, "threads": threads}
+            r = run_steps(spec, ranks, work / name, timeout_s=3600)
+            final = load_file(str(max((work / name / "run" / "checkpoints").iterdir()) / "model.safetensors"))
+            first = first or final
+            train = [row["train_s"] for row in r["rows"]][1:] or [row["train_s"] for row in r["rows"]]
+            out = {"ranks": ranks, "threads_per_rank": threads, "step_s": round(statistics.median(train), 3),
+                   "peak_rss_mb_per_rank": [round(x) for x in r["peak_rss_mb_per_rank"]],
+                   "tokens_per_step": r["rows"][-1]["tokens"],
+                   "max_abs_diff_vs_first": max(float((final[k] - first[k]).abs().max()) for k in final)}
+            results.append(out)
+            print(json.dumps(out), flush=True)
+        base = results[0]["step_s"]
+        summary = {"params": n_params, "size": args.params, "dtype": args.dtype, "cores": cores,
+                   "batch": f"{args.groups}x{args.group_size} samples, prompt {args.prompt_len}, "
+                            f"responses 1-{args.response_len}",
+                   "results": results,
+                   "speedup_vs_first": [round(base / r["step_s"], 2) for r in results]}
+        print(json.dumps(summary, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
