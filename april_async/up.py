@@ -1,8 +1,9 @@
 """``april up``: every actor of a run as child processes of one supervisor, with a console view.
 
-    april up --config run.toml                  # all actors here: broker, broadcaster, scorer,
-                                                # learner and [run] generators generators
+    april up --config run.toml                  # the actors of [run] actors here (by default all:
+                                                # broker, broadcaster, scorer, learner, 2 generators)
     april up --config run.toml --actors generator:2    # only some (launch/cluster.sh does this)
+    april up --config run.toml --actors broker,broadcaster,scorer,learner:4,generator:2  # 4 learner ranks
     april up --config run.toml --set run.max_steps=20 --set learner.lr=3e-4
 
 What it does, in order:
@@ -17,6 +18,10 @@ What it does, in order:
 3. Write each actor's resolved config to ``<run.dir>/config/<name>.json`` and start it as
    ``python -m april_async.cli <actor> --config <that file>``, its output in
    ``<run.dir>/logs/<name>.log``. A child dies with the supervisor (``PR_SET_PDEATHSIG``).
+   The learner is a group of N processes (``learner:N``, else ``[learner] ranks``):
+   ``learner-0`` and ``learner-0-r<r>``, each with the same config and a torchrun-style
+   environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+   ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` = ``run.learner_port``), all on this host.
 4. Show progress from the learner's ``metrics.jsonl``: step, reward, response length,
    throughput, off-policy share, recycled partials.
 5. With ``run.restart = "on-failure"``, restart a child that crashed (a non-zero exit or a
@@ -24,10 +29,15 @@ What it does, in order:
    doubles while it keeps dying young, at most ``max_restarts`` times per actor within
    ``restart_window_s``. Every actor recovers its own state (the broker from its journal, the
    learner from its newest checkpoint) and the others reconnect to it. Exit code 2 (a bad
-   config, a refused peer) is never retried. ``<run.dir>/children.json`` always lists each
-   child's pid and restarts.
-6. Stop on Ctrl-C, SIGTERM, ``run.max_steps``, ``run.duration_s`` or a child that dies and is not
-   restarted: the learner first (it writes a checkpoint), then — once the generators hold its
+   config, a refused peer) is never retried. The learner's ranks are one unit: when one dies
+   the others are killed (``SIGKILL``) and the group restarts together, counted once. Rank 0
+   exiting 0 means the learner finished; a rank r > 0 exits 0 only when rank 0 stops the
+   group, so one that does while rank 0 runs on (past ``stop_timeout_s``) failed.
+   ``<run.dir>/children.json`` always lists each child (each learner rank) with its pid and
+   restarts.
+6. Stop on Ctrl-C, SIGTERM, ``run.max_steps``, ``run.duration_s``, the learner finishing or a
+   child that dies and is not restarted: the learner group first (``SIGTERM`` to every rank;
+   rank 0 stops the others and writes a checkpoint), then — once the generators hold its
    last version — generators, scorer, broadcaster and broker last; whatever has not exited
    after ``stop_timeout_s`` is killed. Nothing is left running.
 """
@@ -62,6 +72,8 @@ from april_async.runtime import die_with_parent
 
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
+COUNTED_KINDS = ("generator", "learner")
+"""Actors that take a count: ``generator:N`` (N generators), ``learner:N`` (the learner's N ranks)."""
 REWARD_WINDOW = 20
 """Steps averaged for the console's running reward and the summary's first/last reward."""
 CRASH_LOOP_S = 10.0
@@ -79,7 +91,8 @@ class RunConfig(BaseModel):
     dir: Path = Path("runs/april")
     """Everything of the run: configs, logs, checkpoints, metrics, TensorBoard files."""
     actors: list[str] = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
-    """Actors started here; ``generator:N`` starts N generators."""
+    """Actors started here; ``generator:N`` starts N generators, ``learner:N`` the learner as N ranks
+    (the same as ``[learner] ranks = N``)."""
     host: str = "127.0.0.1"
     """Where the others reach the broker and the broadcaster (env ``APRIL_HEAD`` overrides)."""
     bind: str = "127.0.0.1"
@@ -88,6 +101,8 @@ class RunConfig(BaseModel):
     broadcaster_port: int = Field(5556, ge=1, le=65535)
     store_port: int = Field(29600, ge=1, le=65535)
     """The broadcaster's TCPStore (torch.distributed rendezvous)."""
+    learner_port: int = Field(29610, ge=1, le=65535)
+    """The learner group's rendezvous port on the learner's host (``MASTER_PORT`` of its ranks)."""
     node: str = ""
     """A prefix for actor names, unique per host (env ``APRIL_NODE``)."""
     keys: Path | None = None
@@ -107,12 +122,15 @@ class RunConfig(BaseModel):
     """``never``: a child that dies stops the run. ``on-failure``: it is restarted (exit code 2,
     a configuration error, excepted)."""
     max_restarts: int = Field(5, ge=0)
-    """Restarts allowed per actor within ``restart_window_s``; one more stops the run."""
+    """Restarts allowed per actor within ``restart_window_s`` (the learner's ranks restart together,
+    counted once); one more stops the run."""
     restart_window_s: float = Field(600.0, gt=0)
     restart_delay_s: float = Field(1.0, ge=0)
     """The first back-off; it doubles (to 30 s at most) each time the child dies within 10 s of
     its start (a crash loop), and goes back to this after a longer life."""
     stop_timeout_s: float = Field(20.0, gt=0)
+    """How long a stop waits for each kind of actor before killing it; also how long rank 0 of the
+    learner has to follow a rank > 0 that exited 0 (else the group failed)."""
     final_sync_s: float = Field(20.0, ge=0)
     """After the learner stops, wait this long at most for the generators to hold its last version."""
 
@@ -135,18 +153,19 @@ def load_document(path: Path | None, overrides: list[str]) -> dict[str, dict]:
     return doc
 
 
-def parse_actors(spec: list[str]) -> list[tuple[str, int]]:
+def parse_actors(spec: list[str]) -> list[tuple[str, int | None]]:
+    """``kind[:N]`` items as (kind, N), N None where no count is given."""
     out = []
     for item in spec:
         kind, _, count = item.partition(":")
         if kind not in ACTOR_KINDS:
             raise ConfigError(f"actor {kind!r} is not one of {', '.join(ACTOR_KINDS)}")
         try:
-            n = int(count) if count else 1
+            n = int(count) if count else None
         except ValueError:
             raise ConfigError(f"actor {item!r}: the count after ':' must be a number") from None
-        if n < 1 or (kind != "generator" and n != 1):
-            raise ConfigError(f"actor {item!r}: only generators come in numbers, and at least one")
+        if n is not None and (n < 1 or (kind not in COUNTED_KINDS and n != 1)):
+            raise ConfigError(f"actor {item!r}: only generators and learners come in numbers, and at least one")
         out.append((kind, n))
     return out
 
@@ -162,6 +181,9 @@ class Child:
     restarts: list[float] = field(default_factory=list)  # monotonic times of each restart
     delay_s: float = 0.0  # the next back-off
     due_at: float | None = None  # dead, to be started again at this time
+    env: dict[str, str] = field(default_factory=dict)  # set in its environment (a learner rank's RANK, ...)
+    group: str = ""  # children with the same group (the learner's ranks) start, die and restart as one
+    rank: int = 0  # its place in the group; rank 0 leads it
 
 
 def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Child], dict[str, dict]]:
@@ -202,11 +224,11 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
     children: list[Child] = []
     prefix = f"{run.node}-" if run.node else ""
 
-    def add(kind: str, name: str, data: dict) -> None:
+    def add(kind: str, name: str, data: dict, **more) -> None:
         configs[name] = json.loads(dump(validate(actor_config_model(kind), data, kind)))
         path = run_dir / "config" / f"{name}.json"
         children.append(Child(name, kind, [sys.executable, "-m", "april_async.cli", kind, "--config", str(path)],
-                              run_dir / "logs" / f"{name}.log"))
+                              run_dir / "logs" / f"{name}.log", **more))
 
     for kind, count in kinds:
         if kind == "broker":
@@ -223,11 +245,22 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
             add(kind, f"{prefix}scorer-0", section("scorer", name=f"{prefix}scorer-0", **link,
                                                      tokenizer=doc.get("scorer", {}).get("tokenizer", policy)))
         elif kind == "learner":
-            add(kind, f"{prefix}learner-0", section("learner", name=f"{prefix}learner-0", **link,
-                                                      checkpoint=policy, run_dir=str(run_dir),
-                                                      broadcaster=bcast_ep, temperature=temperature))
+            lead = f"{prefix}learner-0"
+            data = section("learner", name=lead, **link, checkpoint=policy, run_dir=str(run_dir),
+                           broadcaster=bcast_ep, temperature=temperature)
+            given = doc.get("learner", {}).get("ranks")
+            if count is not None:
+                if given is not None and given != count:
+                    raise ConfigError(f"actor 'learner:{count}' and [learner] ranks = {given!r} disagree: "
+                                      f"set one of them")
+                data["ranks"] = count
+            ranks = validate(actor_config_model(kind), data, kind).ranks
+            for r in range(ranks):  # one group; each rank has the same config in its own file
+                env = {"RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(run.learner_port)}
+                add(kind, lead if r == 0 else f"{lead}-r{r}", data, env=env, group=lead, rank=r)
         else:
-            gen = doc.get("generator", {})
+            gen, count = doc.get("generator", {}), count or 1
             servers = gen.get("sglang", {}).get("servers", [])
             if gen.get("engine") == "sglang" and len(servers) < count:
                 raise ConfigError(f"generator:{count} on the sglang engine needs at least {count} servers in "
@@ -249,6 +282,7 @@ class Supervisor:
         self.rows_seen = 0
         self.first_rewards: list[float] = []
         self.recent_rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+        self.lone_exits: dict[str, float] = {}  # group -> when a rank > 0 was seen exiting 0 with rank 0 alive
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_reason = self.stop_reason or signal.Signals(signum).name
@@ -292,11 +326,11 @@ class Supervisor:
         print(f"april up: started {names}; logs in {self.dir / 'logs'}", flush=True)
 
     def _spawn(self, c: Child) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1")
-        log = open(c.log, "ab")
-        c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env, preexec_fn=CHILD_SETUP)
-        log.close()
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1", **c.env)
+        with open(c.log, "ab") as log:  # the child holds its own copy
+            # PR_SET_PDEATHSIG can only be set in the child: preexec_fn, from the supervisor's one thread.
+            c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, preexec_fn=CHILD_SETUP)  # noqa: PLW1509
         c.started_at, c.due_at = time.monotonic(), None
 
     def _write_children(self) -> None:
@@ -331,42 +365,84 @@ class Supervisor:
                 self.stop_reason = f"duration_s={self.run.duration_s:g} reached"
         return getattr(self, "exit_code", 0)
 
+    def _units(self) -> list[list[Child]]:
+        """The children as they start, die and restart: the learner's ranks together (rank 0 first),
+        every other child alone."""
+        units: dict[str, list[Child]] = {}
+        for c in self.children:
+            units.setdefault(c.group or c.name, []).append(c)
+        return [sorted(unit, key=lambda c: c.rank) for unit in units.values()]
+
     def _check_children(self) -> None:
         now = time.monotonic()
-        for c in self.children:
-            if c.due_at is not None:
-                if now >= c.due_at and self.stop_reason is None:
-                    self._spawn(c)
+        for unit in self._units():
+            lead = unit[0]
+            if lead.due_at is not None:
+                if now >= lead.due_at and self.stop_reason is None:
+                    for c in unit:
+                        self._spawn(c)
                     self._write_children()
-                    print(f"april up: {c.name} restarted ({len(c.restarts)} so far)", flush=True)
+                    what = lead.name if len(unit) == 1 else f"the {lead.kind} group {lead.group} ({len(unit)} ranks)"
+                    print(f"april up: {what} restarted ({len(lead.restarts)} so far)", flush=True)
                 continue
-            code = c.proc.poll()
-            if code is None:
+            dead = [(c, code) for c in unit if (code := c.proc.poll()) is not None]
+            if not dead:
                 continue
-            if c.kind == "learner" and code == 0:
+            if lead.kind == "learner" and lead.proc.returncode == 0:
                 self.stop_reason = "learner finished"
                 return
-            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            refusal = self._no_restart(c, code, now)
-            if refusal is None:
-                lived = now - c.started_at
-                young = lived < CRASH_LOOP_S
-                c.delay_s = min(30.0, max(self.run.restart_delay_s, 2 * c.delay_s)) if young else self.run.restart_delay_s
-                c.restarts.append(now)
-                c.due_at = now + c.delay_s
-                self._write_children()
-                print(f"april up: {c.name} {why} after {lived:.0f} s; restarting it in {c.delay_s:g} s", flush=True)
+            # Ranks > 0 stop when rank 0 tells them to, and rank 0 then stops too: give it time.
+            if (lead.proc.returncode is None and all(code == 0 for _, code in dead)
+                    and now - self.lone_exits.setdefault(lead.name, now) < self.run.stop_timeout_s):
                 continue
-            self.stop_reason = f"{c.name} {why}" + (f" ({refusal})" if refusal else "")
-            self._show_tail(c)
+            why = ", ".join(self._why(c, code, len(unit)) for c, code in dead)
+            refusals = [r for c, code in dead if (r := self._no_restart(c, code, now)) is not None]
+            if not refusals:
+                self._schedule_restart(unit, why, now)
+                continue
+            self.stop_reason = why + (f" ({refusals[0]})" if refusals[0] else "")
+            for c, _ in dead:
+                self._show_tail(c)
             self.exit_code = 1
             return
 
+    @staticmethod
+    def _why(c: Child, code: int, ranks: int) -> str:
+        """How ``c`` died, named (with its rank in a group of several)."""
+        who = f"{c.name} (rank {c.rank} of {ranks})" if ranks > 1 else c.name
+        if code < 0:
+            return f"{who} killed by {signal.Signals(-code).name}"
+        if code == 0 and c.rank > 0:
+            return f"{who} exited with code 0 before rank 0 did"
+        return f"{who} exited with code {code}"
+
+    def _schedule_restart(self, unit: list[Child], why: str, now: float) -> None:
+        """Kill what is left of ``unit`` and start it again whole after the back-off (one restart)."""
+        lead = unit[0]
+        lived = now - lead.started_at
+        young = lived < CRASH_LOOP_S
+        delay = min(30.0, max(self.run.restart_delay_s, 2 * lead.delay_s)) if young else self.run.restart_delay_s
+        for c in unit:
+            if c.proc.poll() is None:  # the rest of the group: its peers are gone
+                c.proc.kill()
+                c.proc.wait()
+        for c in unit:
+            c.restarts.append(now)
+            c.delay_s, c.due_at = delay, now + delay
+        self.lone_exits.pop(lead.name, None)
+        self._write_children()
+        if len(unit) == 1:
+            print(f"april up: {why} after {lived:.0f} s; restarting it in {delay:g} s", flush=True)
+        else:
+            print(f"april up: the {lead.kind} group {lead.group} ({len(unit)} ranks) restarts in {delay:g} s: "
+                  f"{why} after {lived:.0f} s (the other ranks killed)", flush=True)
+
     def _no_restart(self, c: Child, code: int, now: float) -> str | None:
-        """Why ``c`` is not restarted ('' for the plain policy ``never``), or None to restart it."""
+        """Why ``c`` is not restarted ('' for the plain policy ``never``), or None to restart it (its
+        group with it). The restarts counted are its group's: every rank holds the same list."""
         if self.run.restart == "never":
             return ""
-        if code == 0:
+        if code == 0 and c.rank == 0:
             return "it stopped on its own"
         if code == 2:
             return "exit code 2 is a configuration error: a restart would fail the same way"
@@ -468,7 +544,7 @@ def main(args) -> int:
                 configs[c.name]["max_steps"] = run.max_steps
     if args.dry_run:
         for c in children:
-            print(f"{c.name}: {' '.join(c.argv)}")
+            print(f"{c.name}: {' '.join([*(f'{k}={v}' for k, v in c.env.items()), *c.argv])}")
             print(json.dumps(configs[c.name], indent=2, sort_keys=True))
         return 0
     sup = Supervisor(run, children, configs, doc)

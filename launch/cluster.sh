@@ -4,9 +4,11 @@
 # usage: launch/cluster.sh HOSTFILE CONFIG [--launcher ssh|srun] [--dry-run] [-- april up options]
 #
 # HOSTFILE: one host per line and the actors it runs (default generator:1); '#' starts a comment.
-#     node1  broker,broadcaster,learner,scorer
+#     node1  broker,broadcaster,learner:4,scorer
 #     node2  generator:2
 #     node3  generator:2
+# learner:N runs the learner as N ranks of one torch.distributed group, all on that host (one GPU
+# each on CUDA; [learner] ranks = N in CONFIG does the same). One host line at most runs the learner.
 # The host that runs the broker is the head: every other host reaches the broker and the
 # broadcaster there (APRIL_HEAD), and they bind to all interfaces (APRIL_BIND=0.0.0.0) unless
 # every host is this machine. Each host line gets APRIL_NODE=n<index> so actor names are unique;
@@ -51,12 +53,18 @@ done < "$hostfile"
 [[ ${#hosts[@]} -gt 0 ]] || { echo "cluster.sh: $hostfile names no host" >&2; exit 2; }
 
 is_local() { [[ "$1" == localhost || "$1" == 127.0.0.1 || "$1" == "$(hostname)" || "$1" == "$(hostname -s)" ]]; }
-head=""; head_i=""; all_local=1
+head=""; head_i=""; all_local=1; learner_hosts=()
 for i in "${!hosts[@]}"; do
   if [[ ",${actors[$i]}," == *,broker,* ]]; then head="${hosts[$i]}"; head_i=$i; fi
+  if [[ ",${actors[$i]}," == *,learner[,:]* ]]; then learner_hosts+=("${hosts[$i]}"); fi
   is_local "${hosts[$i]}" || all_local=0
 done
 [[ -n "$head" ]] || { echo "cluster.sh: no host line runs the broker" >&2; exit 2; }
+if [[ ${#learner_hosts[@]} -gt 1 ]]; then
+  echo "cluster.sh: ${#learner_hosts[@]} host lines run the learner (${learner_hosts[*]}): one runs all its" \
+       "ranks (learner:N)" >&2
+  exit 2
+fi
 if [[ $all_local == 1 ]]; then head_addr=127.0.0.1; bind=127.0.0.1; else head_addr="$head"; bind=0.0.0.0; fi
 keys_env=""
 if [[ -n "${APRIL_KEYS:-}" ]]; then

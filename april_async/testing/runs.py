@@ -23,6 +23,7 @@ actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
 broker_port = {broker_port}
 broadcaster_port = {broadcaster_port}
 store_port = {store_port}
+learner_port = {learner_port}
 max_steps = {steps}
 duration_s = 240
 final_sync_s = 30
@@ -49,7 +50,7 @@ def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
     """``tmp/run.toml``: the tiny run in ``run_dir`` on free ports (the warm start makes the policy
     when ``checkpoint`` is empty)."""
     text = TINY_RUN.format(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(),
-                           store_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
+                           store_port=free_port(), learner_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
     path = tmp / "run.toml"
     path.write_text(text)
     return path

@@ -192,7 +192,7 @@ def test_bad_run_configs_are_one_line_errors(tmp_path):
 
     assert "generator:x" in err(["run.actors=['generator:x']"])
     assert "'critic' is not one of" in err(["run.actors=['critic']"])
-    assert "only generators come in numbers" in err(["run.actors=['broker:2']"])
+    assert "only generators and learners come in numbers" in err(["run.actors=['broker:2']"])
     assert "broker_port" in err(["run.broker_port=0"])
     assert "unknown section [brokr]" in err([], "[brokr]\nx = 1\n")
     assert "not valid TOML" in err([], "[run\n")

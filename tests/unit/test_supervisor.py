@@ -1,16 +1,34 @@
-"""``april up``'s restart policy, with real child processes that stand in for actors."""
+"""``april up``'s plan and restart policy, with real child processes that stand in for actors."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
 import sys
 import time
 
-from april_async.up import Child, RunConfig, Supervisor
+import pytest
+
+from april_async.config import ConfigError
+from april_async.up import Child, RunConfig, Supervisor, load_document, main, plan
 
 
 def child(tmp_path, name: str, kind: str, code: str) -> Child:
     return Child(name, kind, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+def learner_group(tmp_path, *codes: str) -> list[Child]:
+    """One stand-in per rank, grouped and with the environment ``plan`` gives the learner's ranks."""
+    out = []
+    for r, code in enumerate(codes):
+        env = {"RANK": str(r), "WORLD_SIZE": str(len(codes)), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(len(codes)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29610"}
+        name = "learner-0" if r == 0 else f"learner-0-r{r}"
+        out.append(Child(name, "learner", [sys.executable, "-c", code], tmp_path / f"{name}.log",
+                         env=env, group="learner-0", rank=r))
+    return out
 
 
 def supervisor(tmp_path, children, **run) -> Supervisor:
@@ -24,6 +42,69 @@ def settle(sup: Supervisor, until, timeout_s: float = 20.0) -> None:
     while not until() and time.monotonic() < deadline:
         sup._check_children()
         time.sleep(0.05)
+
+
+@pytest.fixture
+def no_cluster_env(monkeypatch):
+    for var in ("APRIL_HEAD", "APRIL_BIND", "APRIL_NODE", "APRIL_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+def test_learner_n_plans_one_group_of_ranks_with_a_torchrun_environment(tmp_path, no_cluster_env):
+    doc = load_document(None, [f"run.dir='{tmp_path}'", "run.node=n0", "run.learner_port=29700"])
+    run, children, configs = plan(doc, "broker,learner:3")
+    learners = [c for c in children if c.kind == "learner"]
+    assert [c.name for c in learners] == ["n0-learner-0", "n0-learner-0-r1", "n0-learner-0-r2"]
+    assert [(c.group, c.rank) for c in learners] == [("n0-learner-0", 0), ("n0-learner-0", 1), ("n0-learner-0", 2)]
+    for r, c in enumerate(learners):
+        assert c.env == {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29700"}
+        assert c.argv == [sys.executable, "-m", "april_async.cli", "learner", "--config",
+                          str(tmp_path / "config" / f"{c.name}.json")]
+        assert configs[c.name] == configs["n0-learner-0"] and configs[c.name]["ranks"] == 3
+    assert configs["n0-learner-0"]["name"] == "n0-learner-0"
+    broker = children[0]
+    assert broker.env == {} and broker.group == "" and run.learner_port == 29700
+
+
+def test_learner_ranks_come_from_actors_or_the_learner_section_and_must_agree(no_cluster_env):
+    def ranks(overrides: list[str], actors: str) -> list[str]:
+        _, children, configs = plan(load_document(None, overrides), actors)
+        names = [c.name for c in children if c.kind == "learner"]
+        assert all(configs[n]["ranks"] == len(names) for n in names)
+        return names
+
+    one = plan(load_document(None, []), "learner")[1]
+    assert [c.name for c in one] == ["learner-0"]
+    assert one[0].env["RANK"] == "0" and one[0].env["WORLD_SIZE"] == "1" and one[0].env["MASTER_PORT"] == "29610"
+    assert ranks(["learner.ranks=2"], "learner") == ["learner-0", "learner-0-r1"]
+    assert ranks(["learner.ranks=2"], "learner:2") == ["learner-0", "learner-0-r1"]
+    assert ranks(["run.actors=['learner:2']"], None) == ["learner-0", "learner-0-r1"]
+    with pytest.raises(ConfigError, match=r"'learner:2' and \[learner\] ranks = 3"):
+        plan(load_document(None, ["learner.ranks=3"]), "learner:2")
+    with pytest.raises(ConfigError, match=r"'learner:1' and \[learner\] ranks = 2"):
+        plan(load_document(None, ["learner.ranks=2"]), "learner:1")
+    for bad in ("broker:2", "learner:0", "scorer:3"):
+        with pytest.raises(ConfigError, match="only generators and learners come in numbers"):
+            plan(load_document(None, []), bad)
+
+
+def test_dry_run_prints_every_rank_with_its_environment(tmp_path, capsys, no_cluster_env):
+    args = argparse.Namespace(config=None, set=[f"run.dir='{tmp_path / 'run'}'"], actors="broker,learner:2",
+                              dry_run=True, warm_start_only=False)
+    assert main(args) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("learner-0")]
+    config = tmp_path / "run" / "config"
+    env = "WORLD_SIZE=2 LOCAL_RANK={r} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29610"
+    assert lines == [f"{name}: RANK={r} {env.format(r=r)} {sys.executable} -m april_async.cli learner "
+                     f"--config {config / (name + '.json')}" for r, name in enumerate(["learner-0", "learner-0-r1"])]
+    assert not (tmp_path / "run").exists(), "--dry-run wrote something"
+
+
+# ---------------------------------------------------------------------- one child
 
 
 def test_a_killed_child_is_restarted_and_children_json_follows_it(tmp_path):
@@ -47,7 +128,7 @@ def test_exit_code_2_a_clean_exit_and_too_many_restarts_stop_the_run(tmp_path):
         c = child(tmp_path, "gen-0", "generator", code)
         sup = supervisor(tmp_path, [c], restart="on-failure", restart_delay_s=0.0, max_restarts=2)
         try:
-            settle(sup, lambda: sup.stop_reason is not None)
+            settle(sup, lambda s=sup: s.stop_reason is not None)
         finally:
             sup.stop()
         assert want in sup.stop_reason, sup.stop_reason
@@ -61,7 +142,7 @@ def test_a_crash_loop_backs_off_doubling(tmp_path):
     try:
         while sup.stop_reason is None:
             before = len(c.restarts)
-            settle(sup, lambda: len(c.restarts) > before or sup.stop_reason is not None)
+            settle(sup, lambda n=before: len(c.restarts) > n or sup.stop_reason is not None)
             if len(c.restarts) > before:
                 delays.append(c.delay_s)
     finally:
@@ -77,3 +158,77 @@ def test_the_default_policy_stops_the_run_when_a_child_dies(tmp_path):
     finally:
         sup.stop()
     assert sup.stop_reason == "broker exited with code 1" and not c.restarts
+
+
+# ---------------------------------------------------------------------- the learner's ranks
+
+SLEEPER = "import time; time.sleep(60)"
+
+
+def test_a_rank_killed_by_sigkill_restarts_the_whole_learner_group_once(tmp_path, capsys):
+    report = ("import os, pathlib, time; pathlib.Path(os.environ['OUT'], 'rank-' + os.environ['RANK'])"
+              ".write_text(os.environ['WORLD_SIZE'] + ' ' + os.environ['MASTER_PORT']); time.sleep(60)")
+    group = learner_group(tmp_path, report, report)
+    for c in group:
+        c.env["OUT"] = str(tmp_path)
+    sup = supervisor(tmp_path, group, restart="on-failure", restart_delay_s=0.0)
+    try:
+        settle(sup, lambda: all((tmp_path / f"rank-{r}").exists() for r in range(2)))
+        assert [(tmp_path / f"rank-{r}").read_text() for r in range(2)] == ["2 29610", "2 29610"]
+        first = [c.proc for c in group]
+        os.kill(group[1].proc.pid, signal.SIGKILL)
+        settle(sup, lambda: all(c.proc not in first and c.due_at is None for c in group))
+        assert all(c.proc not in first and c.proc.poll() is None for c in group), "the group was not restarted"
+        assert first[0].returncode == -signal.SIGKILL and first[1].returncode == -signal.SIGKILL
+        assert [len(c.restarts) for c in group] == [1, 1] and sup.stop_reason is None
+        rows = json.loads((tmp_path / "children.json").read_text())
+        assert {n: (r["pid"], r["restarts"]) for n, r in rows.items()} == {
+            "learner-0": (group[0].proc.pid, 1), "learner-0-r1": (group[1].proc.pid, 1)}
+    finally:
+        sup.stop()
+    assert all(c.proc.poll() is not None for c in group)
+    out = capsys.readouterr().out
+    said = [ln for ln in out.splitlines() if "restarts in" in ln]
+    assert len(said) == 1 and "learner group learner-0 (2 ranks)" in said[0], out
+    assert "learner-0-r1 (rank 1 of 2) killed by SIGKILL" in said[0], out
+
+
+def test_under_never_a_dying_rank_stops_the_run_and_every_rank(tmp_path):
+    group = learner_group(tmp_path, SLEEPER, "raise SystemExit(1)")
+    sup = supervisor(tmp_path, group)
+    try:
+        settle(sup, lambda: sup.stop_reason is not None)
+    finally:
+        sup.stop()
+    assert sup.stop_reason == "learner-0-r1 (rank 1 of 2) exited with code 1", sup.stop_reason
+    assert not any(c.restarts for c in group) and group[0].proc.returncode == -signal.SIGTERM
+
+
+def test_the_restart_budget_counts_restarts_of_the_group(tmp_path):
+    group = learner_group(tmp_path, "raise SystemExit(3)", "raise SystemExit(3)")
+    sup = supervisor(tmp_path, group, restart="on-failure", restart_delay_s=0.0, max_restarts=2)
+    try:
+        settle(sup, lambda: sup.stop_reason is not None)
+    finally:
+        sup.stop()
+    assert "2 restarts within" in sup.stop_reason, sup.stop_reason
+    assert [len(c.restarts) for c in group] == [2, 2]
+
+
+def test_a_rank_exiting_0_before_rank_0_is_a_failure_and_rank_0_exiting_0_finishes(tmp_path):
+    group = learner_group(tmp_path, SLEEPER, "pass")
+    sup = supervisor(tmp_path, group, restart="on-failure", restart_delay_s=0.0, stop_timeout_s=0.5)
+    try:
+        settle(sup, lambda: group[0].restarts != [])
+        assert [len(c.restarts) for c in group] == [1, 1] and sup.stop_reason is None
+    finally:
+        sup.stop()
+
+    # The end of a group: rank 0 stops rank 1, then exits itself.
+    group = learner_group(tmp_path, "import time; time.sleep(1)", "pass")
+    sup = supervisor(tmp_path, group, restart="on-failure", restart_delay_s=0.0)
+    try:
+        settle(sup, lambda: sup.stop_reason is not None)
+    finally:
+        sup.stop()
+    assert sup.stop_reason == "learner finished" and not any(c.restarts for c in group)
