@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting of any section, e.g. run.max_steps=20 or learner.lr=3e-4")
     u.add_argument("--actors", default=None,
-                   help="the actors to start here, e.g. broker,broadcaster,learner,scorer or generator:2 "
-                        "(default: [run] actors, normally all of them)")
+                   help="the actors to start here, e.g. broker,broadcaster,learner,scorer or generator:2; "
+                        "learner:N starts the learner as N ranks (default: [run] actors, normally all of them)")
     u.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     u.add_argument("--warm-start-only", action="store_true",
                    help="make the initial policy (<run.dir>/init) if there is none, then exit: e.g. to start "

@@ -89,6 +89,16 @@ def test_four_micro_batches_make_the_one_micro_batch_step_at_one_and_two_ranks(i
     assert max_diff(micro2[1], whole[1]) <= TOL
 
 
+def test_activation_checkpointing_changes_memory_not_the_step(init):
+    learner = {"algorithm": "grpo", "correction": "tis", "lr": 1e-2}
+    _, plain, _ = run(init, "ac-off", 1, learner, [batch(5)])
+    _, ac1, _ = run(init, "ac-one", 1, {**learner, "activation_checkpointing": True}, [batch(5)])
+    _, ac2, _ = run(init, "ac-two", 2, {**learner, "activation_checkpointing": True,
+                                        "max_tokens_per_microbatch": 16}, [batch(5)])
+    assert max_diff(ac1[1], plain[1]) <= TOL
+    assert max_diff(ac2[1], plain[1]) <= TOL
+
+
 def test_minibatches_and_the_decoupled_correction_split_the_same_way(init):
     """Two optimizer steps per batch (π_prox fixed first) and a token mask that depends on π_prox."""
     learner = {"algorithm": "grpo", "correction": "decoupled", "behav_weight_cap": 1.5, "minibatches": 2,
@@ -113,3 +123,14 @@ def test_a_sharded_checkpoint_resumes_at_another_number_of_ranks(init):
         assert max_diff(resumed[2], straight[2]) <= TOL, name
     # The optimizer state matters: a fresh AdamW would take a different second step.
     assert max_diff(straight[2], straight[1]) > 100 * TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_on_cuda_in_bfloat16_mixed_precision(init):
+    """``device = auto`` on a GPU host: CUDA, bfloat16 compute over float32 master weights."""
+    res, out, _ = run(init, "cuda", 1, {"algorithm": "grpo", "lr": 1e-2}, [batch(1)])
+    start = load_file(str(init / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in out[1].values())  # exported in the compute dtype
+    assert max_diff({k: v.float() for k, v in out[1].items()}, start) > 1e-3
+    assert torch.isfinite(torch.tensor(res["rows"][0]["loss"]))

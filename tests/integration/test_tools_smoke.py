@@ -31,6 +31,16 @@ def test_bench_engine_prints_tokens_per_second_by_batch():
     assert all(float(r[4]) > 0 for r in rows)
 
 
+def test_bench_learner_prints_the_step_at_one_and_two_ranks(tmp_path):
+    import json
+
+    run("tools/bench_learner.py", "--smoke", "--json", str(tmp_path / "l.json"))
+    summary = json.loads((tmp_path / "l.json").read_text())
+    assert [r["ranks"] for r in summary["results"]] == [1, 2]
+    assert all(r["step_s"] > 0 and len(r["peak_rss_mb_per_rank"]) == r["ranks"] for r in summary["results"])
+    assert summary["results"][1]["max_abs_diff_vs_first"] <= 1e-5  # the same training at 2 ranks
+
+
 def test_bench_rollout_compares_every_mode_with_sync_and_the_limit(tmp_path):
     out = run("tools/bench_rollout.py", "--smoke", "--json", str(tmp_path / "r.json"))
     assert "no-tail limit" in out

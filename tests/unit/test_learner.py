@@ -253,3 +253,64 @@ def test_every_batch_taken_is_in_the_audit_trail(policy, tmp_path):
     assert [s[0] for s in rows[0]["samples"]] == [2, 3]  # the trained group's samples only
     assert rows[0]["samples"][0][1:] == [0, 0]  # oldest and newest token version
     assert rows[1]["step"] is None and rows[1]["reason"] == "stale" and rows[1]["samples"] == []
+
+
+class PartsRecorder:
+    """A ``WeightHandoff`` that keeps what ``send_parts`` is given (each part's bytes copied)."""
+
+    def __init__(self):
+        self.parts = []
+
+    def send_parts(self, version, specs, total_bytes, parts, num_parts):
+        self.version, self.specs, self.total, self.num_parts = version, specs, total_bytes, num_parts
+        it = iter(parts)
+        item = next(it)
+        while True:
+            offset, data = item
+            self.parts.append((offset, data.copy()))
+            try:
+                item = it.send(len(self.parts) % 2 == 0)  # sometimes "not released": a fresh buffer next
+            except StopIteration:
+                break
+
+
+def test_the_hand_off_is_gathered_bucket_by_bucket_into_the_one_part_bytes(policy, tmp_path):
+    from april_async.learner.actor import hand_off
+    from april_async.weights.flat import flatten
+
+    actor = learner(policy, tmp_path)
+    rec = PartsRecorder()
+    bucket = 4096
+    hand_off(actor.policy, rec, 7, bucket)
+    specs, whole = flatten(actor.model.state_dict())
+    assert rec.version == 7 and rec.total == whole.numel() and [s.name for s in rec.specs] == [s.name for s in specs]
+    assert len(rec.parts) == rec.num_parts > 2
+    for offset, data in rec.parts:  # a part holds one bucket, or one tensor bigger than a bucket alone
+        inside = [s for s in specs if offset <= s.offset < offset + len(data)]
+        assert len(data) <= bucket or len(inside) == 1, (offset, len(data), [s.name for s in inside])
+    joined = np.concatenate([d for _, d in rec.parts])
+    assert joined.tobytes() == whole.numpy().tobytes()  # the one-part hand-off's bytes, byte for byte
+
+
+def test_the_streamed_export_is_a_hugging_face_checkpoint(policy, tmp_path):
+    from safetensors.torch import load_file
+
+    actor = learner(policy, tmp_path)
+    out = tmp_path / "export"
+    out.mkdir()
+    ckpt.export_hf(out, actor.policy, bucket_bytes=1024)
+    reference = tmp_path / "reference"
+    actor.model.save_pretrained(reference)
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    loaded = CausalLM.from_pretrained(out)
+    assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
+    assert all(torch.equal(v, actor.model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_learner_started_alone_with_ranks_set_says_how_to_start_it(policy, tmp_path):
+    with pytest.raises(ValueError, match="WORLD_SIZE = 1.*april up"):
+        learner(policy, tmp_path, ranks=2)
+    with pytest.raises(ValueError, match="device 'cuda:x'"):
+        LearnerConfig(device="cuda:x")

@@ -81,3 +81,28 @@ def test_missing_or_mismatched_checkpoints_name_file_and_tensor(tmp_path):
         ModelConfig.from_hf(dict(TINY, rope_scaling={"type": "yarn"}))
     with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
         ModelConfig.from_hf(dict(TINY, model_type="gpt2"))
+
+
+def test_activation_checkpointing_keeps_fewer_activations_and_the_same_gradients():
+    import torch
+
+    from april_async.model.decoder import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2)).train()
+    ids = torch.randint(0, 64, (2, 12))
+
+    def run(ac: bool):
+        model.activation_checkpointing = ac
+        model.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logits, _ = model(ids)
+        logits.float().logsumexp(-1).sum().backward()
+        return sum(saved), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    kept_plain, grads_plain = run(False)
+    kept_ac, grads_ac = run(True)
+    assert kept_ac < kept_plain / 2, (kept_ac, kept_plain)
+    assert all(torch.allclose(grads_ac[k], grads_plain[k], atol=1e-6) for k in grads_plain)
