@@ -335,7 +335,7 @@ class LearnerActor:
     def save(self) -> Path:
         self.command("save", self.state.version)
         path = ckpt.save(self.cfg.run_dir, self.policy, self.state, side_files_from=self.side_files,
-                         keep=self.cfg.keep_checkpoints, bucket_bytes=self.cfg.gather_bucket_bytes)
+                         keep=self.cfg.keep_checkpoints)
         self.side_files = path
         return path
 
@@ -350,18 +350,19 @@ def hand_off(policy: ShardedPolicy, handoff: WeightHandoff | None, version: int,
     def parts():
         buffer = None
         for start, stop, idx in cuts:
-            full = dict(policy.full_weights([names[i] for i in idx]))
+            if handoff is not None:
+                if buffer is None or len(buffer) < stop - start:
+                    buffer = np.empty(stop - start, dtype=np.uint8)
+                view = buffer[:stop - start]
+                view[:] = 0  # the alignment padding between tensors
+            for i, (_, t) in zip(idx, policy.full_weights([names[i] for i in idx]), strict=True):
+                if t is None:  # not rank 0: this rank only took part in the gather
+                    continue
+                at = specs[i].offset - start  # each full tensor goes into the bucket as soon as it is gathered
+                view[at:at + t.numel() * t.element_size()] = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+                del t
             if handoff is None:
                 continue
-            if buffer is None or len(buffer) < stop - start:
-                buffer = np.empty(stop - start, dtype=np.uint8)
-            view = buffer[:stop - start]
-            view[:] = 0
-            for i in idx:
-                sp = specs[i]
-                t = full[sp.name]
-                n = t.numel() * t.element_size()
-                view[sp.offset - start:sp.offset - start + n] = t.contiguous().view(torch.uint8).numpy().reshape(-1)
             reuse = yield start, view
             if not reuse:  # ZeroMQ may still hold it: the next bucket gets a new buffer
                 buffer = None
@@ -402,8 +403,7 @@ class RankWorker:
                     hand_off(self.policy, None, 0, self.cfg.gather_bucket_bytes)
                 elif kind == "save":
                     state.version = cmd[1]
-                    ckpt.save(self.cfg.run_dir, self.policy, state, side_files_from=None,
-                              bucket_bytes=self.cfg.gather_bucket_bytes)
+                    ckpt.save(self.cfg.run_dir, self.policy, state, side_files_from=None)
                 elif kind == "stop":
                     self.group.close(clean=True)
                     break

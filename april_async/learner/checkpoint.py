@@ -8,8 +8,8 @@
         trainer_state.json                version, step, last batch id, time
 
 ``save`` is a collective: every rank of the learner calls it. Rank 0 writes the export,
-gathering the full tensors bucket by bucket and streaming them into ``model.safetensors``, so
-it never holds more than one bucket of full weights beside its shards.
+gathering the full tensors one at a time and streaming each into ``model.safetensors``, so it
+never holds more than one full tensor beside its shards.
 
 A checkpoint is written into ``v000012.tmp`` and renamed into place, so a directory without
 the ``.tmp`` suffix is always complete; ``latest`` skips anything else. Only the newest ``keep``
@@ -66,8 +66,7 @@ def copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def save(run_dir: Path, policy, state: TrainerState, *, side_files_from: Path | None, keep: int = 2,
-         bucket_bytes: int = 256 << 20) -> Path:
+def save(run_dir: Path, policy, state: TrainerState, *, side_files_from: Path | None, keep: int = 2) -> Path:
     """Write checkpoint ``state.version`` (a collective: every rank calls it; ``state`` counts on
     rank 0 only). ``policy`` is a ``parallel.ShardedPolicy``."""
     final = checkpoint_dir(run_dir, state.version)
@@ -78,7 +77,7 @@ def save(run_dir: Path, policy, state: TrainerState, *, side_files_from: Path | 
         tmp.mkdir(parents=True)
     policy.group.broadcast(None)  # the others write into tmp only once rank 0 has made it afresh
     policy.save_sharded(tmp)
-    export_hf(tmp, policy, bucket_bytes=bucket_bytes)
+    export_hf(tmp, policy)
     if not rank0:
         return final
     if side_files_from is not None:
@@ -96,11 +95,12 @@ def save(run_dir: Path, policy, state: TrainerState, *, side_files_from: Path | 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def export_hf(directory: Path, policy, *, bucket_bytes: int = 256 << 20) -> None:
+def export_hf(directory: Path, policy) -> None:
     """``config.json`` + ``model.safetensors`` of the full weights in the compute dtype (Hugging
-    Face names; a tied ``lm_head.weight`` left out as HF does). A collective: the tensors are
-    gathered in buckets of about ``bucket_bytes`` and rank 0 streams each bucket to the file
-    (the safetensors layout: an 8-byte header length, a JSON header, the tensors' bytes)."""
+    Face names; a tied ``lm_head.weight`` left out as HF does). A collective: the full tensors are
+    gathered one at a time and rank 0 writes each to the file as it comes (the safetensors layout:
+    an 8-byte header length, a JSON header, the tensors' bytes), so it holds one full tensor at
+    most beside its shards."""
     config = policy.model.config
     items = [(n, d, s) for n, d, s in policy.shapes() if not (config.tie_word_embeddings and n == "lm_head.weight")]
     rank0 = policy.group.rank == 0
@@ -118,29 +118,13 @@ def export_hf(directory: Path, policy, *, bucket_bytes: int = 256 << 20) -> None
         out = open(Path(directory) / "model.safetensors", "wb")
         out.write(struct.pack("<Q", len(raw)) + raw)
     try:
-        names = [n for n, _, _ in items]
-        for bucket in _bucketed(names, [math.prod(s) * d.itemsize for _, d, s in items], bucket_bytes):
-            gathered = [t for _, t in policy.full_weights(bucket)]  # one bucket of full tensors at most
-            if out is not None:
-                out.writelines(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in gathered)
-            del gathered
+        for _, t in policy.full_weights([n for n, _, _ in items]):  # gathered one tensor at a time
+            if out is not None and t.numel():
+                out.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+            del t
     finally:
         if out is not None:
             out.close()
-
-
-def _bucketed(names: list[str], sizes: list[int], bucket_bytes: int) -> list[list[str]]:
-    """``names`` in order, cut into runs of at most ``bucket_bytes`` (a bigger tensor alone)."""
-    out: list[list[str]] = []
-    total = 0
-    for name, size in zip(names, sizes, strict=True):
-        if out and total + size <= bucket_bytes:
-            out[-1].append(name)
-            total += size
-        else:
-            out.append([name])
-            total = size
-    return out
 
 
 def load_legacy(directory: Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> None:

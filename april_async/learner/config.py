@@ -88,8 +88,9 @@ class LearnerConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % slower)."""
     gather_bucket_mb: float = Field(256.0, gt=0)
-    """Full weights are gathered from the shards this many MiB at a time for the hand-off to the
-    broadcaster and the Hugging Face export; rank 0 holds one such bucket beside its shards."""
+    """The hand-off to the broadcaster gathers the full weights from the shards this many MiB at a
+    time and sends each bucket as one part; rank 0 holds one bucket (and the tensor being copied
+    into it) beside its shards. The Hugging Face export streams one tensor at a time."""
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % slower)."""
     save_every: int = Field(25, ge=1)
     """Write a checkpoint every this many steps (and at the end)."""

@@ -298,7 +298,7 @@ def test_the_streamed_export_is_a_hugging_face_checkpoint(policy, tmp_path):
     actor = learner(policy, tmp_path)
     out = tmp_path / "export"
     out.mkdir()
-    ckpt.export_hf(out, actor.policy, bucket_bytes=1024)
+    ckpt.export_hf(out, actor.policy)
     reference = tmp_path / "reference"
     actor.model.save_pretrained(reference)
     got, want = load_file(str(out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
