@@ -60,6 +60,7 @@ import torch
 import zmq
 
 from april_async.logs import get_logger
+from april_async.runtime import ActorFailed
 from april_async.weights.flat import flatten
 from april_async.wire import messages as m
 
@@ -70,8 +71,9 @@ PartsFactory = Callable[[], tuple[list[m.TensorSpec], int, Iterable[Part], int]]
 Weights = Mapping[str, torch.Tensor] | PartsFactory | None
 
 
-class BroadcastRefused(RuntimeError):
-    """The broadcaster cannot take this learner's versions (e.g. over its size limit)."""
+class BroadcastRefused(ActorFailed):
+    """The broadcaster cannot take this learner's versions (over its size limit, or too old for a
+    hand-off in parts): no retry can mend it, so the learner stops with exit status 2."""
 
 
 class WeightHandoff:
@@ -87,6 +89,8 @@ class WeightHandoff:
         self.last_send_s = 0.0
         """Seconds of the last hand-off: the copy, the encoding and the queueing (with parts: every
         part's production too, and the waits for ZeroMQ to release each)."""
+        self.peer_proto: str | None = None
+        """The protocol version of the broadcaster's last message (parts need 1.4 or newer)."""
         self.unreleased = 0
         """Parts whose bytes ZeroMQ still referenced when the next was asked for (since start)."""
         self.log = get_logger(actor="learner", instance=name)
@@ -134,6 +138,10 @@ class WeightHandoff:
             num_parts = len(parts)
         if num_parts < 1:
             raise ValueError(f"version {version}: a hand-off has at least one part, got num_parts={num_parts}")
+        if num_parts > 1 and self.peer_proto is not None and _minor(self.peer_proto) < 4:
+            raise BroadcastRefused(f"the broadcaster speaks protocol {self.peer_proto}: a hand-off in {num_parts} "
+                                   f"parts needs 1.4 or newer; upgrade it, or raise learner.gather_bucket_mb above "
+                                   f"{total_bytes / (1 << 20):.0f} MiB so that a version goes in one part")
         t0 = time.monotonic()
         it = iter(parts)
         tell = getattr(it, "send", None)  # a generator learns whether it may reuse what it yielded
@@ -186,6 +194,7 @@ class WeightHandoff:
     def pump(self) -> None:
         """Serve the session (heartbeats, reconnects) and hear the broadcaster's errors."""
         while (msg := self.peer.poll(0.0)) is not None:
+            self.peer_proto = msg.proto_version
             if not isinstance(msg.body, m.Error):
                 continue
             if msg.body.code == "too_large":  # every later version would be refused too: stop loudly
@@ -196,3 +205,9 @@ class WeightHandoff:
     def close(self) -> None:
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
+
+
+def _minor(version: str) -> int:
+    """The minor number of a protocol version ``major.minor`` (0 when it has none)."""
+    _, _, minor = version.partition(".")
+    return int(minor) if minor.isdigit() else 0

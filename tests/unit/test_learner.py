@@ -191,7 +191,8 @@ def test_a_version_the_broadcaster_refuses_as_too_large_stops_the_learner_naming
 
         def send(self, body, parent_id=None, *, track=False):
             if isinstance(body, m.WeightsUpdate):
-                self.inbox.append(SimpleNamespace(body=m.Error(code="too_large", message="message of 9 bytes is over 8")))
+                self.inbox.append(SimpleNamespace(body=m.Error(code="too_large", message="message of 9 bytes is over 8"),
+                                                  proto_version="1.4"))
             return super().send(body, parent_id, track=track)
 
         def poll(self, timeout_s):
@@ -314,3 +315,18 @@ def test_a_learner_started_alone_with_ranks_set_says_how_to_start_it(policy, tmp
         learner(policy, tmp_path, ranks=2)
     with pytest.raises(ValueError, match="device 'cuda:x'"):
         LearnerConfig(device="cuda:x")
+
+
+def test_a_broadcaster_older_than_1_4_gets_versions_in_one_part_or_a_clear_refusal():
+    """Parts came with protocol 1.4 (an older broadcaster would misread them): the learner says
+    which setting puts a version in one part instead."""
+    from april_async.weights.flat import layout
+    from april_async.weights.handoff import WeightHandoff
+
+    handoff = WeightHandoff("learner-0", FakePeer, lambda: (0, None))
+    handoff.peer_proto = "1.3"  # what pump() notes from the broadcaster's messages
+    specs, total = layout([("a", torch.float32, (4,)), ("b", torch.float32, (4,))])
+    with pytest.raises(BroadcastRefused, match=r"protocol 1\.3.*gather_bucket_mb"):
+        handoff.send_parts(1, specs, total, iter([(0, np.zeros(16, np.uint8)), (16, np.zeros(16, np.uint8))]), 2)
+    handoff.send_parts(1, specs, total, iter([(0, np.zeros(total, np.uint8))]), 1)  # one part: fine
+    assert [b.version for b in handoff.peer.sent if isinstance(b, m.WeightsUpdate)] == [1]
