@@ -320,6 +320,13 @@ VECTORS: list[Vector] = [
            lambda: m.Finished(lease_id=11, sample_id=101, offset=5, versions=[], tokens=_i4([]),
                               logprobs=_f4([]), reason="abort"),
            parent_id="b000000000000005", msg_id="a000000000000006"),
+    Vector("finished_error", "the engine refused a lease for good (its server's message): the group retires",
+           "gen-0", 6,
+           lambda: m.Finished(lease_id=13, sample_id=103, offset=0, versions=[], tokens=_i4([]),
+                              logprobs=_f4([]), reason="error",
+                              error="sglang http://10.0.0.5:30000: The input (3900 tokens) is longer than the "
+                                    "model's context length (4096 tokens) with max_new_tokens 512"),
+           msg_id="a000000000000007"),
     Vector("abort", "the broker stops two leases (early termination)", "broker", 5,
            lambda: m.Abort(lease_ids=[11, 12]), msg_id="b000000000000005"),
     Vector("abort_all", "the broker stops every lease of a generator", "broker", 6,

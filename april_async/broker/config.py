@@ -60,6 +60,11 @@ class RolloutConfig(BaseModel):
     regenerates it; ``drop`` retires its whole group (counted)."""
     max_response_tokens: int = Field(256, ge=1)
     """Budget of one response; a resumed partial gets what is left of it."""
+    max_attempts: int = Field(64, ge=1)
+    """Leases one sample may get, whatever ended the others (step-boundary aborts, silent
+    generators, a server's own aborts): one more would be refused and its group retires,
+    counted as ``attempts_exhausted``. A bound on retry loops, far above what APRIL's recycling
+    needs."""
     max_prompt_tokens: int = Field(1024, ge=1)
     """Prompts longer than this are refused at admission."""
     lease_timeout_s: float = Field(30.0, gt=0.0)

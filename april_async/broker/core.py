@@ -506,14 +506,19 @@ class BrokerCore:
         reason: str,
         now: float,
     ) -> list[AbortLease]:
-        """The last chunk of a lease. ``stop``/``length``: finished; ``abort``: a partial."""
-        if reason not in ("stop", "length", "abort"):
+        """The last chunk of a lease. ``stop``/``length``: finished; ``abort``: a partial;
+        ``error``: the engine refused the sample for good, its group retires (``engine_refused``)."""
+        if reason not in ("stop", "length", "abort", "error"):
             raise BrokerError(f"unknown finish reason {reason!r}")
         lease = self.leases.get(lease_id)
         if lease is None:
             self.counters.stale_reports += 1
             return []
         s = self.samples[lease.sample_id]
+        if reason == "error":  # every engine would refuse it again: never lease it anew
+            self._end_lease(lease)
+            self._move(s, Place.PARTIAL)  # held by nobody until the group is retired just below
+            return self.retire_group(s.group_id, "engine_refused")
         accepted = self._accept(s, offset, tokens, logprobs, spans)
         self._end_lease(lease)
         if len(s.tokens) >= self.config.max_response_tokens:
@@ -523,6 +528,8 @@ class BrokerCore:
         if reason == "abort":
             self._move(s, Place.PARTIAL)
             self.counters.partials_created += 1
+            if s.attempts >= self.config.max_attempts:
+                return self.retire_group(s.group_id, "attempts_exhausted")
         else:
             s.finish_reason, s.finished_by = reason, lease.lease_id
             self._move(s, Place.FINISHED)
@@ -587,6 +594,8 @@ class BrokerCore:
         self._move(s, Place.PARTIAL)
         if s.tokens:
             self.counters.partials_created += 1
+        if s.attempts >= self.config.max_attempts:
+            return self.retire_group(s.group_id, "attempts_exhausted")
         return self._enforce_bound(s)
 
     # ------------------------------------------------------------------ scoring
@@ -653,6 +662,8 @@ class BrokerCore:
         s.tokens, s.logprobs, s.spans = [], [], []
         s.finish_reason, s.reward, s.finished_by = None, None, None
         self._move(s, Place.PARTIAL)
+        if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
+            return self.retire_group(s.group_id, "attempts_exhausted")
         return []
 
     def retire_group(self, group_id: int, reason: str) -> list[AbortLease]:

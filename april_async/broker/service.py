@@ -131,6 +131,9 @@ class BrokerService:
             return
         self.core.touch(sender, now)
         if isinstance(body, m.Finished):
+            if body.reason == "error":
+                self.log.warning("engine_refused", lease_id=body.lease_id, sample_id=body.sample_id, generator=sender,
+                                 error=body.error)
             self._aborts(self.apply("finish", body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
                                     [[s.version, s.count] for s in body.versions], body.reason, now))
         elif isinstance(body, m.TokenChunk):

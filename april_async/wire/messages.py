@@ -25,7 +25,7 @@ LOGPROB_DTYPE = np.dtype("<f4")
 BYTES_DTYPE = np.dtype("|u1")  # raw tensor bytes (weights), laid out by a list of ``TensorSpec``
 
 Role = Literal["broker", "generator", "scorer", "learner", "broadcaster"]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -197,10 +197,17 @@ class TokenChunk(Body):
 
 
 class Finished(TokenChunk):
-    """generator → broker: the last chunk of a lease and why it ended (``abort``: a partial)."""
+    """generator → broker: the last chunk of a lease and why it ended (``abort``: a partial;
+    ``error``: the engine refused the sample for good, ``error`` says why)."""
 
     msg_type: ClassVar[str] = "finished"
     reason: FinishReason
+    error: str | None = None  # since 1.5: the engine's message, with reason "error"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.reason == "error") != (self.error is not None):
+            raise ValueError("error is set with reason 'error' and only then")
 
 
 class Abort(Body):

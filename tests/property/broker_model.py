@@ -65,6 +65,7 @@ def configs(modes: tuple[str, ...]):
     staleness_bound=st.integers(0, 2),
     over_bound=st.sampled_from(["restart", "drop"]),
     max_response_tokens=st.integers(2, 6),
+    max_attempts=st.sampled_from([1, 2, 3, 64]),
     )
 
 
@@ -83,6 +84,7 @@ class MSample:
     tokens: list = field(default_factory=list)  # [(token, logprob, version), ...]
     finished_by: int | None = None
     reward: float | None = None
+    attempts: int = 0  # leases issued for it
 
 
 @dataclass
@@ -173,6 +175,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 return self.m_retire(m.group_id)
             self.scoring.pop(sid, None)
             m.tokens, m.place, m.finished_by, m.reward = [], Place.PARTIAL, None, None
+            if m.attempts >= self.cfg.max_attempts:
+                return self.m_retire(m.group_id)
             return set()
 
         def m_accept(self, sid: int, offset: int, toks: list) -> int | None:
@@ -196,6 +200,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
         def m_reclaim(self, lid: int) -> set[int]:
             sid = self.leases.pop(lid).sample_id
             self.samples[sid].place = Place.PARTIAL
+            if self.samples[sid].attempts >= self.cfg.max_attempts:  # no lease after the last allowed
+                return self.m_retire(self.samples[sid].group_id)
             return self.m_enforce(sid)
 
         def make_tokens(self, lid: int, start: int, k: int) -> list:
@@ -260,6 +266,9 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 )
                 self.agree(g.min_policy_version == self.V, "lease names an old policy version")
                 m.place = Place.LEASED
+                m.attempts += 1
+                self.agree(m.attempts <= self.cfg.max_attempts,
+                           f"sample {g.sample_id} leased {m.attempts} times, max_attempts {self.cfg.max_attempts}")
                 self.leases[g.lease_id] = MLease(g.sample_id, gen, self.now + self.cfg.lease_timeout_s)
                 # The protocol: a generator holds at least min_policy_version before decoding.
                 self.gen_version[gen] = max(self.gen_version[gen], g.min_policy_version)
@@ -296,7 +305,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
         @rule(
             data=st.data(),
             k=st.integers(0, 2),
-            reason=st.sampled_from(["stop", "length", "abort"]),
+            reason=st.sampled_from(["stop", "length", "abort", "abort", "error"]),
             gap=st.booleans(),
         )
         def finish(self, data, k, reason, gap):
@@ -325,15 +334,28 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.agree(not effects, f"finish on ended lease {lid} had effects {effects}")
                 return
             sid = x.sample_id
+            m = self.samples[sid]
+            if reason == "error":  # refused for good: the group retires, the last chunk is not taken
+                del self.leases[lid]
+                m.place = Place.PARTIAL
+                expected = self.m_retire(m.group_id)
+                self.agree(self.group_state[m.group_id] == "retired", f"group of refused sample {sid} not retired")
+                self.agree({e.lease_id for e in effects} == expected,
+                           f"error finish effects {effects}, model expected {expected}")
+                return
             taken = self.m_accept(sid, offset, toks)
             del self.leases[lid]
-            m = self.samples[sid]
             if len(m.tokens) >= self.cfg.max_response_tokens:
                 reason = "length"
             elif taken is None:
                 reason = "abort"
             if reason == "abort":
                 m.place = Place.PARTIAL
+                if m.attempts >= self.cfg.max_attempts:
+                    expected = self.m_retire(m.group_id)
+                    self.agree({e.lease_id for e in effects} == expected,
+                               f"finish effects {effects} past max_attempts, model expected {expected}")
+                    return
             else:
                 m.place, m.finished_by = Place.FINISHED, lid
             expected = self.m_enforce(sid) | self.m_early_termination()

@@ -320,3 +320,34 @@ def test_a_batch_report_with_a_step_counts_drops_and_waits_for_the_version():
     assert core.lease("gen", 100, 2.0) == []  # the version itself opens the next step
     core.report_batch(99, 1, [1], "zero_variance")  # a batch never made: ignored, counted
     assert core.counters.stale_reports == 1 and core.counters.groups_filtered == {"zero_variance": 1}
+
+
+def test_a_sample_the_engine_refused_retires_its_group_and_is_never_leased_again():
+    core = make(mode="async", group_size=2)
+    admit(core, 1)
+    a, b = core.lease("gen", 2, 0.0)
+    core.chunk(a.lease_id, 0, [5, 5], [-1.0, -1.0], [[0, 2]], 0.5)
+    effects = core.finish(a.lease_id, 2, [], [], [], "error", 1.0)
+    assert effects == [AbortLease("gen", b.lease_id)]  # the group's other lease is stopped
+    assert core.groups[a.group_id].state == "retired" and core.groups[a.group_id].retire_reason == "engine_refused"
+    assert core.counters.groups_retired == {"engine_refused": 1} and core.counters.tokens_retired == 2
+    assert core.lease("gen", 10, 2.0) == []  # nothing of it comes back as a partial
+    assert {core.samples[x.sample_id].place for x in (a, b)} == {Place.RETIRED}
+
+
+def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
+    core = make(mode="async", group_size=1, max_attempts=3)
+    admit(core, 1)
+    for attempt in range(3):
+        (g,) = core.lease("gen", 1, float(attempt))
+        effects = finish(core, g, n_tokens=1, reason="abort")  # a server's own abort, say
+    assert effects == [] and core.samples[g.sample_id].place is Place.RETIRED
+    assert core.groups[g.group_id].retire_reason == "attempts_exhausted"
+    assert core.counters.groups_retired == {"attempts_exhausted": 1}
+    assert core.lease("gen", 1, 5.0) == []
+    # A silent generator's reclaimed lease counts the same.
+    core2 = make(mode="async", group_size=1, max_attempts=1)
+    admit(core2, 1)
+    core2.lease("gen", 1, 0.0)
+    core2.expire(100.0)
+    assert core2.counters.groups_retired == {"attempts_exhausted": 1}
