@@ -30,6 +30,15 @@ class SGLangFanoutConfig(BaseModel):
     """Limit of every control call (info, pause, continue, begin/end, destroy)."""
     update_timeout_s: float = Field(600.0, gt=0)
     """Limit of one bucket's ``/update_weights_from_distributed`` call and of forming the group."""
+    flush_timeout_s: float = Field(60.0, gt=0)
+    """How long ``/flush_cache`` is retried after the pause before the push to that server fails
+    (slime retries for 60 s)."""
+    drain_timeout_s: float = Field(60.0, gt=0)
+    """How long ``abort_all`` is repeated in ``abort`` mode until ``/v1/loads`` reports nothing
+    running or waiting, before the push to that server fails."""
+    any_sglang_version: bool = False
+    """Join servers whose SGLang version is not in ``SUPPORTED_SGLANG`` (``broadcaster.sglang``);
+    by default such a server is refused when the group forms, naming its version."""
 
 
 class BroadcasterConfig(BaseModel):

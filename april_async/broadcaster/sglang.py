@@ -9,20 +9,32 @@ push, top to bottom (``SGLangFanout.push``):
               of the old group (best effort), then ``/init_weights_update_group`` on every server
               at once (rank offsets from each server's ``tp_size``) while this process joins as
               rank 0 on the TCPStore it already hosts (``weights.custom_group``);
+    recover   once per server, the first time this process meets it (``recover``): end any
+              session a previous broadcaster left open and continue generation (SGLang has no
+              query for either: ``/end_weight_update``'s "no session" answer is expected);
     pause     ``/pause_generation`` in ``pause`` mode (``abort`` by default: in-flight requests end
               with their tokens and the generator resumes them on the new weights, so every
-              token's version is exact);
+              token's version is exact); in ``abort`` mode, ``abort_all`` again until
+              ``/v1/loads`` reports nothing running or waiting (``ServerClient.drain``);
+    flush     ``/flush_cache`` retried until it succeeds (slime's order), on each server whose
+              scheduler can flush now: idle, or (0.5.23) paused with nothing running; else the
+              prefix cache is kept and logged (``cache_kept``). ``flush_cache`` is never set on
+              an update call: a failed one kills a 0.5.15 server. In ``none`` mode the flush comes
+              after the buckets, once, where the server is idle;
     session   ``/begin_weight_update`` (SGLang 0.5.23; older servers have none);
     buckets   for each bucket of whole tensors (``bucket_mb``), one
               ``/update_weights_from_distributed`` call per server (HF names, dtypes, shapes; the
               last bucket sets ``weight_version``), sent from worker threads while this thread
               broadcasts the bucket's tensors from rank 0, one collective each, in ``names`` order
               — what the server posts receives for;
-    resume    ``/end_weight_update``, then ``/continue_generation``.
+    resume    ``/end_weight_update`` (in a ``finally``: an open session refuses every later begin),
+              then ``/continue_generation``.
 
-A server whose push fails at any step is left paused — its weights may be half new, and tokens
-from them must not be labelled with either version — and the next push re-forms the group and
-sends every tensor again. Connection errors are typed ``SGLangError``s, logged, never raised
+A server whose push fails once buckets were sent is left paused — its weights may be half new,
+and tokens from them must not be labelled with either version — and the next push re-forms the
+group, sends every tensor again and continues it. One whose push failed before any bucket (the
+pause, drain, flush or begin) holds its old weights whole and is continued at once. A server is
+joined only if its SGLang version is one of ``SUPPORTED_SGLANG`` (see ``docs/sglang.md``). Connection errors are typed ``SGLangError``s, logged, never raised
 past ``push``. The push runs on the broadcaster's collective thread, not its loop.
 """
 
@@ -42,6 +54,25 @@ from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 from april_async.weights.flat import unflatten
 from april_async.wire.messages import TensorSpec
+
+SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
+"""SGLang versions this fan-out was checked against, each with the torch its wheel pins."""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.5.15.post1"`` -> ``(0, 5, 15)``; ``()`` when it does not start with a number."""
+    out = []
+    for part in version.split("."):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return tuple(out)
+
+
+def flushes_while_paused(version: str) -> bool:
+    """Whether the server's flush ignores waiting requests while paused (0.5.23's
+    ``Scheduler.flush_cache``); unknown versions are taken to be as strict as 0.5.15."""
+    return version_tuple(version) >= (0, 5, 23)
 
 
 def tensor_buckets(tensors: list[TensorSpec], sizes: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -72,6 +103,8 @@ class SGLangFanout:
         self.pg = None
         self.formed = 0  # groups formed so far (each gets a fresh name)
         self.paused: set[str] = set()  # servers left paused by a failed push
+        self.versions: dict[str, str] = {}  # server -> its SGLang version, read when the group forms
+        self.recovered: set[str] = set()  # servers whose stale session and pause were cleared
         self._prefix = f"april-{os.urandom(3).hex()}"
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bcast-sglang")
 
@@ -83,6 +116,29 @@ class SGLangFanout:
     def _each(self, urls, fn, *args, **kwargs) -> dict[str, Future]:
         """``fn(client, ...)`` on every server at once, from worker threads."""
         return {u: self._pool.submit(fn, self._client(u), *args, **kwargs) for u in urls}
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, urls) -> dict[str, str | None]:
+        """End any weight-update session left open on ``urls`` and continue their generation —
+        what a broadcaster that died mid-push left behind (SGLang offers no query for either, so
+        both are sent unconditionally; "no session" is the usual answer). Each server once per
+        process; per server None, or what failed (tried again next time)."""
+        urls = [u for u in urls if u not in self.recovered]
+        ended = self._each(urls, ServerClient.end_any_update)
+        errors = _errors(ended)
+        resumed = _errors(self._each([u for u in urls if errors[u] is None], ServerClient.resume))
+        out: dict[str, str | None] = {}
+        for u in urls:
+            err = errors[u] or resumed.get(u)
+            out[u] = None if err is None else str(err)
+            if err is None:
+                self.recovered.add(u)
+                self.paused.discard(u)
+                self.log.info("recovered", server=u, session_was_open=ended[u].result())
+            else:
+                self.log.warning("recover_failed", server=u, error=str(err))
+        return out
 
     # ------------------------------------------------------------------ group
 
@@ -98,6 +154,12 @@ class SGLangFanout:
         ranks: dict[str, int] = {}
         for url in urls:
             ranks[url] = self._client(url).ranks()
+            version = self.versions[url] = self._client(url).server_version()
+            if version not in SUPPORTED_SGLANG and not self.cfg.any_sglang_version:
+                raise SGLangError(url, "/server_info", f"SGLang {version or '(no version)'} is not one this "
+                                                       f"broadcaster was checked against "
+                                                       f"({', '.join(SUPPORTED_SGLANG)}); set "
+                                                       f"[broadcaster.sglang] any_sglang_version to join it anyway")
         world = 1 + sum(ranks.values())
         self.formed += 1
         name = f"{self._prefix}-{self.formed}"
@@ -133,6 +195,7 @@ class SGLangFanout:
         urls = tuple(u for member in sorted(servers) for u in servers[member])
         failed: dict[str, str] = {}
         t0 = time.monotonic()
+        self.recover(urls)
         try:
             if urls != self.urls or self.pg is None:
                 self._form(urls)
@@ -154,41 +217,86 @@ class SGLangFanout:
     def _update(self, urls: tuple[str, ...], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
                 bucket_bytes: int) -> dict[str, str]:
         failed: dict[str, str] = {}
+        mode = self.cfg.pause
 
         def note(errors: dict[str, SGLangError | None]) -> None:
             failed.update({u: str(e) for u, e in errors.items() if e is not None and u not in failed})
 
-        if self.cfg.pause != "none":
-            note(_errors(self._each(urls, ServerClient.pause, self.cfg.pause, timeout_s=self.cfg.update_timeout_s)))
+        def ok() -> list[str]:
+            return [u for u in urls if u not in failed]
+
+        if mode != "none":
+            note(_errors(self._each(urls, ServerClient.pause, mode, timeout_s=self.cfg.update_timeout_s)))
             self.paused.update(urls)
-        begun = self._each([u for u in urls if u not in failed], ServerClient.begin_update)
+            if mode == "abort":  # the scheduler is not paused in this mode: its aborts take effect
+                note(_errors(self._each(ok(), ServerClient.drain, timeout_s=self.cfg.drain_timeout_s)))
+            self._flush(ok(), note, retry=True)
+        begun = self._each(ok(), ServerClient.begin_update)
         errors = _errors(begun)
         note(errors)
         with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
         views = unflatten(tensors, buffer)
         sizes = [views[t.name].numel() * views[t.name].element_size() for t in tensors]
         parts = tensor_buckets(tensors, sizes, bucket_bytes)
-        for i, part in enumerate(parts):
-            if failed:  # every server is in the collective: one failure stops the rest
-                break
-            last = i == len(parts) - 1
-            specs = [tensors[j] for j in part]
-            calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
-                                          dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
-                                          group_name=self.group_name,
-                                          flush_cache=last and self.cfg.pause == "abort",
-                                          weight_version=str(version) if last else None,
-                                          timeout_s=self.cfg.update_timeout_s) for u in urls}
-            for t in specs:
-                dist.broadcast(views[t.name], src=0, group=self.pg)
-            note(_errors(calls))
-        if with_session:
-            note(_errors(self._each(with_session, ServerClient.end_update)))
-        good = [u for u in urls if u not in failed]
-        if self.cfg.pause != "none":
-            note(_errors(self._each(good, ServerClient.resume)))
-        self.paused.difference_update(u for u in urls if u not in failed)
+        sent = False  # once a bucket went out, a failed server's weights may be half new
+        try:
+            for i, part in enumerate(parts):
+                if failed:  # every server is in the collective: one failure stops the rest
+                    break
+                last = i == len(parts) - 1
+                specs = [tensors[j] for j in part]
+                sent = True
+                calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
+                                              dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
+                                              group_name=self.group_name, flush_cache=False,
+                                              weight_version=str(version) if last else None,
+                                              timeout_s=self.cfg.update_timeout_s) for u in urls}
+                try:
+                    for t in specs:
+                        dist.broadcast(views[t.name], src=0, group=self.pg)
+                except Exception as e:  # a collective that failed or timed out: every server of the group
+                    failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls if u not in failed})
+                    leave_custom_group(self.pg)  # the servers' receives end rather than wait out their timeout
+                    self.pg = None
+                note(_errors(calls))
+        finally:  # an open session refuses every later begin: end it whatever happened
+            if with_session:
+                note(_errors(self._each(with_session, ServerClient.end_update)))
+        if mode == "none":
+            self._flush(ok(), note, retry=False)
+        else:
+            whole = [u for u in urls if u not in failed or not sent]  # weights all new, or all old
+            note(_errors(self._each(whole, ServerClient.resume)))
+            self.paused.difference_update(u for u in whole if u not in failed or not sent)
         return failed
+
+    def _flush(self, urls: list[str], note, *, retry: bool) -> None:
+        """``/flush_cache`` on each of ``urls`` whose scheduler can flush now (a failed flush
+        is harmless only as a plain call; see the module docstring), retried until it succeeds
+        when ``retry``; the others keep their prefix cache, logged."""
+        if not urls:
+            return
+        loads = self._each(urls, ServerClient.loads)
+        note(_errors(loads))
+        flushable, kept = [], {}
+        for u, f in loads.items():
+            if f.exception() is not None:
+                continue
+            running, waiting = f.result()
+            if running == 0 and (waiting == 0 or (flushes_while_paused(self.versions.get(u, ""))
+                                                  and self.cfg.pause != "none")):
+                flushable.append(u)
+            else:
+                kept[u] = {"running": running, "waiting": waiting}
+        if kept:
+            self.log.warning("cache_kept", pause=self.cfg.pause, servers=kept,
+                             why="the scheduler holds requests: a flush would fail")
+        errors = _errors(self._each(flushable, ServerClient.flush_cache,
+                                    timeout_s=self.cfg.flush_timeout_s if retry else 0.0))
+        if retry:
+            note(errors)
+        elif any(errors.values()):  # unpaused: a request came in between; the next push tries again
+            self.log.warning("cache_kept", pause=self.cfg.pause, servers={u: str(e) for u, e in errors.items() if e})
 
     def close(self) -> None:
         self._leave()

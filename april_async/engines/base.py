@@ -9,6 +9,11 @@ engine) decodes inside ``step`` and ends an abort at once. A *server* engine (``
 elsewhere: ``step`` collects what the servers streamed since the last call (waiting a moment
 when nothing came), an abort is reported later through ``step`` with the tokens the server still
 returned, and ``slots`` shrinks while a server is down.
+
+A request ends with ``finish = "error"`` (and ``error`` set) when the engine refused it for good,
+for a reason of its own (a prompt longer than the context allows): the generator reports it to the
+broker, which retires the sample's group rather than lease it again. A refusal that every request
+would get is no ``"error"``: the engine raises ``ActorFailed`` and the generator stops.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class EngineOutput:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish: str | None = None  # "stop" | "length" | "abort"
+    finish: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with finish "error": why the engine refused the request for good
 
 
 class Engine(Protocol):

@@ -4,6 +4,11 @@ Per lease it keeps every token it generated, so that after a reconnect (a broker
 it can re-report the lease in ``hello.inflight`` and re-send its tokens from the start of the
 lease (chunks are idempotent by offset). A ``finished`` message is kept until a broker
 heartbeat acknowledges its ``seq`` as journaled, and is sent again after a reconnect.
+
+A lease the engine refused for good (``finish = "error"``: a prompt longer than the server's
+context, say) is reported as ``finished`` with ``reason = "error"`` and the engine's message
+(protocol 1.5); the broker retires the sample's group. A broker older than 1.5 cannot take that
+reason: the generator stops with ``ActorFailed`` rather than send it (upgrade the broker).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import numpy as np
 from april_async.engines.base import Engine, EngineOutput, EngineRequest, version_runs
 from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
+from april_async.runtime import ActorFailed
 from april_async.wire import messages as m
+
+ERROR_REASON_SINCE = (1, 5)  # the protocol version that added finished.reason "error"
 
 
 @dataclass
@@ -48,6 +56,7 @@ class GeneratorActor:
         self.min_version: dict[int, int] = {}  # lease -> the policy version it must start from
         self.aborting: set[int] = set()  # leases whose abort a server engine will report through step()
         self.capacity = engine.slots  # what the broker was told (a server engine's shrinks while one is down)
+        self.broker_proto: str | None = None  # the broker's proto_version, from its last message
         self.holds_weights = getattr(engine, "load_weights", None) is not None
         self.server_engine = getattr(engine, "servers", None) is not None  # its servers hold the weights
         self.weights = None
@@ -131,6 +140,7 @@ class GeneratorActor:
         self.log.info("stopped", leases=len(self.work), version=self.engine.policy_version)
 
     def handle(self, msg) -> None:
+        self.broker_proto = msg.proto_version
         body = msg.body
         if isinstance(body, m.Generate):
             if self.holds_weights or self.server_engine:
@@ -224,7 +234,7 @@ class GeneratorActor:
         w.versions += out.versions
         if out.finish:
             self.aborting.discard(out.lease_id)
-            self._finish(w, out.finish)
+            self._finish(w, out.finish, out.error)
 
     def _flush_chunks(self) -> None:
         for w in self.work.values():
@@ -242,9 +252,26 @@ class GeneratorActor:
                                     tokens=toks, logprobs=lps))
         w.sent = len(w.tokens)
 
-    def _finish(self, w: LeaseWork, reason: str) -> None:
+    def _finish(self, w: LeaseWork, reason: str, error: str | None = None) -> None:
+        if reason == "error":
+            self._check_broker_takes_errors(w, error)
+            self.log.warning("lease_refused", lease=w.lease_id, sample=w.sample_id, tokens=len(w.tokens), error=error)
+            error = error or "refused by the engine"
+        else:
+            error = None
         offset, toks, lps, spans = self._pending(w)
         self._send_finished(m.Finished(lease_id=w.lease_id, sample_id=w.sample_id, offset=offset, versions=spans,
-                                       tokens=toks, logprobs=lps, reason=reason))
+                                       tokens=toks, logprobs=lps, reason=reason, error=error))
         del self.work[w.lease_id]
+
+    def _check_broker_takes_errors(self, w: LeaseWork, error: str | None) -> None:
+        """A broker older than protocol 1.5 knows no ``finished.reason = "error"``."""
+        try:
+            proto = tuple(int(p) for p in (self.broker_proto or "").split(".")[:2])
+        except ValueError:
+            proto = ()
+        if self.broker_proto is not None and proto < ERROR_REASON_SINCE:
+            raise ActorFailed(f"the engine refused sample {w.sample_id} ({error}), and the broker speaks protocol "
+                              f"{self.broker_proto}, which cannot take a refusal (finished.reason \"error\" needs "
+                              f"{'.'.join(map(str, ERROR_REASON_SINCE))}): upgrade the broker")
 

@@ -9,12 +9,19 @@ Per lease, top to bottom:
     submit   the least-loaded live server gets ``POST /generate`` with ``input_ids = prompt +
              resumed tokens``, the remaining budget, ``return_logprob`` and a prefix-free request
              id (``april_async.sglang.api``); streamed unless ``stream = false``;
-    tokens   each event's new tokens go out with their log-probs and the policy version the
-             server reported in that event (``meta_info.weight_version``);
-    resume   a request the server aborted on its own — a weight update's ``pause_generation``
-             in ``abort`` mode — is sent again with ``input_ids = prompt + every token so far``
-             and what is left of the budget, so the tokens after the update carry the new
-             version and nothing is lost;
+    tokens   each event's new tokens go out with their log-probs, each tagged with the policy
+             version that made it: its span in ``meta_info.weight_versions`` where the server
+             sends them (0.5.23), else the event's ``meta_info.weight_version``;
+    resume   a request the server aborted on its own *without* a ``status_code`` — a weight
+             update's ``pause_generation`` in ``abort`` mode — is sent again with ``input_ids =
+             prompt + every token so far`` and what is left of the budget, so the tokens after
+             the update carry the new version and nothing is lost (at most ``max_resumes``
+             times; then it ends as ``abort``, a partial);
+    refused  an abort the scheduler made with a ``status_code`` is never sent again here: 400
+             (input too long) ends the lease with ``finish = "error"`` and the server's message;
+             503 (waited too long) and 500 (out of memory) end it as ``abort`` with its tokens, a
+             partial the broker may lease elsewhere (its ``max_attempts`` bounds how often),
+             and the reason is logged;
     abort    ``POST /abort_request`` by request id; SGLang answers the request itself with the
              tokens it made (``finish_reason.type = "abort"``), which ``step`` then reports. A
              failing abort call is logged and tolerated (a server that is going away: slime
@@ -26,9 +33,14 @@ Per lease, top to bottom:
              ``abort`` with their tokens (the broker recycles them as partials) and ``slots``
              shrinks, which the actor tells the broker. It comes back when a probe succeeds.
 
-A server that refuses a request (HTTP 4xx: a context longer than it allows, a sampling setting it
-rejects) would refuse it again wherever it went: ``step`` raises that ``SGLangError`` and the
-generator stops, naming the server's message.
+A server that refuses a request answers a streamed one with HTTP 200 and an ``{"error": ...}``
+event, a whole answer with HTTP 400 (``april_async.sglang.api``). The refusal is read by its
+message (``api.refusal_is_per_request``): one about this request's own length or rid (the prompt
+and budget over the context length, a duplicate rid) ends the lease with ``finish = "error"``
+and the message, which the generator reports to the broker (it retires the group: no server
+would take it). Any other refusal — a sampling value, a field — would be given to every request
+(all bodies share the broker's sampling settings): ``step`` raises ``ActorFailed`` naming the
+server's message and the generator stops, as for any other HTTP 4xx.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ from april_async.generator.config import SGLangEngineConfig
 from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
 from april_async.sglang import api
-from april_async.sglang.api import SGLangError
+from april_async.sglang.api import Refused, SGLangError
 from april_async.sglang.client import ServerClient
 
 
@@ -137,6 +149,7 @@ class SGLangEngine:
             out.logprobs += item.logprobs
             out.versions += item.versions
             out.finish = out.finish or item.finish
+            out.error = out.error or item.error
             try:
                 item = self._out.get_nowait()
             except queue.Empty:
@@ -260,22 +273,29 @@ class SGLangEngine:
 
     async def _start(self, r: _Req) -> None:
         r.task = asyncio.current_task()
+        error = None
         try:
-            finish = await self._run(r)
+            finish, error = await self._run(r)
         except asyncio.CancelledError:  # server down, or no answer to an abort in time
             finish = "abort"
             if not r.abort_asked:
                 self.lost += 1
-        self._out.put(EngineOutput(r.request.lease_id, finish=finish))
+        self._out.put(EngineOutput(r.request.lease_id, finish=finish, error=error))
 
-    async def _run(self, r: _Req) -> str:
+    def _refused(self, r: _Req, message: str) -> tuple[str, str]:
+        self.log.warning("request_refused", server=r.server.url, lease=r.request.lease_id, tokens=len(r.tokens),
+                         error=message)
+        return "error", message
+
+    async def _run(self, r: _Req) -> tuple[str, str | None]:
+        """The lease's end: ``(finish, error)``, ``error`` set with ``finish == "error"`` only."""
         req = r.request
         while True:
             left = req.max_new_tokens - len(r.tokens)
             if left <= 0:
-                return "length"
+                return "length", None
             if r.abort_asked:
-                return "abort"
+                return "abort", None
             r.rid = api.request_id(self.prefix, req.lease_id, r.attempt)
             params = api.sampling_params(max_new_tokens=left, temperature=req.temperature, top_p=req.top_p,
                                          top_k=req.top_k, stop_token_ids=req.stop_token_ids, seed=req.seed,
@@ -283,34 +303,51 @@ class SGLangEngine:
             body = api.generate_body(req.prompt + req.resume + r.tokens, params, r.rid,
                                      stream=self.cfg.stream)
             stream = api.Stream(r.server.url, r.rid)
-            finish = None
+            last = None
             try:
-                async with contextlib.aclosing(self._events(r.server, body)) as events:
+                async with contextlib.aclosing(self._events(r.server, body, r.rid)) as events:
                     async for event in events:
                         delta = stream.take(event)
                         self._emit(r, delta)
                         if delta.finish:
-                            finish = delta.finish
+                            last = delta
                             break
-                if finish is None:
+                if last is None:
                     raise SGLangError(r.server.url, "/generate", f"request {r.rid}: the answer ended without a "
                                                                  f"finish_reason")
+            except Refused as e:
+                if r.abort_asked:
+                    return "abort", None
+                if e.per_request:
+                    return self._refused(r, e.message)
+                self._fatal = ActorFailed(f"the SGLang server refused a request as it would refuse every request "
+                                          f"(check [broker.rollout] sampling and the server's settings): {e}")
+                return "abort", None
             except SGLangError as e:
                 if e.status is not None and 400 <= e.status < 500 and not r.abort_asked:
                     self._fatal = ActorFailed(f"the SGLang server refused a request (it would refuse it anywhere; "
                                               f"check the server's context length and [broker.rollout] sampling): {e}")
-                    return "abort"
+                    return "abort", None
                 self.lost += 1
                 self.log.warning("request_failed", server=r.server.url, lease=req.lease_id, tokens=len(r.tokens),
                                  error=str(e))
                 self._wake.set()  # probe the servers now
-                return "abort"
-            if finish == "abort" and not r.abort_asked and r.attempt < self.cfg.max_resumes and r.server.alive:
-                r.attempt += 1  # aborted by the server itself (a weight update): carry on from here
+                return "abort", None
+            if last.finish != "abort" or r.abort_asked:
+                return last.finish, None
+            code, why = last.status_code, (last.finish_detail or {}).get("message")
+            if code == 400:  # the scheduler refused it (input too long): nowhere else would take it
+                return self._refused(r, str(why))
+            if code is not None:  # 503 waited too long, 500 out of memory: a partial, not resent here
+                self.log.warning("server_aborted", server=r.server.url, lease=req.lease_id, tokens=len(r.tokens),
+                                 status_code=code, reason=why)
+                return "abort", None
+            if r.attempt < self.cfg.max_resumes and r.server.alive:
+                r.attempt += 1  # a pause in abort mode (a weight update): carry on from here
                 self.resumed += 1
                 self.log.debug("resumed", lease=req.lease_id, tokens=len(r.tokens), attempt=r.attempt)
                 continue
-            return finish
+            return "abort", None
 
     def _emit(self, r: _Req, delta: api.Delta) -> None:
         if delta.weight_version is not None:
@@ -318,11 +355,21 @@ class SGLangEngine:
         if not delta.tokens:
             return
         version = delta.weight_version if delta.weight_version is not None else r.server.version
+        versions = [self._span_version(v, version) for v in delta.versions] or [version] * len(delta.tokens)
         r.tokens += delta.tokens
-        self._out.put(EngineOutput(r.request.lease_id, delta.tokens, delta.logprobs, [version] * len(delta.tokens)))
+        self._out.put(EngineOutput(r.request.lease_id, delta.tokens, delta.logprobs, versions))
 
-    async def _events(self, s: _Server, body: dict):
-        """The answer's events as parsed JSON: one per server-sent event, or the whole answer."""
+    def _span_version(self, raw, fallback: int) -> int:
+        """A token's version from its ``weight_versions`` span: ``"default"`` (never updated) is the
+        configured initial version; no span at all, the event's version (``fallback``)."""
+        if raw is None:
+            return fallback
+        version = api.parse_weight_version(raw)
+        return self.cfg.initial_version if version is None else version
+
+    async def _events(self, s: _Server, body: dict, rid: str = ""):
+        """The answer's events as parsed JSON: one per server-sent event, or the whole answer.
+        ``Refused`` for an HTTP 400 with SGLang's error body (a whole answer refused)."""
         timeout = httpx.Timeout(self.cfg.stream_idle_s, connect=self.cfg.connect_timeout_s)
         if s.http is None:
             s.http = httpx.AsyncClient(base_url=s.url, limits=httpx.Limits(max_connections=None,
@@ -330,7 +377,12 @@ class SGLangEngine:
         try:
             async with s.http.stream("POST", "/generate", json=body, timeout=timeout) as resp:
                 if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")[:300]
+                    raw = await resp.aread()
+                    with contextlib.suppress(ValueError):
+                        message = api.error_message(json.loads(raw))
+                        if resp.status_code == 400 and message is not None:
+                            raise Refused(s.url, "/generate", message, rid=rid)
+                    text = raw.decode(errors="replace")[:300]
                     raise SGLangError(s.url, "/generate", f"HTTP {resp.status_code}: {text}", status=resp.status_code)
                 if not body["stream"]:
                     yield json.loads(await resp.aread())

@@ -20,9 +20,26 @@ the bodies, ``managers/tokenizer_manager.py`` for the responses and streaming,
   ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (then they are of the raw logits: don't).
 - ``top_k = -1`` means no top-k (0 is refused); ``sampling_seed`` is honoured only by a server
   started with ``--enable-deterministic-inference`` and is sent only when asked for.
-- ``POST /abort_request {"rid", "abort_all"}`` matches request ids **by prefix**, so request ids
-  here are prefix-free (``request_id`` ends each with ``;``). An aborted request answers 200 with
-  the tokens it made and ``finish_reason.type == "abort"``.
+- ``POST /abort_request {"rid", "abort_all"}``: the tokenizer manager drops a rid that is not
+  exactly a live request's (with one tokenizer worker, the default); the scheduler then matches
+  the rid as a **prefix**. So the engine aborts by exact rid, and request ids here are prefix-free
+  (``request_id`` ends each with ``;``) so that no other request is caught. An aborted request
+  answers 200 with the tokens it made and ``finish_reason.type == "abort"``.
+- A request the tokenizer manager refuses (``generate_request`` raises ``ValueError``: prompt +
+  ``max_new_tokens`` over the context length, a duplicate rid, a sampling value ``verify``
+  rejects) is answered, when streamed, **HTTP 200** then ``data: {"error": {"message": ...}}``
+  then ``data: [DONE]`` (``http_server.py`` ``generate_request``); not streamed, HTTP 400 with the
+  same body (``_create_error_response``). ``Stream.take`` raises ``Refused`` for such an event.
+- The scheduler ends some requests itself with ``finish_reason = {"type": "abort", "message",
+  "status_code"}`` (``schedule_batch.py`` ``FINISH_ABORT``): 400 input too long, 503 a request
+  that waited too long, 500 out of memory. Streamed, that is the last event, like any abort
+  (``tokenizer_manager.py`` ``_handle_abort_finish_reason``); not streamed, 400 is an HTTP 400
+  ``{"error": {"message"}}`` and 503/500 an HTTP error with that status. An abort without a
+  ``status_code`` is the client's own (``/abort_request``) or a pause in ``abort`` mode.
+- 0.5.23 adds ``meta_info.weight_versions = [{"version", "start", "end"}, ...]``: half-open spans
+  over the positions of the output tokens since the request began, clamped to the tokens
+  returned (``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``), and sets
+  ``weight_version`` to the last span's. ``Delta.versions`` tags each new token with its span.
 """
 
 from __future__ import annotations
@@ -42,8 +59,50 @@ class SGLangError(RuntimeError):
         self.server, self.endpoint, self.status = server, endpoint, status
 
 
+class Refused(SGLangError):
+    """The server refused one request (an error event, or an HTTP 400 ``{"error": {"message"}}``,
+    or a scheduler abort with ``status_code`` 400). ``message`` is the server's own words."""
+
+    def __init__(self, server: str, endpoint: str, message: str, *, status: int | None = 400, rid: str = ""):
+        super().__init__(server, endpoint, f"request {rid}: server error: {message}" if rid else
+                         f"server error: {message}", status=status)
+        self.message = message
+
+    @property
+    def per_request(self) -> bool:
+        return refusal_is_per_request(self.message)
+
+
+# What makes a refusal this request's own: every body this project sends has the same sampling
+# values (the broker's [broker.rollout]) and differs only in ``input_ids``, ``max_new_tokens`` and
+# ``rid``. So a message about the length (SGLang: "Requested token count exceeds the model's maximum
+# context length ...", "The input (N tokens) is longer than the model's context length ...", the
+# scheduler's "Input length ... exceeds the maximum allowed length ...") or about the rid
+# ("Duplicate request ID ...") is this request's; any other (a sampling value, a field, an unknown
+# message) would be given to every request.
+PER_REQUEST_REFUSALS = ("context length", "context_length", "maximum allowed length", "longer than",
+                        "too long", "duplicate request id")
+
+
+def refusal_is_per_request(message: str) -> bool:
+    """Whether a refusal with this message concerns only this request (``PER_REQUEST_REFUSALS``)."""
+    low = message.lower()
+    return any(words in low for words in PER_REQUEST_REFUSALS)
+
+
+def error_message(body: Any) -> str | None:
+    """The message of SGLang's error body (``{"error": {"message"}}``, ``{"error": "..."}`` or
+    FastAPI's ``{"message", "code"}``); None when ``body`` is not one."""
+    if isinstance(body, dict) and "error" in body:
+        err = body["error"]
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    if isinstance(body, dict) and isinstance(body.get("message"), str) and body.get("object") == "error":
+        return body["message"]
+    return None
+
+
 def request_id(prefix: str, lease_id: int, attempt: int) -> str:
-    """A request id no other id of this process starts with (SGLang aborts by prefix)."""
+    """A request id no other id of this process starts with (SGLang's scheduler aborts by prefix)."""
     return f"{prefix}:{lease_id}:{attempt};"
 
 
@@ -88,6 +147,15 @@ class Delta:
     finish: str | None = None
     finish_detail: dict | None = None
     weight_version: int | None = None
+    # Per new token, the raw ``version`` of its ``weight_versions`` span (a string; "default" before
+    # any update), None where no span covers it; empty where the server sends no spans.
+    versions: list[Any] = field(default_factory=list)
+
+    @property
+    def status_code(self) -> int | None:
+        """The ``status_code`` of an abort the server made itself (400, 503, 500), else None."""
+        code = (self.finish_detail or {}).get("status_code")
+        return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
 class Stream:
@@ -106,8 +174,7 @@ class Stream:
         if not isinstance(event, dict):
             raise self._bad(f"an event is {type(event).__name__}, not an object")
         if "error" in event:
-            err = event["error"]
-            raise self._bad(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
+            raise Refused(self.server, "/generate", error_message(event) or "", rid=self.rid)
         meta = event.get("meta_info")
         if not isinstance(meta, dict):
             raise self._bad("no meta_info in the answer")
@@ -129,6 +196,9 @@ class Stream:
                 delta.tokens.append(int(item[1]))
         except (TypeError, ValueError, IndexError):
             raise self._bad(f"output_token_logprobs item {item!r} is not [logprob, token_id, text]") from None
+        spans = meta.get("weight_versions")
+        if isinstance(spans, list):
+            delta.versions = [span_version(spans, pos) for pos in range(self.seen, total)]
         self.seen = total
         reason = meta.get("finish_reason")
         if reason is not None:
@@ -137,3 +207,13 @@ class Stream:
                 raise self._bad(f"finish_reason {reason!r} is not one of {FINISH_TYPES}")
             delta.finish, delta.finish_detail = kind, reason if isinstance(reason, dict) else None
         return delta
+
+
+def span_version(spans: list, position: int) -> Any:
+    """The raw version of the output token at ``position`` from 0.5.23's ``weight_versions``
+    (``parse_weight_version`` reads it); None when no span covers it."""
+    for span in spans:
+        if isinstance(span, dict) and isinstance(span.get("start"), int) and isinstance(span.get("end"), int) \
+                and span["start"] <= position < span["end"]:
+            return span.get("version")
+    return None

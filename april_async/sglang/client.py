@@ -8,7 +8,14 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
 
     GET  /model_info                  liveness and ``weight_version`` (``/get_model_info`` before
                                       0.5.10; ``/get_weight_version`` is gone since then)
-    GET  /server_info                 ``tp_size``, ``dp_size`` (``/get_server_info`` alias)
+    GET  /server_info                 ``tp_size``, ``dp_size``, ``version`` (SGLang's own version;
+                                      ``/get_server_info`` alias)
+    GET  /v1/loads?include=core       per data-parallel rank ``num_running_reqs`` and
+                                      ``num_waiting_reqs`` as the scheduler counts them (a request
+                                      held by a pause before the scheduler is in neither)
+    POST /flush_cache                 200 "Cache flushed", or 400 while the scheduler holds
+                                      requests (0.5.15: running or waiting; 0.5.23: running, and
+                                      waiting too unless paused)
     POST /abort_request               ``{"rid"}`` or ``{"abort_all": true}``
     POST /pause_generation            ``{"mode": "abort" | "retract" | "in_place"}``
     POST /continue_generation         ``{}``
@@ -16,7 +23,9 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
                                       group_name, backend
     POST /destroy_weights_update_group  group_name
     POST /begin_weight_update, /end_weight_update   0.5.23 only: an update must run between
-                                      them; older servers answer 404, which ``begin`` reports
+                                      them, a second begin is refused while one is open and an
+                                      end without one is refused; older servers answer 404, which
+                                      ``begin`` reports
     POST /update_weights_from_distributed  names, dtypes, shapes, group_name, flush_cache,
                                       abort_all_requests, weight_version: every tensor then
                                       comes as one broadcast from rank 0, in ``names`` order
@@ -27,6 +36,7 @@ paused for a weight update, so a long update would read as a dead server.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -46,10 +56,12 @@ class ServerClient:
     # ------------------------------------------------------------------ plumbing
 
     def call(self, method: str, endpoint: str, body: dict | None = None, *, timeout_s: float | None = None,
-             expect_success: bool = False) -> Any:
+             expect_success: bool = False, params: dict | None = None) -> Any:
         """One request; the JSON answer (None for an empty body). ``expect_success``: the answer is
         SGLang's ``{"success", "message"}`` and ``success`` must be true."""
         kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+        if params:
+            kwargs["params"] = params
         try:
             r = self.http.request(method, endpoint, json=body, **kwargs)
         except httpx.TimeoutException as e:
@@ -98,6 +110,25 @@ class ServerClient:
                                                         f"only with dp_size 1")
         return tp
 
+    def server_version(self) -> str:
+        """The SGLang version the server reports (``/server_info`` ``version``; "" when absent)."""
+        version = self._get_either("/server_info", "/get_server_info").get("version")
+        return version if isinstance(version, str) else ""
+
+    def loads(self) -> tuple[int, int]:
+        """Requests the scheduler holds, summed over data-parallel ranks: (running, waiting)."""
+        data = self.call("GET", "/v1/loads", params={"include": "core"})
+        rows = data.get("loads") if isinstance(data, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise SGLangError(self.url, "/v1/loads", f"expected {{'loads': [...]}}, got {data!r:.100}")
+        running = waiting = 0
+        for r in rows:
+            run, wait = r.get("num_running_reqs"), r.get("num_waiting_reqs")
+            if not (isinstance(run, int) and isinstance(wait, int)):
+                raise SGLangError(self.url, "/v1/loads", f"a load without request counts: {r!r:.100}")
+            running, waiting = running + run, waiting + wait
+        return running, waiting
+
     # ------------------------------------------------------------------ generation control
 
     def abort(self, rid: str) -> None:
@@ -106,11 +137,48 @@ class ServerClient:
     def abort_all(self) -> None:
         self.call("POST", "/abort_request", {"rid": "", "abort_all": True})
 
+    def drain(self, *, timeout_s: float, interval_s: float = 0.5) -> int:
+        """``abort_all`` again and again until ``/v1/loads`` reports nothing running or waiting
+        (slime's ``abort_server_until_idle``): one abort can miss a request that reached the
+        scheduler after it, and an abort does nothing to a request a pause holds. The number of
+        aborts sent; ``SGLangError`` when requests remain after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        sent = 0
+        while True:
+            self.abort_all()
+            sent += 1
+            running, waiting = self.loads()
+            if running + waiting == 0:
+                return sent
+            if time.monotonic() >= deadline:
+                raise SGLangError(self.url, "/abort_request", f"{running} running and {waiting} waiting requests "
+                                                              f"remain after {sent} aborts in {timeout_s:g} s")
+            time.sleep(interval_s)
+
     def pause(self, mode: str, *, timeout_s: float | None = None) -> None:
         self.call("POST", "/pause_generation", {"mode": mode}, timeout_s=timeout_s)
 
     def resume(self) -> None:
         self.call("POST", "/continue_generation", {})
+
+    def flush_cache(self, *, timeout_s: float, interval_s: float = 0.5) -> int:
+        """``/flush_cache`` until it succeeds (slime's order: after the pause, before the
+        weights); the number of tries. ``SGLangError`` with the server's last answer after
+        ``timeout_s``. Only a plain ``/flush_cache`` is sent, never ``flush_cache`` on an update:
+        0.5.15 asserts on a failed flush after an update and its scheduler dies."""
+        deadline = time.monotonic() + timeout_s
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                self.call("POST", "/flush_cache")
+                return tries
+            except SGLangError as e:
+                if e.status != 400 or time.monotonic() >= deadline:
+                    raise SGLangError(self.url, "/flush_cache", f"not flushed after {tries} tries in "
+                                                                f"{timeout_s:g} s: {e}",
+                                      status=e.status) from None
+            time.sleep(interval_s)
 
     # ------------------------------------------------------------------ weights
 
@@ -136,6 +204,17 @@ class ServerClient:
 
     def end_update(self) -> None:
         self.call("POST", "/end_weight_update", {}, expect_success=True)
+
+    def end_any_update(self) -> bool:
+        """End a session that may or may not be open (SGLang has no query for one): True when
+        one was open; False when none was, or the server has no sessions (older than 0.5.23)."""
+        try:
+            self.end_update()
+        except SGLangError as e:
+            if e.status == 404 or (e.status == 400 and "no weight-update session" in str(e)):
+                return False
+            raise
+        return True
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str, flush_cache: bool, weight_version: str | None,

@@ -21,12 +21,26 @@ Endpoints:
     POST /continue_generation
     GET  /model_info, /get_model_info, /server_info, /get_server_info, /health, /health_generate
     GET|POST /flush_cache
+    GET  /v1/loads, /get_load             running and waiting requests as the scheduler counts them
+    GET  /ready                           0.5.23 only: 503 while paused
     POST /init_weights_update_group, /destroy_weights_update_group  (gloo on CPU; the group is
                                           formed with ``join_custom_group``, SGLang's recipe)
     POST /update_weights_from_distributed one broadcast from rank 0 per tensor, in ``names`` order
     POST /begin_weight_update, /end_weight_update   only with ``--weight-update-session``
                                           (0.5.23); without it they answer 404 (0.5.15)
     POST /update_weight_version
+    POST /standin/abort_next              TEST HOOK (not SGLang): the next ``count`` requests end
+                                          with an abort of ``status_code`` 400/503/500
+
+As strict as SGLang where a client can go wrong: a refused request (prompt + budget over
+``--max-seq-len``, a duplicate rid, a bad sampling value) is answered, streamed, HTTP 200 + one
+``{"error": {"message"}}`` event + ``[DONE]``, and not streamed HTTP 400 (``http_server.py``
+``generate_request``); a status-coded abort ends a stream like any abort and a whole answer with
+HTTP 400 (400) or an ``ErrorResponse`` under 503/500 (``tokenizer_manager.py``
+``_handle_abort_finish_reason``); every eos id of the checkpoint (``config.json`` and
+``generation_config.json``) stops a request with ``{"type": "stop", "matched": id}``; with
+``--sglang-version 0.5.23`` answers carry ``meta_info.weight_versions`` spans
+(``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``).
 
 Left out: batches of requests (lists of prompts, ``n`` > 1), ``text`` input and any text output
 (there is no tokenizer: ``text`` is always ""), input-token log-probs (``logprob_start_len`` must
@@ -37,7 +51,15 @@ path (``load_format``, from disk, from tensors), and prefix caching (``cached_to
 Pause modes ``retract`` and ``in_place`` both keep each request's KV cache in the stand-in. A
 /generate that arrives while paused waits before the engine, as SGLang's tokenizer manager holds
 it before its scheduler sees it: it does not count as in flight for a cache flush (/flush_cache,
-or the flush after a weight update), though /abort_request can end it ("Abort in waiting queue").
+or the flush after a weight update) nor in ``/v1/loads``, and an abort does not reach it.
+
+Strict where SGLang is (each mirrored in ``tests/integration/test_sglang_standin.py``): while the
+scheduler is paused (retract, in_place) an abort ends only what waits in its queue (a retract
+moved the running requests there; one held in place ends at /continue_generation); a flush fails
+while the scheduler holds requests (0.5.23 ignores waiting ones while paused); a failed flush
+after a weight update kills a 0.5.15 server (an assert in its scheduler) and fails the update on
+0.5.23; a second /begin_weight_update is refused while a session is open, an /end_weight_update
+without one is refused, and /continue_generation does not look at sessions.
 """
 
 from __future__ import annotations
@@ -84,6 +106,40 @@ SAMPLING_NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "min_p
 def engine_error(e: Exception) -> dict:
     return {"type": "abort", "message": f"stand-in engine error: {e!r}", "status_code": 500,
             "err_type": "InternalServerError"}
+
+
+def status_abort(status_code: int, message: str) -> dict:
+    """A ``finish_reason`` of an abort the scheduler made itself (``schedule_batch.py`` ``FINISH_ABORT``:
+    only the 400 of a too-long input names an ``err_type``; the 503 timeouts and the 500 out-of-memory don't)."""
+    err_type = "BadRequestError" if status_code == 400 else None
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+def eos_ids(checkpoint: Path) -> tuple[int, ...]:
+    """Every end-of-sequence id of the model: ``eos_token_id`` (an id or a list) of ``config.json``
+    and of ``generation_config.json``, as SGLang's ``ModelConfig`` gathers them."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((checkpoint / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        for t in value if isinstance(value, list) else [value]:
+            if is_int(t) and t not in ids:
+                ids.append(t)
+    return tuple(ids)
+
+
+def weight_version_spans(versions: list[str]) -> list[dict]:
+    """Per-token versions as SGLang 0.5.23's ``meta_info.weight_versions``: ``[{"version", "start",
+    "end"}]``, half-open spans over output positions."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
 
 
 def log(message: str) -> None:
@@ -135,6 +191,9 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
     parked: bool = False  # arrived while paused: SGLang holds it before its scheduler sees it
+    doomed: bool = False  # aborted while a pause held it in place: ends when generation continues
+    versions: list[str] = field(default_factory=list)  # the weight version each output token was made with
+    fail: dict | None = None  # test hook (/standin/abort_next): end with this status-coded abort
     # From the engine thread: the token count after each decode step, then None when it ended.
     events: queue.Queue = field(default_factory=queue.Queue)
     answered: threading.Event = field(default_factory=threading.Event)
@@ -153,6 +212,8 @@ class Core:
         self.running: dict[int, Req] = {}  # lease id -> request
         self.rids: set[str] = set()
         self.paused = False
+        self.pause_mode: str | None = None  # the scheduler's pause (retract | in_place); abort mode has none
+        self.flushes = 0  # successful cache flushes, for the test hook /standin/flushes
         self.gate: int | None = None  # while an update waits for in-flight requests: admit seq < gate only
         self.seq = self.lease = 0
         self.weight_version = args.weight_version
@@ -160,6 +221,8 @@ class Core:
         self.update_lock = threading.Lock()
         self.groups: dict[str, object] = {}  # name -> process group (None while it forms)
         self.session = False
+        self.eos = eos_ids(Path(args.checkpoint))
+        self.fail_next: deque[dict] = deque()  # test hook: status-coded aborts for the next requests
 
     # ------------------------------------------------------------------ requests
 
@@ -196,11 +259,15 @@ class Core:
                     if p["max_new_tokens"] == 0:
                         self._end(req, {"type": "length", "length": 0})
                         continue
+                    req.fail = self.fail_next.popleft() if self.fail_next else None
+                    if req.fail is not None and req.fail["after_tokens"] == 0:
+                        self._end(req, req.fail["finish"])
+                        continue
                     req.lease, self.lease = self.lease, self.lease + 1
-                    try:
+                    try:  # the model's eos ids stop it too (SGLang: unless ignore_eos, refused here)
                         self.engine.submit(EngineRequest(
                             req.lease, req.lease, req.prompt, [], p["max_new_tokens"], p["temperature"],
-                            p["top_p"], p["top_k"], p["stop"], p["seed"]))
+                            p["top_p"], p["top_k"], p["stop"] + self.eos, p["seed"]))
                     except Exception as e:  # a bug: answer rather than hang the client
                         traceback.print_exc()
                         self._end(req, engine_error(e))
@@ -218,6 +285,12 @@ class Core:
                     req = self.running[out.lease_id]
                     req.ids += out.tokens
                     req.logprobs += out.logprobs
+                    req.versions += [self.weight_version] * len(out.tokens)
+                    if out.finish is None and req.fail is not None and len(req.ids) >= req.fail["after_tokens"]:
+                        self.engine.abort(out.lease_id)  # the test hook: a status-coded abort
+                        del self.running[out.lease_id]
+                        self._end(req, req.fail["finish"])
+                        continue
                     if out.finish is None:
                         req.events.put(len(req.ids))
                         continue
@@ -231,8 +304,28 @@ class Core:
                 time.sleep(self.args.step_delay_s)
 
     def abort(self, match) -> list[Req]:
-        """End every running or waiting request ``match(req)`` accepts; they keep their tokens."""
+        """End every running or waiting request ``match(req)`` accepts; they keep their tokens.
+        While the scheduler is paused (retract, in_place) an abort reaches only its waiting queue
+        (``scheduler.py`` ``Scheduler.abort_request``): a request held in place is marked and ends
+        when generation continues, a retracted one (waiting) ends now, and one that arrived during
+        the pause is not in the scheduler at all and runs on after it."""
         with self.cv:
+            if self.pause_mode is not None and not self.stopping:
+                held = [r for r in self.running.values() if match(r)]
+                if self.pause_mode == "in_place":
+                    for req in held:
+                        req.doomed = True
+                    held = []
+                for req in held:  # retracted: in the scheduler's waiting queue
+                    self.engine.abort(req.lease)
+                    del self.running[req.lease]
+                    self._end(req, ABORT_WAITING)
+                queued = [r for r in self.waiting if match(r) and not r.parked]
+                for req in queued:
+                    self.waiting.remove(req)
+                    self._end(req, ABORT_WAITING)
+                self.cv.notify_all()
+                return held + queued
             hit = [r for r in self.running.values() if match(r)]
             for req in hit:
                 self.engine.abort(req.lease)
@@ -252,10 +345,30 @@ class Core:
         """Requests SGLang's scheduler holds: running, or queued before a pause (not parked)."""
         return bool(self.running) or any(not r.parked for r in self.waiting)
 
+    def loads(self) -> tuple[int, int]:
+        """(running, waiting) as SGLang's scheduler counts them for ``/v1/loads``: a retract pause
+        moved its running requests to the waiting queue; parked requests are not there yet."""
+        with self.cv:
+            running, waiting = len(self.running), sum(not r.parked for r in self.waiting)
+            if self.pause_mode == "retract":
+                running, waiting = 0, waiting + running
+            return running, waiting
+
+    def flush_blocked(self) -> bool:
+        """Whether a cache flush fails now (``Scheduler.flush_cache`` / ``is_fully_idle``): with
+        anything running; with anything waiting, except (0.5.23) while the scheduler is paused."""
+        running, waiting = self.loads()
+        ignore_waiting = self.args.weight_update_session and self.pause_mode is not None
+        return running > 0 or (waiting > 0 and not ignore_waiting)
+
     def payload(self, req: Req, start: int, end: int, final: bool, logprobs: bool) -> dict:
         meta = {"id": req.rid, "finish_reason": req.finish if final else None,
                 "prompt_tokens": len(req.prompt), "completion_tokens": end, "cached_tokens": 0,
                 "weight_version": self.weight_version}
+        if self.args.sglang_version == "0.5.23" and final:  # utils/weight_versions.py: spans over [0, end),
+            # on the answer that ends the request only (output_streamer.py: None while it runs)
+            spans = weight_version_spans(req.versions[:end]) or [{"version": self.weight_version, "start": 0, "end": 0}]
+            meta["weight_versions"], meta["weight_version"] = spans, spans[-1]["version"]
         if logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                              zip(req.logprobs[start:end], req.ids[start:end])]
@@ -364,16 +477,19 @@ class Core:
                     self.engine.load_weights(received, self.engine.policy_version + 1)
                     if version is not None:
                         self.weight_version = version
-                    busy = self.in_flight()
+                    busy = self.flush_blocked()
             finally:
                 with self.cv:
                     self.gate = None
                     self.cv.notify_all()
         log(f"weights updated: {len(received)} tensors from group {name!r} in {time.monotonic() - t0:.2f} s, "
             f"weight_version {self.weight_version!r}")
-        if flush and busy:
-            raise refused("Weights were updated, but the cache was not flushed because requests are in "
-                          "flight.")
+        if flush and busy:  # weight_updater.py flush_cache_after_weight_update
+            if self.args.sglang_version.startswith("0.5.15"):  # an assert in the scheduler ends the server
+                log("AssertionError: Cache flush failed after updating weights: the scheduler died")
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise refused("Weights were updated, but the cache was not flushed because requests are still "
+                          "running or queued. Retract or finish them, then call /flush_cache.")
         message = "Succeeded to update parameter online from distributed."
         if version is not None:
             message += f" Weight version updated to {version}."
@@ -434,10 +550,15 @@ def parse_generate(core: Core, body: dict) -> tuple[Req, bool, bool]:
         raise bad("n > 1 is not supported by the stand-in")
     if p["sampling_seed"] is not None and not is_int(p["sampling_seed"]):
         raise bad("sampling_seed must be an integer")
+    # SGLang's wording (tokenizer_manager.py ``_validate_one_request``), --max-seq-len its context length
+    if len(ids) >= core.args.max_seq_len:
+        raise bad(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                  f"({core.args.max_seq_len} tokens).")
     if len(ids) + p["max_new_tokens"] > core.args.max_seq_len:
-        raise bad(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({p['max_new_tokens']}) is "
-                  f"{len(ids) + p['max_new_tokens']} tokens, more than the stand-in's --max-seq-len "
-                  f"{core.args.max_seq_len}")
+        raise bad(f"Requested token count exceeds the model's maximum context length of {core.args.max_seq_len} "
+                  f"tokens. You requested a total of {len(ids) + p['max_new_tokens']} tokens: {len(ids)} tokens "
+                  f"from the input messages and {p['max_new_tokens']} tokens for the completion. Please reduce the "
+                  f"number of tokens in the input messages or the completion to fit within the limit.")
     params = {"max_new_tokens": p["max_new_tokens"], "temperature": 0.0 if p["temperature"] < 1e-6 else float(
         p["temperature"]), "top_p": float(p["top_p"]), "top_k": max(p["top_k"], 0), "stop": tuple(stop),
               "seed": p["sampling_seed"]}
@@ -525,12 +646,33 @@ class Handler(BaseHTTPRequestHandler):
 
     def generate(self, body: dict) -> dict | None:
         core = self.core
-        req, stream, logprobs = parse_generate(core, body)
-        core.submit(req)
+        try:
+            req, stream, logprobs = parse_generate(core, body)
+            core.submit(req)
+        except HTTPError as e:  # SGLang's tokenizer manager refused it (a ValueError in generate_request)
+            if body.get("stream") is not True or e.status != 400 or not isinstance(e.body.get("error"), dict):
+                raise  # not streamed: HTTP 400 {"error": {"message"}} (http_server.py _create_error_response)
+            # streamed: HTTP 200, one error event, [DONE] (http_server.py generate_request, stream_results)
+            log(f"request refused: {e.body['error']['message']}")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            error = {**e.body["error"], "type": "invalid_request_error", "code": 400, "retryable": False}
+            self.chunk(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+            self.chunk(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            return None
         try:
             if not stream:
                 while self.next_event(req) is not None:
                     pass
+                code = req.finish.get("status_code")
+                if code == 400:  # tokenizer_manager.py _handle_abort_finish_reason: a ValueError
+                    raise bad(req.finish["message"])
+                if code in (500, 503):  # ... and an HTTPException, answered as an ErrorResponse
+                    raise HTTPError(code, {"object": "error", "message": req.finish["message"], "type": str(code),
+                                           "param": None, "code": code})
                 return core.payload(req, 0, len(req.ids), True, logprobs)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -565,12 +707,35 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
+    def abort_next(self, body: dict) -> dict:
+        """TEST HOOK, not SGLang: the next ``count`` requests the scheduler admits end, after
+        ``after_tokens`` tokens, with an abort of ``status_code`` (400 input too long, 503 waited
+        too long, 500 out of memory: ``schedule_batch.py`` ``FINISH_ABORT``) and ``message``."""
+        count = field_of(body, "count", lambda v: is_int(v) and v >= 0, "a count", 1)
+        code = field_of(body, "status_code", lambda v: v in (400, 500, 503), "400, 500 or 503", 503)
+        after = field_of(body, "after_tokens", lambda v: is_int(v) and v >= 0, "a count", 0)
+        message = field_of(body, "message", lambda v: isinstance(v, str), "a string",
+                           {400: "Input length exceeds the maximum allowed length.",
+                            500: "Out of memory: the request was aborted.",
+                            503: "Request waited too long in the queue and was aborted."}[code])
+        with self.core.cv:
+            self.core.fail_next.extend({"after_tokens": after, "finish": status_abort(code, message)}
+                                       for _ in range(count))
+        return {"success": True, "pending": len(self.core.fail_next)}
+
     def abort_request(self, body: dict) -> str:
         rid = field_of(body, "rid", lambda v: isinstance(v, str), "a string", "")
         if field_of(body, "abort_all", lambda v: isinstance(v, bool), "a boolean", False):
             self.core.abort_all()
         elif rid:
-            self.core.abort(lambda r: r.rid.startswith(rid))
+            # tokenizer_manager.py abort_request: a rid that is not exactly a live request's is
+            # dropped there (one tokenizer worker, the default); the scheduler then matches the
+            # rid it was given as a prefix, which for a live rid is that request (and any whose
+            # rid extends it: ours are prefix-free).
+            with self.core.cv:
+                live = any(r.rid == rid for r in [*self.core.running.values(), *self.core.waiting])
+            if live:
+                self.core.abort(lambda r: r.rid.startswith(rid))
         return ""
 
     def pause(self, body: dict) -> dict:
@@ -579,6 +744,8 @@ class Handler(BaseHTTPRequestHandler):
             raise bad(f"mode must be abort, retract or in_place, got {mode!r}")
         with self.core.cv:  # taken between two decode steps: none runs after this
             self.core.paused = True
+            if mode != "abort":  # abort mode stops only the tokenizer manager, not the scheduler
+                self.core.pause_mode = mode
         if mode == "abort":
             for req in self.core.abort_all():
                 req.answered.wait(30)
@@ -588,6 +755,11 @@ class Handler(BaseHTTPRequestHandler):
     def resume(self, body: dict) -> dict:
         with self.core.cv:
             self.core.paused = False
+            self.core.pause_mode = None
+            for req in [r for r in self.core.running.values() if r.doomed]:
+                self.core.engine.abort(req.lease)
+                del self.core.running[req.lease]
+                self.core._end(req, ABORT_RUNNING)
             for req in self.core.waiting:
                 req.parked = False
             self.core.cv.notify_all()
@@ -601,31 +773,46 @@ class Handler(BaseHTTPRequestHandler):
     def server_info(self, body: dict) -> dict:
         return {"tp_size": 1, "dp_size": 1, "model_path": self.core.args.checkpoint,
                 "max_running_requests": self.core.args.slots, "weight_version": self.core.weight_version,
-                "version": "standin"}
+                "version": self.core.args.sglang_version}
+
+    def loads(self, body: dict) -> dict:
+        running, waiting = self.core.loads()
+        return {"version": self.core.args.sglang_version, "loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "max_running_requests": self.core.args.slots}]}
+
+    def get_load(self, body: dict) -> list:
+        running, waiting = self.core.loads()
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
+
+    def ready(self, body: dict) -> None:
+        self.send(503 if self.core.paused else 200, None)
 
     def health(self, body: dict) -> None:
         self.send(503 if self.core.paused else 200, None)
 
     def flush_cache(self, body: dict) -> str:
-        if self.core.in_flight():
-            raise HTTPError(400, "Cache not flushed: requests are running or waiting.")
-        return "Cache flushed."
+        if self.core.flush_blocked():
+            raise HTTPError(400, "Flush cache failed.\n")
+        self.core.flushes += 1
+        return ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                "requests, the operation will not be performed.)\n")
 
     def begin_update(self, body: dict) -> dict:
         if body.get("selector", "all") != "all":
             raise refused(f"selector {body['selector']!r} is not supported by the stand-in (only \"all\")")
         with self.core.update_lock:
             if self.core.session:
-                raise refused("a weight update session is already open")
+                raise refused("a weight-update session is already open; call end_weight_update() first")
             self.core.session = True
-        return {"success": True, "message": "Weight update session began."}
+        return {"success": True, "message": "Success"}
 
     def end_update(self, body: dict) -> dict:
         with self.core.update_lock:
             if not self.core.session:
-                raise refused("no weight update session is open")
+                raise refused("no weight-update session is open; call begin_weight_update() first")
             self.core.session = False
-        return {"success": True, "message": "Weight update session ended."}
+        return {"success": True, "message": "Success"}
 
     def update_version(self, body: dict) -> dict:
         version = field_of(body, "new_version", lambda v: isinstance(v, str), "a string", required=True)
@@ -649,12 +836,17 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/health": (GET, "", Handler.health),
     "/health_generate": (GET, "", Handler.health),
     "/flush_cache": (GET + POST, "", Handler.flush_cache),
+    "/v1/loads": (GET, "", Handler.loads),
+    "/get_load": (GET, "", Handler.get_load),
+    "/ready": (GET, "session", Handler.ready),  # 0.5.23: 503 while paused; 0.5.15 has no /ready
+    "/standin/flushes": (GET, "", lambda h, b: {"flushes": h.core.flushes}),  # test hook, not SGLang's
     "/init_weights_update_group": (POST, "", lambda h, b: h.core.init_group(b)),
     "/destroy_weights_update_group": (POST, "", lambda h, b: h.core.destroy_group(b)),
     "/update_weights_from_distributed": (POST, "", lambda h, b: h.core.update_weights(b)),
     "/begin_weight_update": (POST, "session", Handler.begin_update),
     "/end_weight_update": (POST, "session", Handler.end_update),
     "/update_weight_version": (POST, "", Handler.update_version),
+    "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
 }
 
 
@@ -668,12 +860,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--stream-interval", type=int, default=1)
     ap.add_argument("--incremental-streaming-output", action="store_true")
-    ap.add_argument("--weight-update-session", action="store_true", help="sglang 0.5.23's begin/end")
+    ap.add_argument("--weight-update-session", action="store_true",
+                    help="behave as sglang 0.5.23: begin/end sessions, /ready, a flush that ignores waiting "
+                         "requests while paused and fails an update rather than the server (else 0.5.15.post1)")
+    ap.add_argument("--sglang-version", default=None,
+                    help="the version /server_info reports (default: 0.5.23 or 0.5.15.post1, as above)")
     ap.add_argument("--group-timeout-s", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
                     help="sleep after each decode step (tests that need requests to stay running)")
     args = ap.parse_args(argv)
+    if args.sglang_version is None:
+        args.sglang_version = "0.5.23" if args.weight_update_session else "0.5.15.post1"
     torch.set_num_threads(args.threads)
     core = Core(CausalLM.from_pretrained(Path(args.checkpoint)), args)
     Handler.core = core

@@ -18,7 +18,7 @@ updates go over a real gloo group formed the way SGLang forms its own.
 from __future__ import annotations
 
 import datetime
-import importlib.util
+import os
 import threading
 import time
 
@@ -30,13 +30,13 @@ import torch.distributed as dist
 from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.broadcaster.sglang import SGLangFanout
 from april_async.engines.base import EngineOutput, EngineRequest
+from april_async.engines.torch_engine import TorchEngine
 from april_async.generator.config import SGLangEngineConfig
 from april_async.generator.sglang_engine import SGLangEngine
-from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
-from april_async.weights.flat import flatten
 from april_async.testing.procs import free_port
 from april_async.testing.standin import start_standin
+from april_async.weights.flat import flatten
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -101,6 +101,7 @@ def drive(engine, requests, *, each_step=None, timeout_s=60.0) -> dict[int, Engi
             g.logprobs += o.logprobs
             g.versions += o.versions
             g.finish = o.finish or g.finish
+            g.error = o.error or g.error
         if each_step is not None:
             each_step(got)
     return got
@@ -203,16 +204,134 @@ def test_a_dead_server_returns_its_requests_as_partials_and_its_slots(ckpts, sta
     assert engine.lost == 2
 
 
-def test_a_refused_request_stops_the_generator_with_the_servers_reason(standins):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
+def test_a_refusal_every_request_would_get_stops_the_generator_with_the_servers_reason(standins, stream):
+    """A sampling value the server rejects (SGLang ``SamplingParams.verify``): streamed, HTTP 200 and an
+    error event; whole, HTTP 400. Every lease carries the same sampling settings: stop, naming why."""
     from april_async.runtime import ActorFailed
 
     server = standins()
-    engine = make_engine(server.url)
+    engine = make_engine(server.url, stream=stream)
     try:
-        with pytest.raises(ActorFailed, match="refused a request.*HTTP 400"):
-            drive(engine, [request(0, PROMPTS[0], 5000)], timeout_s=20)  # longer than the server's 512
+        with pytest.raises(ActorFailed, match="refused a request.*temperature must be non-negative"):
+            drive(engine, [EngineRequest(0, 0, PROMPTS[0], [], 8, temperature=-1.0)], timeout_s=20)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
+def test_a_too_long_prompt_ends_its_lease_with_the_servers_message_not_a_retry(standins, stream):
+    """Prompt + budget over the context length (``tokenizer_manager.py`` ``_validate_one_request``):
+    that lease alone ends as ``error`` with SGLang's words; the others run on."""
+    server = standins()
+    engine = make_engine(server.url, stream=stream)
+    try:
+        got = drive(engine, [request(0, PROMPTS[0], 5000), request(1, PROMPTS[1], 8)], timeout_s=20)
+    finally:
+        engine.close()
+    assert got[0].finish == "error" and got[0].tokens == []
+    assert "maximum context length of 512" in got[0].error
+    assert got[1].finish == "length" and len(got[1].tokens) == 8
+    assert engine.resumed == 0 and engine.lost == 0
+
+
+@pytest.mark.parametrize("code, finish", [(503, "abort"), (500, "abort"), (400, "error")])
+def test_an_abort_the_server_made_with_a_status_code_is_not_resubmitted(ckpts, standins, code, finish):
+    """``schedule_batch.py`` ``FINISH_ABORT`` with a ``status_code``: 503 (waited too long) and 500
+    (out of memory) give a partial for the broker; 400 (input too long) an ``error``."""
+    server = standins()
+    assert httpx.post(f"{server.url}/standin/abort_next", json={"count": 1, "status_code": code, "after_tokens": 4,
+                                                                 "message": f"scheduler says {code}"}).status_code == 200
+    engine = make_engine(server.url)
+    try:
+        got = drive(engine, [request(0, PROMPTS[0], 50)], timeout_s=20)[0]
+    finally:
+        engine.close()
+    assert got.finish == finish and engine.resumed == 0
+    assert got.tokens == greedy(ckpts / "v0", PROMPTS[0], 50).tokens[:4]
+    assert got.error == (f"scheduler says {code}" if finish == "error" else None)
+
+
+def test_per_token_versions_come_from_weight_versions(ckpts, standins):
+    """SGLang 0.5.23's ``meta_info.weight_versions`` (``utils/weight_versions.py``): a whole answer made
+    across a version change tags each token with its own version, not all with the last one."""
+    server = standins("--sglang-version", "0.5.23", "--step-delay-s", "0.01")
+    engine = make_engine(server.url, stream=False)
+    n = 150
+    timer = threading.Timer(0.4, lambda: httpx.post(f"{server.url}/update_weight_version",
+                                                    json={"new_version": "3", "abort_all_requests": False}))
+    try:
+        timer.start()
+        got = drive(engine, [request(0, PROMPTS[1], n)], timeout_s=30)[0]
+    finally:
+        timer.cancel()
+        engine.close()
+    assert got.finish == "length" and len(got.tokens) == n
+    k = got.versions.index(3)
+    assert 0 < k < n and got.versions == [0] * k + [3] * (n - k)
+
+
+def test_the_generator_reports_a_refused_lease_to_the_broker_as_finished_error(standins):
+    """A real generator actor on a stand-in, and a hub playing the broker: the too-long lease arrives as
+    ``finished`` with reason ``error`` and the server's message; the other as ``length``."""
+    import numpy as np
+
+    from april_async.config import LinkConfig
+    from april_async.generator.actor import GeneratorActor
+    from april_async.generator.config import GeneratorConfig
+    from april_async.transport.hub import Hub
+    from april_async.transport.peer import Peer
+    from april_async.wire import messages as m
+
+    server = standins()
+    link = LinkConfig(keys=None)
+    hub = Hub("tcp://127.0.0.1:0", link=link, name="broker")
+    link = LinkConfig(keys=None, broker=hub.endpoint)
+    cfg = GeneratorConfig(name="gen-t", engine="sglang", link=link)
+    engine = make_engine(server.url)
+    actor = GeneratorActor(cfg, engine, lambda on_connect: Peer(link.broker, cfg.name, link=link,
+                                                                  on_connect=on_connect))
+    stop: list[bool] = []
+    runner = threading.Thread(target=actor.run, args=(stop,), daemon=True)
+    runner.start()
+    finished: dict[int, m.Finished] = {}
+    sent = False
+    try:
+        deadline = time.monotonic() + 30
+        while len(finished) < 2:
+            assert time.monotonic() < deadline and runner.is_alive(), finished
+            for identity, msg in hub.poll(0.05):
+                if isinstance(msg.body, m.Hello) and not sent:
+                    for lease, n in ((1, 5000), (2, 6)):
+                        hub.send(identity, m.Generate(lease_id=lease, sample_id=lease, group_id=lease,
+                                                      prompt=np.asarray(PROMPTS[0], dtype=np.int32),
+                                                      resume=np.zeros(0, dtype=np.int32), max_new_tokens=n))
+                    sent = True
+                elif isinstance(msg.body, m.Finished):
+                    finished[msg.body.lease_id] = msg.body
+                hub.send(identity, m.Heartbeat())
+    finally:
+        stop.append(True)
+        runner.join(15)
+        hub.close()
+    assert finished[1].reason == "error" and "maximum context length of 512" in finished[1].error
+    assert finished[2].reason == "length" and finished[2].error is None
+
+
+def test_a_broker_older_than_1_5_cannot_take_a_refusal():
+    """The generator stops rather than send ``reason = "error"`` to a broker that predates it."""
+    from april_async.generator.actor import GeneratorActor, LeaseWork
+    from april_async.generator.config import GeneratorConfig
+    from april_async.runtime import ActorFailed
+
+    class Quiet:
+        name, slots, policy_version = "scripted", 1, 0
+
+    actor = GeneratorActor(GeneratorConfig(), Quiet(), lambda on_connect: None)
+    actor.work[7] = LeaseWork(7, 7, 0)
+    actor.broker_proto = "1.4"
+    with pytest.raises(ActorFailed, match="protocol 1.4.*upgrade the broker"):
+        actor._progress(EngineOutput(7, finish="error", error="too long"))
 
 
 def test_bad_engine_settings_are_refused():
@@ -311,7 +430,8 @@ def test_generator_on_sglang_with_the_real_broker_survives_a_server_restart(tmp_
     generator returns its leases and announces capacity 0) and started again on its port (the
     generator takes it back and batches come again)."""
     from april_async.testing.cluster import Cluster
-    from april_async.testing.models import TINY as VOCAB_1000, learner_logprobs
+    from april_async.testing.models import TINY as VOCAB_1000
+    from april_async.testing.models import learner_logprobs
 
     torch.manual_seed(0)
     CausalLM(VOCAB_1000).save_pretrained(tmp_path / "v0")
@@ -373,13 +493,16 @@ def test_generator_on_sglang_with_the_real_broker_survives_a_server_restart(tmp_
 # ---------------------------------------------------------------------- the real thing
 
 
+SGLANG_PYTHON = os.environ.get("APRIL_SGLANG_PYTHON", "")
+"""The python of an environment where SGLang is installed (its own: SGLang pins its own torch)."""
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None or not torch.cuda.is_available(),
-                    reason="needs SGLang installed (pip install -e '.[sglang]') and a CUDA device")
+@pytest.mark.skipif(not SGLANG_PYTHON or not torch.cuda.is_available(),
+                    reason="needs APRIL_SGLANG_PYTHON (the python of an environment with SGLang) and a CUDA device")
 def test_real_sglang_server(ckpts, tmp_path):
     """The engine against a real SGLang server on a tiny Qwen2 checkpoint written here."""
     import subprocess
-    import sys
 
     ckpt = tmp_path / "qwen2"
     torch.manual_seed(0)
@@ -387,7 +510,7 @@ def test_real_sglang_server(ckpts, tmp_path):
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).save_pretrained(ckpt)
     port = free_port()
     log = (tmp_path / "sglang.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--port",
+    proc = subprocess.Popen([SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--port",
                              str(port), "--skip-tokenizer-init", "--mem-fraction-static", "0.3",
                              "--disable-cuda-graph"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -413,3 +536,114 @@ def test_real_sglang_server(ckpts, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------- fan-out failure paths (issue 16)
+
+
+def generating(url: str, n: int = 400) -> threading.Thread:
+    """A long request running on ``url`` (started and counted by ``/v1/loads``)."""
+    t = threading.Thread(target=lambda: httpx.post(f"{url}/generate", timeout=120, json={
+        "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.05)
+    return t
+
+
+def flushes(url: str) -> int:
+    return httpx.get(f"{url}/standin/flushes").json()["flushes"]
+
+
+def test_a_broadcast_that_fails_after_begin_ends_the_session(ckpts, standins, store, monkeypatch):
+    server = standins("--weight-update-session", "--group-timeout-s", "10")
+    fanout = fanout_for(store)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    real = dist.broadcast
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected: the collective broke")
+    try:
+        monkeypatch.setattr(dist, "broadcast", boom)
+        result = fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20)
+        assert "injected" in result["gen"], result
+        monkeypatch.setattr(dist, "broadcast", real)
+        # the session was ended: the next push can begin one, and continues the server
+        assert fanout.push({"gen": [server.url]}, 2, specs, buffer, 1 << 20) == {"gen": None}
+        assert httpx.get(f"{server.url}/model_info").json()["weight_version"] == "2"
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+    finally:
+        fanout.close()
+
+
+def test_a_restarted_fanout_ends_a_session_left_open_and_continues_the_server(standins, store):
+    server = standins("--weight-update-session")
+    assert httpx.post(f"{server.url}/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert httpx.post(f"{server.url}/begin_weight_update", json={}).status_code == 200  # a broadcaster died here
+    fanout = fanout_for(store)
+    try:
+        assert fanout.recover([server.url]) == {server.url: None}
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        assert httpx.post(f"{server.url}/begin_weight_update", json={}).status_code == 200  # no session was left
+        assert httpx.post(f"{server.url}/end_weight_update", json={}).status_code == 200
+    finally:
+        fanout.close()
+
+
+@pytest.mark.parametrize("mode,flags,busy,flushed", [
+    ("abort", (), True, 1),  # 0.5.15, abort: drained, then flushed
+    ("retract", ("--weight-update-session",), True, 1),  # 0.5.23 flushes while retracted requests wait
+    ("retract", (), True, 0),  # 0.5.15 would fail the flush (and die on one after an update): kept
+    ("in_place", ("--weight-update-session",), False, 1),
+    ("none", (), False, 1),
+])
+def test_the_cache_is_flushed_in_every_pause_mode_where_the_server_can(ckpts, standins, store, mode, flags, busy,
+                                                                       flushed):
+    server = standins("--step-delay-s", "0.02", *flags)
+    fanout = fanout_for(store, pause=mode)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    try:
+        if busy:
+            generating(server.url)
+        assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}
+        assert flushes(server.url) == flushed
+        assert server.proc.poll() is None
+    finally:
+        fanout.close()
+
+
+def test_drain_repeats_abort_all_until_nothing_runs_but_not_through_a_pause(standins):
+    from april_async.sglang.api import SGLangError
+    from april_async.sglang.client import ServerClient
+
+    server = standins("--step-delay-s", "0.02")
+    client = ServerClient(server.url, timeout_s=10)
+    try:
+        for _ in range(3):
+            generating(server.url)
+        assert client.drain(timeout_s=10) >= 1 and client.loads() == (0, 0)
+        generating(server.url)
+        client.pause("in_place")  # an abort does nothing to a request a pause holds in place
+        with pytest.raises(SGLangError, match="1 running"):
+            client.drain(timeout_s=1, interval_s=0.2)
+        client.resume()
+    finally:
+        client.close()
+
+
+def test_a_server_of_an_unchecked_sglang_version_is_refused_at_join(ckpts, standins, store):
+    server = standins("--sglang-version", "0.5.99")
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store)
+    try:
+        result = fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20)
+        assert "0.5.99" in result["gen"] and "any_sglang_version" in result["gen"], result
+    finally:
+        fanout.close()
+    fanout = fanout_for(store, any_sglang_version=True)
+    try:
+        assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}
+    finally:
+        fanout.close()

@@ -176,10 +176,10 @@ def test_info_and_errors(server, ckpt):
     for path in ("/server_info", "/get_server_info"):
         info = h.get(path).json()
         got = (info["tp_size"], info["dp_size"], info["max_running_requests"], info["version"])
-        assert got == (1, 1, 4, "standin")
+        assert got == (1, 1, 4, "0.5.15.post1")  # the SGLang version it behaves as (--sglang-version)
     assert h.get("/health").status_code == 200 and h.get("/health_generate").status_code == 200
     r = h.post("/flush_cache")
-    assert (r.status_code, r.text) == (200, "Cache flushed.")
+    assert (r.status_code, r.text) == (200, FLUSHED)
     r = h.get("/no/such/path")
     assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
     r = h.post("/begin_weight_update", json={"selector": "all"})  # 0.5.15 behaviour without the flag
@@ -297,13 +297,19 @@ def test_cumulative_and_incremental_streams_agree(server, session_server):
     assert plain["output_ids"] == tokens
 
 
-def test_abort_running_stream_by_rid_prefix(server, ckpt):
+def test_abort_running_stream_by_its_exact_rid(server, ckpt):
+    """SGLang ``managers/tokenizer_manager.py`` ``abort_request``: with one tokenizer worker (the
+    default) a rid that is not exactly a live request's is dropped before the scheduler, so a
+    prefix aborts nothing; the exact rid aborts the request, which keeps its tokens."""
     body = {**gen(LONG, LONG_N, temperature=0.0), "stream": True, "rid": "abort-me:7;"}
     with server.http.stream("POST", "/generate", json=body) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line)
         assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
-        assert server.http.post("/abort_request", json={"rid": "abort-me:"}).status_code == 200
+        assert server.http.post("/abort_request", json={"rid": "abort-me:"}).status_code == 200  # a prefix
+        second = next(line for line in lines if line)
+        assert json.loads(second[6:])["meta_info"]["finish_reason"] is None, "a prefix aborted the request"
+        assert server.http.post("/abort_request", json={"rid": "abort-me:7;"}).status_code == 200
         rest = [json.loads(line[6:]) for line in lines if line and line != "data: [DONE]"]
     last = rest[-1]
     n = last["meta_info"]["completion_tokens"]
@@ -417,11 +423,12 @@ def form_group(s: Standin, name: str):
     return pg, store
 
 
-def push_weights(s: Standin, pg, group: str, state: dict[str, torch.Tensor], version: str) -> httpx.Response:
+def push_weights(s: Standin, pg, group: str, state: dict[str, torch.Tensor], version: str, *,
+                 flush: bool = True) -> httpx.Response:
     names = list(state)
     fut = in_thread(s.http.post, "/update_weights_from_distributed", json={
         "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(state[n].shape) for n in names],
-        "group_name": group, "flush_cache": True, "abort_all_requests": False, "weight_version": version,
+        "group_name": group, "flush_cache": flush, "abort_all_requests": False, "weight_version": version,
         "load_format": None})
     for n in names:  # one broadcast per tensor, in the order of ``names``
         dist.broadcast(state[n].detach().float().contiguous(), src=0, group=pg)
@@ -458,7 +465,8 @@ def test_weight_update_over_gloo(server, ckpt):
         r = push_weights(server, pg, "standin-test-a", ckpt.model.state_dict(), "2")
         assert r.status_code == 200 and r.json()["success"] is True
         check_greedy(server, ckpt.model, ckpt.eos, "2")
-        # Paused in place with a request held: the update goes ahead, but the cache is not flushed.
+        # Paused in place with a request held: the update goes ahead without a flush (asking for one
+        # here would end a 0.5.15 server: see test_a_failed_flush_after_an_update_*).
         seen = queue.Queue()
 
         def stream():
@@ -472,10 +480,8 @@ def test_weight_update_over_gloo(server, ckpt):
         held = in_thread(stream)
         seen.get(timeout=10)
         assert server.http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-        r = push_weights(server, pg, "standin-test-a", fresh.state_dict(), "3")
-        assert r.status_code == 400
-        assert r.json() == {"success": False, "message": "Weights were updated, but the cache was not "
-                                                         "flushed because requests are in flight."}
+        r = push_weights(server, pg, "standin-test-a", fresh.state_dict(), "3", flush=False)
+        assert r.status_code == 200 and r.json()["success"] is True
         server.http.post("/continue_generation", json={})
         last = held.result(10)
         assert last["meta_info"]["finish_reason"]["type"] == "length"
@@ -515,3 +521,329 @@ def test_weight_update_session(session_server, ckpt):
     finally:
         leave_custom_group(pg)
         del store
+
+
+def _update_with_a_request_held(s: Standin, ckpt, group: str):
+    """Pause in place while a streamed request runs, then push weights asking for a flush."""
+    pg, store = form_group(s, group)
+    seen: queue.Queue = queue.Queue()
+
+    def stream():
+        with httpx.stream("POST", s.url + "/generate", timeout=30,
+                          json={**gen(LONG, 60, temperature=0.0), "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.put(json.loads(line[6:]))
+
+    held = in_thread(stream)
+    seen.get(timeout=10)
+    assert s.http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        return push_weights(s, pg, group, new_model(5, ckpt.eos).state_dict(), "9"), held
+    except (httpx.HTTPError, RuntimeError) as e:  # the server went away mid-call
+        return e, held
+    finally:
+        leave_custom_group(pg)
+        del store
+
+
+def test_a_failed_flush_after_an_update_ends_a_0_5_15_server(ckpt, tmp_path):
+    """SGLang 0.5.15 ``scheduler_components/weight_updater.py`` ``flush_cache_after_weight_update``:
+    ``assert flush_cache_success`` — a flush refused because a request still runs kills the
+    scheduler, and the server with it. Why the fan-out never asks 0.5.15 to flush while busy."""
+    s = Standin(ckpt.path, tmp_path / "standin-015.log", "--max-seq-len", "256", "--sglang-version", "0.5.15.post1")
+    try:
+        _update_with_a_request_held(s, ckpt, "standin-test-015")
+        assert s.proc.wait(20) != 0, "a 0.5.15 server survived a failed flush after an update"
+        assert "Cache flush failed after updating weights" in s.log_path.read_text()
+    finally:
+        s.http.close()
+        s.stop()
+
+
+def test_a_failed_flush_after_an_update_fails_the_call_on_0_5_23(ckpt, tmp_path):
+    """SGLang 0.5.23 ``scheduler_components/weight_updater.py`` ``flush_cache_after_weight_update``:
+    the weights are in, the update call answers failure with this message, the server lives on."""
+    s = Standin(ckpt.path, tmp_path / "standin-023.log", "--max-seq-len", "256", "--sglang-version", "0.5.23")
+    try:
+        r, held = _update_with_a_request_held(s, ckpt, "standin-test-023")
+        assert r.status_code == 400 and r.json() == {
+            "success": False, "message": "Weights were updated, but the cache was not flushed because requests "
+                                         "are still running or queued. Retract or finish them, then call /flush_cache."}
+        s.http.post("/continue_generation", json={})
+        held.result(10)
+        assert s.proc.poll() is None
+    finally:
+        s.http.close()
+        assert s.stop() == 0
+
+
+# ---------------------------------------------------------------------- contract with SGLang's source
+# Each test names the SGLang 0.5.15.post1 / 0.5.23 file and function it mirrors (``python/sglang/srt/``).
+
+# http_server.py ``flush_cache``: the body of a successful flush (both versions).
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+           "requests, the operation will not be performed.)\n")
+
+
+@pytest.fixture(scope="module")
+def v23_server(ckpt, tmp_path_factory):
+    """A 0.5.23 stand-in (weight_versions spans) with two slots and slow steps: requests stay running."""
+    s = Standin(ckpt.path, tmp_path_factory.mktemp("logs") / "standin-v23.log", "--sglang-version", "0.5.23",
+                "--slots", "2", "--max-seq-len", "256", "--step-delay-s", "0.02", "--weight-version", "v0")
+    yield s
+    s.http.close()
+    assert s.stop() == 0, s.log_path.read_text()
+
+
+def stream_in_thread(s: Standin, body: dict):
+    """A streamed /generate in a thread: (future of all its events, queue that gets each as it comes)."""
+    seen: queue.Queue = queue.Queue()
+
+    def run():
+        with httpx.stream("POST", s.url + "/generate", timeout=30, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            out, done = [], False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    out.append(json.loads(line[6:]))
+                    seen.put(out[-1])
+            assert done
+            return out
+
+    return in_thread(run), seen
+
+
+def loads(s: Standin) -> tuple[int, int]:
+    row, = s.http.get("/v1/loads").json()["loads"]
+    return row["num_running_reqs"], row["num_waiting_reqs"]
+
+
+def wait_loads(s: Standin, want: tuple[int, int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (got := loads(s)) != want:
+        assert time.monotonic() < deadline, f"/v1/loads says {got}, not {want}"
+        time.sleep(0.02)
+
+
+def test_refused_requests_too_long_and_duplicate_rid(server):
+    """``entrypoints/http_server.py`` ``generate_request``: a ``ValueError`` from the tokenizer manager
+    is, streamed, HTTP 200 + ``data: {"error": {"message", "type": "invalid_request_error", "code": 400,
+    "retryable": false}}`` + ``data: [DONE]``; not streamed, ``_create_error_response``: HTTP 400
+    ``{"error": {"message"}}``. The ValueErrors: ``managers/tokenizer_manager.py``
+    ``_validate_one_request`` (input + max_new_tokens over the context length) and
+    ``_send_one_request`` / ``_init_req_state`` ("Duplicate request ID detected: <rid>" while a request of
+    that rid is in ``rid_to_state``)."""
+    too_long = ("Requested token count exceeds the model's maximum context length of 256 tokens. You "
+                "requested a total of 304 tokens: 4 tokens from the input messages and 300 tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the completion to "
+                "fit within the limit.")
+    running, seen = stream_in_thread(server, {**gen(LONG, LONG_N, temperature=0.0), "rid": "dup-1;"})
+    seen.get(timeout=10)
+    try:
+        for body, message in ((gen(SHORT, 300), too_long),
+                              ({**gen(SHORT, 4), "rid": "dup-1;"}, "Duplicate request ID detected: dup-1;")):
+            with server.http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                assert (r.status_code, events(r)) == (200, [{"error": {
+                    "message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}])
+            r = server.http.post("/generate", json=body)
+            assert (r.status_code, r.json()) == (400, {"error": {"message": message}})
+        assert not running.done()  # a refused duplicate leaves the first request alone
+    finally:
+        server.http.post("/abort_request", json={"rid": "dup-1;"})
+    assert running.result(10)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    wait_idle(server)
+
+
+def test_status_coded_abort_ends_a_stream_and_fails_a_whole_answer(server, ckpt):
+    """``managers/tokenizer_manager.py`` ``_handle_abort_finish_reason``: an abort the scheduler made
+    with a ``status_code`` (``managers/schedule_batch.py`` ``FINISH_ABORT.to_json``: type, message,
+    status_code, err_type) is, streamed, the last event like any abort; not streamed, 400 raises a
+    ``ValueError`` (HTTP 400 ``{"error": {"message"}}``) and 503/500 a ``fastapi.HTTPException``, which
+    ``http_server.py``'s HTTPException handler answers as an ``ErrorResponse`` with that status. The
+    503 (``scheduler.py`` running/waiting timeouts) and 500 (``schedule_batch.py`` out of memory) carry no
+    ``err_type``; the 400 of a too-long input names "BadRequestError"."""
+    h = server.http
+    wait = "Request waited too long in the queue and was aborted."
+    assert h.post("/standin/abort_next", json={"count": 1, "status_code": 503, "after_tokens": 3,
+                                               "message": wait}).status_code == 200
+    with h.stream("POST", "/generate", json={**gen(LONG, 20, temperature=0.0), "stream": True}) as r:
+        assert r.status_code == 200
+        evs = events(r)
+    last = evs[-1]
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": wait, "status_code": 503,
+                                                  "err_type": None}
+    assert last["output_ids"] == ckpt.long[:3] and last["meta_info"]["completion_tokens"] == 3
+    assert all(ev["meta_info"]["finish_reason"] is None for ev in evs[:-1])
+    for code, err_type in ((503, None), (500, None), (400, "BadRequestError")):
+        h.post("/standin/abort_next", json={"count": 1, "status_code": code, "after_tokens": 2,
+                                            "message": f"scheduler says {code}"})
+        r = h.post("/generate", json=gen(LONG, 20, temperature=0.0))
+        if code == 400:
+            assert (r.status_code, r.json()) == (400, {"error": {"message": "scheduler says 400"}})
+        else:
+            assert (r.status_code, r.json()) == (code, {"object": "error", "message": f"scheduler says {code}",
+                                                        "type": str(code), "param": None, "code": code})
+    wait_idle(server)
+
+
+def eos_plan(seq: list[int], n: int) -> list[tuple[int, int]]:
+    """``n`` distinct tokens of the greedy continuation ``seq`` to make eos ids, each with a start
+    ``s``: from ``seq[:s]`` on, greedy decoding meets that eos id first, at its first occurrence."""
+    ids: list[int] = []
+    for t in seq[1:]:
+        if t not in ids:
+            ids.append(t)
+        if len(ids) == n:
+            break
+    plan = []
+    for e in ids:
+        p = seq.index(e)
+        s = 1 + max((i for i in range(p) if seq[i] in ids), default=-1)
+        plan.append((e, s))
+    return plan
+
+
+def test_every_eos_id_of_the_checkpoint_stops_a_request(ckpt, tmp_path):
+    """``configs/model_config.py`` ``_get_hf_eos_token_id``: the eos ids are ``config.json``'s
+    ``eos_token_id`` (an id or a list) together with ``generation_config.json``'s; ``managers/
+    schedule_batch.py`` ``Req._check_token_based_finish`` stops at the first of them and
+    ``FINISH_MATCHED_TOKEN.to_json`` gives ``{"type": "stop", "matched": <id>}``; the detokenizer
+    (``detokenizer_manager.py``) trims only the text, so ``output_ids`` end with the eos id."""
+    plan = eos_plan(ckpt.long, 3)
+    (c, _), (g1, _), (g2, _) = plan
+    path = tmp_path / "eos-ckpt"
+    path.mkdir()
+    (path / "model.safetensors").write_bytes((ckpt.path / "model.safetensors").read_bytes())
+    config = json.loads((ckpt.path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": c}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [g1, g2]}))
+    s = Standin(path, tmp_path / "standin-eos.log", "--max-seq-len", "256")
+    try:
+        for eos, start in plan:
+            body = s.http.post("/generate", json=gen(LONG + ckpt.long[:start], 40, temperature=0.0)).json()
+            end = ckpt.long.index(eos) + 1
+            assert body["output_ids"] == ckpt.long[start:end], (eos, start)
+            assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    finally:
+        s.http.close()
+        assert s.stop() == 0, s.log_path.read_text()
+
+
+def test_weight_versions_span_an_update_mid_request_on_0_5_23_only(v23_server, server):
+    """0.5.23 ``utils/weight_versions.py``: a version change (``managers/scheduler.py``
+    ``record_weight_version_change``, called by ``/update_weight_version`` and by a weight update)
+    records, for each live request, the old version and its output-token count; the answer that ends
+    the request (``scheduler_components/output_streamer.py``: ``None`` while it runs) carries
+    ``meta_info.weight_versions`` = half-open spans ``[{"version", "start", "end"}]`` over the output
+    positions (``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``) and sets
+    ``weight_version`` to the last span's. 0.5.15 has no ``weight_versions``."""
+    s = v23_server
+    n = 60
+    fut, seen = stream_in_thread(s, gen(LONG, n, temperature=0.0))
+    while seen.get(timeout=10)["meta_info"]["completion_tokens"] < 5:
+        pass
+    r = s.http.post("/update_weight_version", json={"new_version": "v1", "abort_all_requests": False})
+    assert r.json()["success"] is True
+    evs = fut.result(30)
+    assert all("weight_versions" not in ev["meta_info"] for ev in evs[:-1])
+    meta = evs[-1]["meta_info"]
+    spans = meta["weight_versions"]
+    k = spans[0]["end"]
+    assert 5 <= k < n and spans == [{"version": "v0", "start": 0, "end": k}, {"version": "v1", "start": k, "end": n}]
+    assert meta["weight_version"] == "v1"
+    whole = s.http.post("/generate", json=gen(SHORT, 4, temperature=0.0)).json()["meta_info"]
+    assert whole["weight_versions"] == [{"version": "v1", "start": 0, "end": 4}]
+    old = server.http.post("/generate", json=gen(SHORT, 4, temperature=0.0)).json()["meta_info"]
+    assert "weight_versions" not in old and isinstance(old["weight_version"], str)
+
+
+def test_weight_update_session_refusals(session_server):
+    """0.5.23 ``managers/scheduler_components/weight_updater.py`` ``begin_weight_update`` /
+    ``end_weight_update``, answered by ``http_server.py`` ``/begin_weight_update`` /
+    ``/end_weight_update`` as ``{"success", "message"}``, HTTP 200 or 400: a second begin while a
+    session is open and an end with none open are refused; success says "Success"."""
+    h = session_server.http
+    r = h.post("/end_weight_update", json={})
+    assert (r.status_code, r.json()) == (400, {"success": False, "message": "no weight-update session is open; "
+                                                                            "call begin_weight_update() first"})
+    r = h.post("/begin_weight_update", json={"selector": "all"})
+    assert (r.status_code, r.json()) == (200, {"success": True, "message": "Success"})
+    try:
+        r = h.post("/begin_weight_update", json={"selector": "all"})
+        assert (r.status_code, r.json()) == (400, {"success": False, "message": "a weight-update session is "
+                                                                                "already open; call "
+                                                                                "end_weight_update() first"})
+    finally:
+        r = h.post("/end_weight_update", json={})
+    assert (r.status_code, r.json()) == (200, {"success": True, "message": "Success"})
+
+
+def test_flush_cache_refused_while_a_request_runs(v23_server):
+    """``managers/scheduler.py`` ``Scheduler.flush_cache`` flushes only when ``is_fully_idle`` (else
+    ``success=False`` with no message, ``scheduler_components/flush_wrapper.py``); ``http_server.py``
+    ``flush_cache`` answers HTTP 400 "Flush cache failed.\\n" or HTTP 200 with its "Cache flushed. ..."
+    text (both versions)."""
+    s = v23_server
+    fut, seen = stream_in_thread(s, {**gen(LONG, LONG_N, temperature=0.0), "rid": "flush-1;"})
+    seen.get(timeout=10)
+    r = s.http.post("/flush_cache")
+    assert (r.status_code, r.text) == (400, "Flush cache failed.\n")
+    s.http.post("/abort_request", json={"rid": "flush-1;"})
+    fut.result(10)
+    wait_loads(s, (0, 0))
+    for method in ("GET", "POST"):
+        r = s.http.request(method, "/flush_cache")
+        assert (r.status_code, r.text) == (200, FLUSHED)
+
+
+def test_loads_count_running_and_waiting_then_zero_after_abort_all(v23_server, ckpt):
+    """``entrypoints/v1_loads.py`` ``get_loads``: ``{"timestamp", "version", "loads": [...]}``, one row per
+    DP rank with ``managers/io_struct.py`` ``GetLoadsReqOutput``'s ``dp_rank``, ``num_running_reqs``,
+    ``num_waiting_reqs``, ``max_running_requests`` (the stand-in leaves out the token and memory
+    fields); ``abort_request`` with ``abort_all`` (``managers/scheduler.py`` ``abort_request``) empties
+    both the running batch and the waiting queue."""
+    s = v23_server
+    futs = [stream_in_thread(s, gen(LONG, LONG_N, temperature=0.0))[0] for _ in range(3)]
+    wait_loads(s, (2, 1))  # two slots (--slots 2 is max_running_requests)
+    body = s.http.get("/v1/loads").json()
+    assert body["version"] == "0.5.23"
+    row, = body["loads"]
+    assert (row["dp_rank"], row["max_running_requests"]) == (0, 2)
+    assert s.http.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    wait_loads(s, (0, 0))
+    for fut in futs:
+        last = fut.result(10)[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert last["output_ids"] == ckpt.long[:len(last["output_ids"])]
+
+
+def test_abort_while_the_scheduler_is_paused(v23_server, ckpt):
+    """``managers/scheduler.py`` ``Scheduler.abort_request`` while ``pause_generation`` holds the
+    scheduler: it pops matching requests from the waiting queue and answers them at once ("Abort in
+    waiting queue", ``tokenizer_manager.py`` ``_handle_abort_req``); a running request only gets
+    ``to_finish = FINISH_ABORT()``, which takes effect on its next forward pass. So: ``retract`` moved
+    the running requests to the waiting queue, and the abort ends them now; ``in_place`` keeps them in
+    the running batch, and the abort ends them ("Aborted") only once ``/continue_generation`` runs."""
+    s = v23_server
+    for mode, finish in (("retract", {"type": "abort", "message": "Abort in waiting queue"}),
+                         ("in_place", {"type": "abort", "message": "Aborted", "status_code": None,
+                                       "err_type": None})):
+        rid = f"paused-{mode};"
+        fut, seen = stream_in_thread(s, {**gen(LONG, LONG_N, temperature=0.0), "rid": rid})
+        seen.get(timeout=10)
+        assert s.http.post("/pause_generation", json={"mode": mode}).status_code == 200
+        try:
+            if mode == "retract":
+                wait_loads(s, (0, 1))
+            s.http.post("/abort_request", json={"rid": rid})
+            time.sleep(0.3)
+            assert fut.done() == (mode == "retract"), mode
+        finally:
+            s.http.post("/continue_generation", json={})
+        last = fut.result(10)[-1]["meta_info"]
+        assert last["finish_reason"] == finish, mode
+        assert 0 < last["completion_tokens"] < LONG_N
+        wait_loads(s, (0, 0))

@@ -94,3 +94,29 @@ def test_tensor_buckets_keep_whole_tensors_within_the_size():
     assert tensor_buckets(specs, sizes, 32) == [[0, 1], [2], [3, 4]]
     assert tensor_buckets(specs, sizes, 1) == [[0], [1], [2], [3], [4]]
     assert tensor_buckets(specs, sizes, 1 << 20) == [[0, 1, 2, 3, 4]]
+
+
+def test_a_refusal_is_typed_and_read_by_its_message():
+    """``http_server.py`` ``generate_request``: a streamed refusal is an ``{"error": {"message"}}`` event."""
+    long = "Requested token count exceeds the model's maximum context length of 512 tokens."
+    with pytest.raises(api.Refused) as e:
+        api.Stream("http://s", "r").take({"error": {"message": long, "code": 400}})
+    assert e.value.message == long and e.value.per_request
+    for message, mine in ((long, True), ("Duplicate request ID detected: r", True),
+                          ("The input (600 tokens) is longer than the model's context length (512 tokens).", True),
+                          ("temperature must be non-negative, got -1.0", False), ("unknown field `x`", False)):
+        assert api.refusal_is_per_request(message) is mine, message
+
+
+def test_status_coded_aborts_and_weight_version_spans_are_read():
+    """``schedule_batch.py`` ``FINISH_ABORT`` (status_code) and ``utils/weight_versions.py`` spans."""
+    e = event(TOKENS[:4], 4, {"type": "abort", "message": "waited too long", "status_code": 503}, "5")
+    e["meta_info"]["weight_versions"] = [{"version": "4", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 4}]
+    stream = api.Stream("http://s", "r")
+    first = event(TOKENS[:1], 1, version="4")
+    first["meta_info"]["weight_versions"] = [{"version": "4", "start": 0, "end": 1}]
+    assert stream.take(first).versions == ["4"]
+    d = stream.take(e)
+    assert d.versions == ["5", "5", "5"] and d.status_code == 503 and d.finish == "abort"
+    assert read([event(TOKENS[:1], 1, {"type": "abort", "message": "Aborted", "status_code": None})])[2][0].status_code \
+        is None
