@@ -196,13 +196,15 @@ class LearnerActor:
                 self.save()
             self.command("stop")
             self.group.close(clean=True)
+            # Ask once more so the broker hears the ack of the last batch before we go (only on a
+            # clean stop: after a crash the batch in hand was not trained and must come again).
+            self.client.peer.send(m.BatchRequest(policy_version=self.state.version,
+                                                 acked_batch_id=self.client.last_batch_id))
         finally:
             self.close()
         self.log.info("stopped", version=self.state.version, steps=self.state.step)
 
     def close(self) -> None:
-        # Ask once more so the broker hears the ack of the last batch before we go.
-        self.client.peer.send(m.BatchRequest(policy_version=self.state.version, acked_batch_id=self.client.last_batch_id))
         self.client.close()
         if self.handoff is not None:
             self.handoff.close()

@@ -330,3 +330,24 @@ def test_a_broadcaster_older_than_1_4_gets_versions_in_one_part_or_a_clear_refus
         handoff.send_parts(1, specs, total, iter([(0, np.zeros(16, np.uint8)), (16, np.zeros(16, np.uint8))]), 2)
     handoff.send_parts(1, specs, total, iter([(0, np.zeros(total, np.uint8))]), 1)  # one part: fine
     assert [b.version for b in handoff.peer.sent if isinstance(b, m.WeightsUpdate)] == [1]
+
+
+def test_a_learner_that_crashes_mid_step_does_not_ack_the_batch_it_was_training(policy, tmp_path, monkeypatch):
+    """The batch in hand was not trained: acking it on the way out would make the broker wait for a
+    version that never comes (the batch must be delivered again to the restarted learner)."""
+    actor = learner(policy, tmp_path)
+    batch = make_batch([[1.0, 0.0]], batch_id=5)
+
+    def receive(timeout_s):
+        actor.client.last_batch_id = batch.batch_id  # what BatchClient does when a batch arrives
+        return batch
+
+    def crash(b):
+        raise RuntimeError("a peer rank died")
+
+    monkeypatch.setattr(actor.client, "next_batch", receive)
+    monkeypatch.setattr(actor, "train_on", crash)
+    with pytest.raises(RuntimeError, match="peer rank died"):
+        actor.run(stop=False)
+    acks = [b.acked_batch_id for b in actor.client.peer.sent if isinstance(b, m.BatchRequest)]
+    assert 5 not in acks, acks
