@@ -52,10 +52,10 @@ from april_async.learner.client import BatchClient
 from april_async.learner.config import LearnerConfig
 from april_async.learner.losses import group_advantages, zero_variance_groups
 from april_async.learner.metrics import MetricsSink
-from april_async.learner.parallel import SHARDED_DIR, LearnerGroup, ShardedPolicy, join, target_logprobs
-from april_async.learner.step import Row, pack, plan_step, run_shard
+from april_async.learner.parallel import SHARDED_DIR, LearnerGroup, ShardedPolicy, join
+from april_async.learner.step import Row, plan_step, run_shard
 from april_async.logs import get_logger
-from april_async.model.decoder import CausalLM, CheckpointError
+from april_async.model.decoder import CheckpointError
 from april_async.weights import flat
 from april_async.weights.handoff import WeightHandoff
 from april_async.wire import messages as m
@@ -78,27 +78,6 @@ def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int)
             rewards.append(s.reward)
             gidx.append(gi)
     return rows, rewards, gidx
-
-
-class PackedBatch:
-    """A whole batch as padded tensors (``step.Packed``) with its rewards, group indices and lengths."""
-
-    def __init__(self, batch: m.Batch, groups: list[m.BatchGroup], learner_version: int):
-        rows, rewards, gidx = batch_rows(batch, groups, learner_version)
-        p = pack(rows)
-        self.inputs, self.targets, self.mask, self.behav, self.lag = p.inputs, p.targets, p.mask, p.behav, p.lag
-        self.rewards = torch.tensor(rewards, dtype=torch.float32)
-        self.group_index = torch.tensor(gidx, dtype=torch.long)
-        self.response_lens = [len(r.behav) for r in rows]
-
-    def __len__(self) -> int:
-        return len(self.rewards)
-
-
-def token_logprobs(model: CausalLM, inputs: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(target | prefix) at ``temperature`` for every position: [N, L] (float32)."""
-    logits, _ = model(inputs)
-    return target_logprobs(logits, targets, temperature)
 
 
 def open_policy(cfg: LearnerConfig, group: LearnerGroup, source: Path, resume: bool) -> ShardedPolicy:
@@ -237,8 +216,8 @@ class LearnerActor:
         groups, dropped = list(batch.groups), []
         all_rewards = [s.reward for g in groups for s in g.samples]
         if self.cfg.filters_zero_variance:
-            rows, rewards, gidx = batch_rows(batch, groups, V)
-            zero = set(zero_variance_groups(torch.tensor(rewards), torch.tensor(gidx)))
+            gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+            zero = set(zero_variance_groups(torch.tensor(all_rewards), gidx))
             dropped = [g.group_id for i, g in enumerate(groups) if i in zero]
             groups = [g for i, g in enumerate(groups) if i not in zero]
         row = {"batch_id": batch.batch_id, "groups": len(batch.groups), "dropped_groups": len(dropped),

@@ -26,7 +26,6 @@ module and every collective below is a no-op.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -148,7 +147,7 @@ class ShardedPolicy:
         self.dtype = compute_dtype(cfg, group.device)
         mixed = group.device.type == "cuda" and self.dtype != torch.float32
         storage = torch.float32 if mixed else self.dtype
-        config = read_model_config(source)
+        config = ModelConfig.read(source)
         if group.distributed:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -277,13 +276,3 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     if temperature != 1.0:
         z = z / temperature
     return z.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(z, dim=-1)
-
-
-def read_model_config(source: Path) -> ModelConfig:
-    path = Path(source) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(source)!r}: config.json is missing")
-    try:
-        return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise CheckpointError(f"{path}: not a valid config ({e})") from None

@@ -76,6 +76,18 @@ class ModelConfig:
             raise CheckpointError(f"{source}: missing {', '.join(missing)}")
         return cls(**kwargs)
 
+    @classmethod
+    def read(cls, directory: Path | str) -> ModelConfig:
+        """The ``config.json`` of a checkpoint directory; a missing or malformed one is a
+        ``CheckpointError`` naming the file."""
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(directory)!r}: config.json is missing")
+        try:
+            return cls.from_hf(json.loads(path.read_text()), source=str(path))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a valid config ({e})") from None
+
     def to_hf(self) -> dict:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
         out = {k: v for k, v in asdict(self).items() if v is not None}
@@ -254,10 +266,7 @@ class CausalLM(nn.Module):
         for path in (cfg_path, weights_path):
             if not path.is_file():
                 raise CheckpointError(f"checkpoint {str(directory)!r}: {path.name} is missing")
-        try:
-            cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()), source=str(cfg_path))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise CheckpointError(f"{cfg_path}: not a valid config ({e})") from None
+        cfg = ModelConfig.read(directory)
         try:
             tensors = load_file(str(weights_path))
         except (SafetensorError, OSError) as e:

@@ -55,7 +55,8 @@ def synthetic_batch(rewards: list[list[float]], *, batch_id: int = 0, version: i
 
 
 class RecordingPeer:
-    """A broker that records what the learner sends and never sends anything."""
+    """A peer of the learner (its broker, or its broadcaster) that records what the learner sends
+    and never sends anything."""
 
     last_tracker = None  # nothing of a send is held back (see ``Peer.send(track=True)``)
 

@@ -46,6 +46,18 @@ checkpoint = "{checkpoint}"   # empty: the warm start makes one
 """
 
 
+def tiny_policy(out: Path, *, num_layers: int = 1) -> Path:
+    """A tiny warm-started initial checkpoint in ``out`` (seconds to make): for runs that must not
+    spend their time on the warm start."""
+    from april_async.warmstart.config import WarmStartConfig
+    from april_async.warmstart.sft import make_initial_checkpoint
+
+    make_initial_checkpoint(out, WarmStartConfig(hidden_size=32, num_layers=num_layers, num_heads=2, num_kv_heads=1,
+                                                 intermediate_size=64, max_steps=2, eval_problems=2,
+                                                 max_response_tokens=16))
+    return out
+
+
 def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
     """``tmp/run.toml``: the tiny run in ``run_dir`` on free ports (the warm start makes the policy
     when ``checkpoint`` is empty)."""

@@ -16,18 +16,10 @@ import time
 import pytest
 import torch
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, Weights, digest, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, digest, policy
 from april_async.weights.flat import flatten
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
-
-
-@pytest.fixture
-def weights(tmp_path):
-    w = Weights(tmp_path)
-    yield w
-    codes = w.close()
-    assert all(code in (0, -9) for code in codes.values()), f"exit codes {codes}\n{w.cluster.dump_logs()}"
 
 
 def test_fan_out_late_joiner_and_a_killed_member(weights):

@@ -29,14 +29,6 @@ from april_async.wire.codec import decode, encode
 MAX_UPDATE_BYTES = 4 << 20  # the broadcaster's limit here: a policy() is ~1 MB
 
 
-@pytest.fixture
-def weights(tmp_path):
-    w = Weights(tmp_path)
-    yield w
-    codes = w.close()
-    assert all(code in (0, -9) for code in codes.values()), f"exit codes {codes}\n{w.cluster.dump_logs()}"
-
-
 def start_broadcaster(w: Weights) -> None:
     w.cluster.start("broadcaster", "broadcaster", {
         "name": "broadcaster", "bind": w.endpoint, "link.broker": w.broker.hub.endpoint, **FAST_LINK,

@@ -11,21 +11,24 @@ from pathlib import Path
 
 import pytest
 
-from april_async.testing.runs import ETA, STEPS, children_of, logs_of, metrics, up, wait_for, write_config
+from april_async.testing.runs import (
+    ETA,
+    STEPS,
+    children_of,
+    logs_of,
+    metrics,
+    tiny_policy,
+    up,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> Path:
-    from april_async.warmstart.config import WarmStartConfig
-    from april_async.warmstart.sft import make_initial_checkpoint
-
-    out = tmp_path_factory.mktemp("policy") / "init"
-    make_initial_checkpoint(out, WarmStartConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                                 intermediate_size=64, max_steps=2, eval_problems=2,
-                                                 max_response_tokens=16))
-    return out
+    return tiny_policy(tmp_path_factory.mktemp("policy") / "init", num_layers=2)  # two layers: FSDP shards each
 
 
 def children(run_dir: Path) -> dict:

@@ -25,7 +25,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from april_async.testing.runs import ETA, STEPS, children_of, logs_of, metrics, up, wait_for, write_config
+from april_async.testing.runs import (
+    ETA,
+    STEPS,
+    children_of,
+    logs_of,
+    metrics,
+    tiny_policy,
+    up,
+    wait_for,
+    write_config,
+)
 from april_async.testing.standin import start_standin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,14 +109,7 @@ def test_april_up_runs_the_whole_loop_and_stops_clean(tmp_path, request, engine)
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> Path:
     """A tiny initial checkpoint, made once, for the tests that stop runs from outside."""
-    from april_async.warmstart.config import WarmStartConfig
-    from april_async.warmstart.sft import make_initial_checkpoint
-
-    out = tmp_path_factory.mktemp("policy") / "init"
-    make_initial_checkpoint(out, WarmStartConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                 intermediate_size=64, max_steps=2, eval_problems=2,
-                                                 max_response_tokens=16))
-    return out
+    return tiny_policy(tmp_path_factory.mktemp("policy") / "init")
 
 
 @pytest.mark.slow

@@ -9,31 +9,13 @@ import pytest
 import torch
 
 from april_async.learner import checkpoint as ckpt
-from april_async.learner.actor import LearnerActor, PackedBatch, token_logprobs
+from april_async.learner.actor import LearnerActor, batch_rows
 from april_async.learner.config import LearnerConfig
+from april_async.learner.step import pack
 from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
+from april_async.testing.learner_ranks import RecordingPeer as FakePeer
 from april_async.weights.handoff import BroadcastRefused
 from april_async.wire import messages as m
-
-
-class FakePeer:
-    """Records what the learner sends; nothing ever arrives."""
-
-    last_tracker = None  # what ZeroMQ would still hold of the last send: nothing, here
-
-    def __init__(self, on_connect):
-        self.sent = []
-        on_connect(self)
-
-    def send(self, body, parent_id=None, *, track=False):
-        self.sent.append(body)
-        return len(self.sent)
-
-    def poll(self, timeout_s):
-        return None
-
-    def close(self):
-        pass
 
 
 @pytest.fixture
@@ -78,7 +60,8 @@ def learner(policy, tmp_path, **kw):
 
 def test_packing_aligns_targets_mask_behaviour_and_lag(tmp_path):
     batch = make_batch([[1.0, 0.0]], version=2, lens={(0, 0): 3, (0, 1): 1})
-    data = PackedBatch(batch, list(batch.groups), learner_version=4)
+    rows, _, _ = batch_rows(batch, list(batch.groups), learner_version=4)
+    data = pack(rows)
     # sample 0: prompt 1 2 3, response r0 r1 r2 -> inputs 1 2 3 r0 r1, targets 2 3 r0 r1 r2
     resp = batch.response_tokens[:3].tolist()
     assert data.inputs[0, :5].tolist() == [1, 2, 3, *resp[:2]]
@@ -89,10 +72,10 @@ def test_packing_aligns_targets_mask_behaviour_and_lag(tmp_path):
     assert data.behav[0, 2:5].tolist() == [-3.0, -3.0, -3.0]
 
 
-def test_token_logprobs_match_a_stepwise_computation(policy):
+def test_token_logprobs_match_a_stepwise_computation(policy, tmp_path):
     model = CausalLM.from_pretrained(policy)
     ids = torch.tensor([[1, 5, 7, 9]])
-    got = token_logprobs(model, ids[:, :-1], ids[:, 1:], temperature=0.7)
+    got = learner(policy, tmp_path).policy.logprobs(ids[:, :-1], ids[:, 1:], temperature=0.7)
     logits, _ = model(ids[:, :-1])
     want = torch.log_softmax(logits / 0.7, -1)[0, torch.arange(3), ids[0, 1:]]
     assert torch.allclose(got[0], want, atol=1e-6)
