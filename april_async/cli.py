@@ -108,6 +108,8 @@ def _generator(args: argparse.Namespace) -> int:
 
 
 def _learner(args: argparse.Namespace) -> int:
+    grouped = []  # the learner's group, once formed
+
     def build(cfg):
         from april_async.learner.actor import LearnerActor, RankWorker
         from april_async.learner.parallel import join
@@ -115,6 +117,7 @@ def _learner(args: argparse.Namespace) -> int:
         from april_async.transport.peer import Peer
 
         group = join(cfg)  # with learner.ranks > 1, one of several processes (the env names which)
+        grouped.append(group.distributed)
         bcast = None
         if cfg.broadcaster is not None:
             def bcast(on_connect):
@@ -126,7 +129,12 @@ def _learner(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             raise ValueError(str(e)) from None
 
-    return _run_actor(args, build)
+    code = _run_actor(args, build)
+    if any(grouped):
+        from april_async.runtime import exit_past_torch_teardown
+
+        exit_past_torch_teardown(code)
+    return code
 
 
 def _broadcaster(args: argparse.Namespace) -> int:

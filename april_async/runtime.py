@@ -73,3 +73,20 @@ def resolve_device(setting: str, local_rank: int = 0):
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {setting!r}: GPU {index} does not exist ({torch.cuda.device_count()} visible)")
     return torch.device("cuda", index)
+
+
+def exit_past_torch_teardown(code: int) -> None:
+    """End a process that formed a ``torch.distributed`` group with ``code``, skipping the C++
+    teardown: after the group was destroyed cleanly, torch 2.13 (gloo) sometimes aborts at
+    interpreter exit ("terminate called without an active exception", status -6), which a
+    supervisor would take for a crash. Python's own cleanup (files, logs) must be done already."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

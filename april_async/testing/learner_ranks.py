@@ -156,3 +156,7 @@ def _train(spec: dict, workdir: Path) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1])
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        from april_async.runtime import exit_past_torch_teardown
+
+        exit_past_torch_teardown(0)
