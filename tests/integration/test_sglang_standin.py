@@ -524,13 +524,14 @@ def test_weight_update_session(session_server, ckpt):
 
 
 def _update_with_a_request_held(s: Standin, ckpt, group: str):
-    """Pause in place while a streamed request runs, then push weights asking for a flush."""
+    """Pause in place while a streamed request runs, then push weights asking for a flush. The stand-in
+    must run with a step delay: an undelayed tiny model can finish the request before the pause lands."""
     pg, store = form_group(s, group)
     seen: queue.Queue = queue.Queue()
 
     def stream():
         with httpx.stream("POST", s.url + "/generate", timeout=30,
-                          json={**gen(LONG, 60, temperature=0.0), "stream": True}) as r:
+                          json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     seen.put(json.loads(line[6:]))
@@ -538,6 +539,7 @@ def _update_with_a_request_held(s: Standin, ckpt, group: str):
     held = in_thread(stream)
     seen.get(timeout=10)
     assert s.http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    assert s.http.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 1, "the request ended before the pause"
     try:
         return push_weights(s, pg, group, new_model(5, ckpt.eos).state_dict(), "9"), held
     except (httpx.HTTPError, RuntimeError) as e:  # the server went away mid-call
@@ -551,7 +553,8 @@ def test_a_failed_flush_after_an_update_ends_a_0_5_15_server(ckpt, tmp_path):
     """SGLang 0.5.15 ``scheduler_components/weight_updater.py`` ``flush_cache_after_weight_update``:
     ``assert flush_cache_success`` — a flush refused because a request still runs kills the
     scheduler, and the server with it. Why the fan-out never asks 0.5.15 to flush while busy."""
-    s = Standin(ckpt.path, tmp_path / "standin-015.log", "--max-seq-len", "256", "--sglang-version", "0.5.15.post1")
+    s = Standin(ckpt.path, tmp_path / "standin-015.log", "--max-seq-len", "256", "--step-delay-s", "0.02",
+                "--sglang-version", "0.5.15.post1")
     try:
         _update_with_a_request_held(s, ckpt, "standin-test-015")
         assert s.proc.wait(20) != 0, "a 0.5.15 server survived a failed flush after an update"
@@ -564,7 +567,8 @@ def test_a_failed_flush_after_an_update_ends_a_0_5_15_server(ckpt, tmp_path):
 def test_a_failed_flush_after_an_update_fails_the_call_on_0_5_23(ckpt, tmp_path):
     """SGLang 0.5.23 ``scheduler_components/weight_updater.py`` ``flush_cache_after_weight_update``:
     the weights are in, the update call answers failure with this message, the server lives on."""
-    s = Standin(ckpt.path, tmp_path / "standin-023.log", "--max-seq-len", "256", "--sglang-version", "0.5.23")
+    s = Standin(ckpt.path, tmp_path / "standin-023.log", "--max-seq-len", "256", "--step-delay-s", "0.02",
+                "--sglang-version", "0.5.23")
     try:
         r, held = _update_with_a_request_held(s, ckpt, "standin-test-023")
         assert r.status_code == 400 and r.json() == {
