@@ -57,8 +57,9 @@ class BroadcasterConfig(BaseModel):
     (``max_message_bytes``): a one-part ``weights_update`` carries every weight in one message, so
     this bounds the model size (16 GiB: 8B parameters in bfloat16; a 300M float32 model is 1.2 GB)."""
     store_host: str = "127.0.0.1"
-    """The address at which generators reach the TCPStore this process hosts (rendezvous). The
-    store itself listens on every interface (torch's TCPStore has no bind address)."""
+    """The address at which generators reach the TCPStore this process hosts (rendezvous): the
+    store listens on it alone (``0.0.0.0``: every interface), and the broadcaster's rank of the
+    weights group advertises it. ``april up`` sets it to the head's address (``run.host``)."""
     store_port: int = Field(29600, ge=0, le=65535)
     """The TCPStore's port (0: any free port)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -79,6 +79,10 @@ class GeneratorConfig(BaseModel):
     broadcaster: Endpoint | None = None
     """The broadcaster's endpoint: new weights arrive over its ``torch.distributed`` group. None:
     weights are loaded from the checkpoint directory a ``weights_published`` names."""
+    weights_address: str | None = None
+    """The address of this host that the weights group (gloo/NCCL) advertises to the other ranks.
+    None: found: the local end of the route to the broadcaster's store (``weights.routes``), so it
+    is rarely set by hand; ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` still override it."""
     chunk_tokens: int = Field(16, ge=1)
     """Send a token chunk every this many new tokens of a lease (and always at its end)."""
     log: LogConfig = LogConfig()

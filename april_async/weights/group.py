@@ -38,21 +38,38 @@ world size and rank works (tried: the same group twice, shrink 3 → 2 ranks, gr
 SIGKILLed mid-epoch, a member that never joins, a member that joins and never broadcasts).
 Groups should be left (``close``) before the interpreter exits: one left to the interpreter's
 teardown after a failed collective sometimes ends the process with ``std::terminate``.
+
+Across hosts (``weights.routes``): every rank advertises the address of its interface that routes
+to the store's host (rank 0: the address the store is bound to), not what the host name resolves
+to (often 127.0.0.1: the others would connect to themselves). The store listens on that one
+address, not on every interface. Every key of a group lives under the spec's ``key_prefix``, a
+per-run secret the broadcaster hands out over the authenticated ZeroMQ channel, so a process that
+can reach the store's port but is not of the run cannot register as a rank. Forming a group is
+bounded by ``timeout_s`` whatever gloo does: gloo's own connection retries can outlast it several
+times over (282 s seen with ``timeout_s = 60``), so the constructor runs in a thread that is
+abandoned (and its group dropped when it ends) once the time is up.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import socket
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from april_async.weights.flat import buckets
+from april_async.weights.routes import RouteError, check_local, gloo_device, route_address, set_nccl_interface
 from april_async.logs import get_logger
 from april_async.wire.messages import GroupSpec
 
 HEADER_LEN = 4  # [epoch, tag, num_bytes, bucket_bytes]
+JOIN_GRACE_S = 2.0
+"""How long past ``timeout_s`` a join may take before it is abandoned: the store's and gloo's own
+waits end at ``timeout_s``, and a failure they raise then is the better message."""
 
 
 class GroupError(RuntimeError):
@@ -71,24 +88,36 @@ class WeightGroup:
     """This process's membership of the weights group (at most one epoch at a time)."""
 
     def __init__(self, *, device: torch.device | str | None = None, store: dist.TCPStore | None = None,
-                 store_host: str | None = None):
+                 store_host: str | None = None, address: str | None = None):
+        """``address``: the address this rank advertises to the others (default: found, see
+        ``weights.routes``); it must be one of this host's."""
         self.device = torch.device(device) if device is not None else None
         self.spec: GroupSpec | None = None
         self._store = store  # rank 0: the master store of the run; members: a client, per address
         self._store_address = f"{store_host}:{store.port}" if store is not None else None
+        self._store_host = store_host
+        self.address = check_local(address) if address else None
         self._pg = None
         self._nccl_group = False
         self.log = get_logger(component="weight_group")
 
     @classmethod
-    def host(cls, host: str, port: int, timeout_s: float, *, device=None) -> WeightGroup:
-        """Rank 0: start the run's TCPStore on ``port`` (0: any free port) and return its group."""
+    def host(cls, host: str, port: int, timeout_s: float, *, device=None, address: str | None = None) -> WeightGroup:
+        """Rank 0: start the run's TCPStore on ``host:port`` (0: any free port) and return its
+        group. The store listens on ``host`` alone (``0.0.0.0``/``::``: every interface)."""
         try:
-            store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                  wait_for_workers=False)
-        except Exception as e:  # torch raises DistNetworkError (a RuntimeError) for a port in use
-            raise GroupError(f"cannot start the TCPStore on port {port}: {e}") from e
-        return cls(device=device, store=store, store_host=host)
+            listener = _listen(host, port)
+        except OSError as e:
+            raise GroupError(f"cannot listen for the TCPStore on {host}:{port}: {e}") from e
+        try:
+            store = dist.TCPStore(host, listener.getsockname()[1], None, True,
+                                  timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                                  master_listen_fd=listener.fileno())
+        except Exception as e:  # torch raises DistNetworkError (a RuntimeError)
+            listener.close()
+            raise GroupError(f"cannot start the TCPStore on {host}:{port}: {e}") from e
+        listener.detach()  # the store owns the descriptor now
+        return cls(device=device, store=store, store_host=host, address=address)
 
     @property
     def store(self) -> dist.TCPStore | None:
@@ -116,11 +145,23 @@ class WeightGroup:
             store = self._client_store(spec) if spec.rank else self._store
             if store is None:
                 raise GroupError(f"rank 0 of epoch {spec.epoch} needs the store this process hosts")
-            prefixed = dist.PrefixStore(f"epoch-{spec.epoch}", store)
+            prefix = f"{spec.key_prefix}/epoch-{spec.epoch}" if getattr(spec, "key_prefix", "") else f"epoch-{spec.epoch}"
+            prefixed = dist.PrefixStore(prefix, store)
+            address = self.local_address(spec)
             if spec.backend == "gloo":
-                pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                if address is not None:
+                    opts._devices = [gloo_device(address)]
+                else:
+                    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+                pg = _bounded(lambda: dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, opts),
+                              spec.timeout_s + JOIN_GRACE_S, f"forming epoch {spec.epoch}")
             else:
-                pg = self._nccl(prefixed, spec, timeout)
+                if address is not None:
+                    set_nccl_interface(address)
+                pg = _bounded(lambda: self._nccl(prefixed, spec, timeout), spec.timeout_s + JOIN_GRACE_S,
+                              f"forming epoch {spec.epoch}")
         except Exception as e:  # DistStoreError, gloo's RuntimeError: a member that did not come
             if spec.rank:  # the store may be gone (a restarted broadcaster): reconnect next time
                 self._store, self._store_address = None, None
@@ -131,6 +172,20 @@ class WeightGroup:
         self._pg, self.spec, self._nccl_group = pg, spec, spec.backend == "nccl"
         self.log.debug("joined", epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
                        s=round(time.monotonic() - t0, 3))
+
+    def local_address(self, spec: GroupSpec) -> str | None:
+        """The address this rank advertises: the configured one; rank 0, the store's own bind
+        address; a member, its local end of the route to the store. None: gloo's default (the host
+        name's address), only where rank 0's store listens on every interface."""
+        if self.address:
+            return self.address
+        if spec.rank == 0:
+            host = self._store_host
+            return None if host is None or _unspecified(host) else host
+        try:
+            return route_address(parse_store(spec.store)[0])
+        except RouteError as e:
+            raise GroupError(str(e)) from None
 
     def _client_store(self, spec: GroupSpec) -> dist.TCPStore:
         if self._store is None or self._store_address != spec.store:
@@ -216,6 +271,59 @@ class WeightGroup:
             work.wait(timeout)  # NCCL: block this thread until done, or raise after the timeout
         else:
             work.wait()  # gloo: the operation's own timeout applies
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` for the TCPStore to take over (torch's own store
+    listens on every interface; this one listens where it is told)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bounded(make, limit_s: float, what: str):
+    """``make()`` in a thread (the group constructors release the GIL); a ``GroupError`` if it has
+    not returned within ``limit_s``. The abandoned call goes on until gloo gives up; whatever it
+    builds then is dropped at once, so its connections close and its peers fail fast."""
+    result: dict = {}
+    lock = threading.Lock()  # the hand-over and the abandoning exclude each other
+    done = threading.Event()
+
+    def run():
+        try:
+            value = ("pg", make())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            value = ("error", e)
+        with lock:
+            if not result.get("abandoned"):
+                result[value[0]] = value[1]
+            done.set()
+        del value
+
+    threading.Thread(target=run, name=f"weights-join ({what})", daemon=True).start()
+    if not done.wait(limit_s):
+        with lock:
+            if not done.is_set():
+                result["abandoned"] = True
+                raise GroupError(f"{what} did not finish within {limit_s:g} s (a member unreachable at the "
+                                 f"address it advertised?); abandoned")
+    if "error" in result:
+        raise result.pop("error")
+    return result.pop("pg")
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

@@ -1,0 +1,86 @@
+"""The weights group's addresses and bounds: the route to the store's host, a store listening on one
+address, a join that gives up at its timeout whatever gloo does."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+
+from april_async.weights.group import GroupError, WeightGroup, _bounded
+from april_async.weights.routes import RouteError, check_local, interface_of, route_address
+from april_async.wire.messages import GroupSpec
+
+
+def test_the_route_to_a_local_address_leaves_from_it():
+    assert route_address("127.0.0.1") == "127.0.0.1"
+    assert route_address("127.0.0.3").startswith("127.")  # loopback traffic leaves from loopback
+    assert interface_of("127.0.0.1") == "lo"
+
+
+def test_an_address_that_is_not_this_hosts_is_refused_with_its_name():
+    with pytest.raises(RouteError, match="192.0.2.7"):
+        check_local("192.0.2.7")  # TEST-NET-1: never assigned; nothing is sent to it
+    with pytest.raises(RouteError, match="not an IP address"):
+        check_local("head-node")
+    with pytest.raises(RouteError, match="no-such-host.invalid"):
+        route_address("no-such-host.invalid")
+
+
+def test_the_store_listens_on_its_address_alone():
+    group = WeightGroup.host("127.0.0.2", 0, 5.0)
+    port = group.store.port
+    try:
+        client = dist.TCPStore("127.0.0.2", port, None, False, timeout=datetime.timedelta(seconds=5))
+        client.set("k", "v")
+        assert group.store.get("k") == b"v"
+        with socket.socket() as s:  # another address of this host: nobody listens there
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        group.close()
+
+
+def test_a_busy_port_is_a_group_error_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(GroupError, match=f"127.0.0.1:{port}"):
+            WeightGroup.host("127.0.0.1", port, 5.0)
+
+
+def test_rank_0_advertises_the_store_address_and_a_member_its_route_to_it():
+    group = WeightGroup.host("127.0.0.2", 0, 5.0)
+    try:
+        spec = GroupSpec(epoch=1, rank=0, world_size=2, store=f"127.0.0.2:{group.store.port}", backend="gloo")
+        assert group.local_address(spec) == "127.0.0.2"
+        member = WeightGroup()
+        assert member.local_address(GroupSpec(epoch=1, rank=1, world_size=2, store=spec.store,
+                                              backend="gloo")).startswith("127.")
+        assert WeightGroup(address="127.0.0.5").local_address(spec) == "127.0.0.5"
+    finally:
+        group.close()
+
+
+def test_a_bounded_call_returns_raises_or_is_abandoned_at_its_limit():
+    assert _bounded(lambda: 7, 1.0, "x") == 7
+    with pytest.raises(ZeroDivisionError):
+        _bounded(lambda: 1 / 0, 1.0, "x")
+    t0 = time.monotonic()
+    with pytest.raises(GroupError, match="forming epoch 3 did not finish within 0.3 s"):
+        _bounded(lambda: time.sleep(3), 0.3, "forming epoch 3")
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_join_whose_rank_0_never_comes_fails_within_its_timeout():
+    host = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    member = WeightGroup()
+    spec = GroupSpec(epoch=1, rank=1, world_size=2, store=f"127.0.0.1:{host.port}", backend="gloo", timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(GroupError, match="joining epoch 1 as rank 1 of 2 failed"):
+        member.join(spec)
+    assert time.monotonic() - t0 < spec.timeout_s + 3.0
+    assert member.spec is None
