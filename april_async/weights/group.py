@@ -12,8 +12,8 @@ describes, re-formed (a new ``epoch``) whenever the broadcaster's generators cha
   whole process, not with an exception). Any failure is a ``GroupError`` and leaves the group.
 - Every collective has the spec's ``timeout_s``; the store has it too. A dead member makes rank 0
   fail at once (the connection resets); a member that is alive but does not take part makes it
-  fail after ``timeout_s``. Gloo's own connection retries can make a join take a few times
-  ``timeout_s`` when a member registered in the store and died before connecting, never forever.
+  fail after ``timeout_s``. A join gives up after ``timeout_s`` (plus ``JOIN_GRACE_S``) even where
+  gloo's own connection retries would go on for several times that (see below).
 - Leaving drops the group object: its destructor closes the connections, so the other ranks'
   pending operations fail at once. On torch 2.13 gloo's ``abort()`` and ``shutdown()`` close
   nothing (a member blocked in a receive then waits for its whole timeout), and neither
