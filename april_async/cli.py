@@ -7,7 +7,7 @@
     april broadcaster [--config run.toml] [--dry-run]
     april up        [--config run.toml] [--actors broker,generator:2,...]: the whole run, with a console
     april simulate  the real broker core in sync, april and async modes, side by side
-    april keys DIR  make CurveZMQ keys for a run across hosts (then APRIL_KEYS=DIR everywhere)
+    april keys DIR [--hosts HEAD,NAME,...]  make CurveZMQ keys for a run across hosts (then APRIL_KEYS)
 
 An actor reads the section of its name from the TOML file (``[broker]``, ``[generator]``, ...);
 ``--set`` flags override it with dotted keys; ``--dry-run`` prints the resolved config and exits.
@@ -155,18 +155,58 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from april_async.transport.curve import KeysError, make_keys
+    from april_async.transport.curve import KeysError, make_host_keys, make_keys
 
     try:
-        written = make_keys(args.directory)
+        if args.hosts is not None:
+            hosts = make_host_keys(args.directory, [h.strip() for h in args.hosts.split(",")])
+        else:
+            written = make_keys(args.directory)
     except (KeysError, OSError) as e:
         print(f"april keys: {e}", file=sys.stderr)
         return 2
+    if args.hosts is not None:
+        _print_host_plan(args.directory, hosts)
+        return 0
     for path in written:
         print(path)
     print(f"april keys: copy {args.directory} to every host of the run and set APRIL_KEYS={args.directory}; "
           f"the *.key_secret files are secrets", file=sys.stderr)
     return 0
+
+
+def _print_host_plan(directory: Path, hosts: dict[str, list[Path]]) -> None:
+    """What to copy where: each host's directory to that host alone, since it holds that host's secret."""
+    head = next(iter(hosts))
+    for name, files in hosts.items():
+        role = "the head: run the broker and the broadcaster here" if name == head else "a member"
+        listed = " ".join(f.relative_to(directory / name).as_posix() for f in files)
+        print(f"host {name} ({role}): copy {directory / name}/ to host {name} and point its APRIL_KEYS at the "
+              f"copy: {listed}")
+    print(f"april keys: {directory} holds every host's secret key. Copy {directory}/NAME/ to host NAME only, at the "
+          f"same path (launch/cluster.sh with APRIL_KEYS={directory} gives each host APRIL_KEYS={directory}/NAME), "
+          f"keep {directory} off shared filesystems, and once copied delete the other hosts' *.key_secret files "
+          f"here. To lock a host out, delete authorized/NAME.key in the head's directory and restart the broker "
+          f"and the broadcaster", file=sys.stderr)
+
+
+KEYS_EPILOG = """\
+layouts:
+  april keys DIR                   one directory for every host (one machine, or hosts that trust each
+                                   other): DIR/server.key(+_secret), DIR/client.key(+_secret),
+                                   DIR/authorized/client.key. Copy DIR everywhere, APRIL_KEYS=DIR.
+  april keys DIR --hosts a,b,c     one directory per host; the first (a) is the head, which runs the
+                                   broker and the broadcaster:
+                                     DIR/a/: server.key, server.key_secret, client.key, client.key_secret,
+                                             authorized/a.key authorized/b.key authorized/c.key
+                                     DIR/b/, DIR/c/: server.key (public), client.key, client.key_secret
+                                   Copy DIR/NAME/ to host NAME only and set APRIL_KEYS there to it (at the
+                                   same path, launch/cluster.sh with APRIL_KEYS=DIR gives each host DIR/NAME). A
+                                   member's directory cannot serve a hub: the hubs' secret stays on the head.
+                                   Lock a host out: delete authorized/NAME.key in the head's directory and
+                                   restart the broker and the broadcaster (the list is read when a hub starts).
+secret files (*.key_secret) are mode 0600; nothing is ever overwritten.
+"""
 
 
 def _scorer(args: argparse.Namespace) -> int:
@@ -207,9 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make the initial policy (<run.dir>/init) if there is none, then exit: e.g. to start "
                         "SGLang servers from it")
     u.set_defaults(func=_up)
-    k = sub.add_parser("keys", help="make a CurveZMQ keys directory (hubs' and actors' key pairs, the admitted "
-                                    "clients); point APRIL_KEYS at it on every host")
+    k = sub.add_parser("keys", help="make CurveZMQ keys (hubs' and actors' key pairs, the admitted clients): one "
+                                    "directory for all hosts, or with --hosts one per host; point APRIL_KEYS at it",
+                       epilog=KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     k.add_argument("directory", type=Path)
+    k.add_argument("--hosts", metavar="HEAD[,NAME...]",
+                   help="one keys directory per host, DIR/NAME/, each host with a client key of its own; the "
+                        "first name is the head, the only one holding the hubs' secret")
     k.set_defaults(func=_keys)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines "
                                          "(tools/simulate.py)")

@@ -5,26 +5,47 @@ The rule (``proto/SPEC.md``, *Security*):
 - With keys (``link.keys``, or the environment's ``APRIL_KEYS``), every hub is a CURVE server
   and every peer a CURVE client: traffic is encrypted, and a ZAP handler admits only clients
   whose public key is in the keys directory's ``authorized/``. A peer without keys, with a key
-  not listed, or expecting another server key is refused at the handshake; the hub logs each
-  refusal (``auth_refused``, with the reason) and counts it.
+  not listed, or expecting another server key is refused at the handshake. The hub logs each
+  refusal (``auth_refused``, with the reason) and counts it; so does the refused peer, once per
+  streak of refusals (``REFUSED_BY_HUB`` says why, as the peer sees it).
 - Without keys sockets are open, and a hub refuses to bind anything but a loopback address
   (``127.0.0.0/8``, ``localhost``, ``[::1]``, ``ipc://``, ``inproc://``) unless
   ``link.allow_open`` says the network is trusted. Loopback runs (``april up`` on one machine,
   the tests) stay open by default: there the operating system's users are the boundary.
 
-``april keys DIR`` makes a keys directory::
+Two layouts. ``april keys DIR`` makes one directory for a run whose hosts all trust each other
+(or one machine)::
 
     DIR/server.key, DIR/server.key_secret     the hubs' key pair
-    DIR/client.key, DIR/client.key_secret     the actors' key pair
+    DIR/client.key, DIR/client.key_secret     the actors' key pair (shared by every host)
     DIR/authorized/client.key                 public keys the hubs admit (add others' here)
 
-Copy it to every host of a run and point ``APRIL_KEYS`` (or ``[run] keys``) at it. The secret
-files are written mode 0600. torch.distributed's TCPStore and gloo/NCCL traffic between the
-broadcaster and the generators are not covered by CurveZMQ.
+Copy it to every host and point ``APRIL_KEYS`` at it. Every host then holds the hubs' secret
+(any host could pose as the hub) and the one client key (no host can be locked out alone).
+
+``april keys DIR --hosts HEAD,NAME,...`` makes one directory per host instead; the first name
+is the head, the host that runs the hubs (the broker and the broadcaster)::
+
+    DIR/HEAD/server.key, server.key_secret    the hubs' key pair: the secret is on the head only
+    DIR/HEAD/client.key, client.key_secret    the head's own actors' key pair
+    DIR/HEAD/authorized/NAME.key              every host's client public key, the head's included
+    DIR/NAME/server.key                       a member: the hubs' public key, to know the hub by
+    DIR/NAME/client.key, client.key_secret    the member's own key pair
+
+Copy ``DIR/NAME/`` to host NAME only and point its ``APRIL_KEYS`` there (``launch/cluster.sh``
+with ``APRIL_KEYS=DIR`` gives each host ``DIR/NAME``: keep that path). A member's directory
+cannot serve a hub (``KeysError``): the hub's secret stays on the head. To lock one host out,
+delete ``authorized/NAME.key`` from the head's directory and restart the hubs: pyzmq's
+``ThreadAuthenticator`` reads ``authorized/`` when a hub is set up (``configure_curve``) and
+never again, and a connection already made is not checked again either.
+
+Secret files are written mode 0600 (host directories 0700). torch.distributed's TCPStore and
+gloo/NCCL traffic between the broadcaster and the generators are not covered by CurveZMQ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import shutil
@@ -58,19 +79,82 @@ def is_loopback(endpoint: str) -> bool:
 
 
 def make_keys(directory: Path) -> list[Path]:
-    """Write a new keys directory (refusing to overwrite one); returns the files written."""
+    """Write a new one-directory keys layout (refusing to overwrite one); returns the files written."""
     directory = Path(directory)
     if (directory / f"{SERVER}.key").exists() or (directory / f"{CLIENT}.key").exists():
         raise KeysError(f"{directory} already holds keys: remove them first, or use another directory")
     directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in (SERVER, CLIENT):
-        public, secret = zmq.auth.create_certificates(str(directory), name)
-        os.chmod(secret, 0o600)
-        written += [Path(public), Path(secret)]
+    written = _pair(directory, SERVER) + _pair(directory, CLIENT)
     (directory / AUTHORIZED).mkdir(exist_ok=True)
-    written.append(Path(shutil.copy(directory / f"{CLIENT}.key", directory / AUTHORIZED / f"{CLIENT}.key")))
+    written.append(_copy(directory / f"{CLIENT}.key", directory / AUTHORIZED / f"{CLIENT}.key"))
     return written
+
+
+def check_hosts(names: list[str]) -> list[str]:
+    """The names of ``--hosts``, each of which becomes a directory and a file ``authorized/NAME.key``:
+    a name that is empty, hidden, holds a path separator, a space or a control character, or that
+    repeats another (ignoring case, as a case-insensitive filesystem would) is refused."""
+    if not names:
+        raise KeysError("--hosts names no host: give the head first, e.g. --hosts node1,node2")
+    seen: dict[str, str] = {}
+    for name in names:
+        if (not name or name.startswith(".") or any(c in name for c in "/\\")
+                or any(c.isspace() or not c.isprintable() for c in name)):
+            raise KeysError(f"host name {name!r} cannot name a keys directory: it must be non-empty, must not "
+                            f"start with '.', and must hold no path separator, space or control character")
+        if name.casefold() in seen:
+            raise KeysError(f"host name {name!r} is given twice (as {seen[name.casefold()]!r}): one name per host")
+        seen[name.casefold()] = name
+    return list(names)
+
+
+def make_host_keys(directory: Path, hosts: list[str]) -> dict[str, list[Path]]:
+    """Write one keys directory per host, ``DIR/NAME/``, the first host being the head; returns the
+    files written for each host. Each host gets a client key of its own, so that one can be locked
+    out alone, and only the head gets the hubs' secret, so that no other host can pose as the hub."""
+    hosts, directory = check_hosts(list(hosts)), Path(directory)
+    _refuse_existing(directory, hosts)
+    head = hosts[0]
+    head_dir = _private_dir(directory / head)
+    written = {name: [] for name in hosts}
+    written[head] += _pair(head_dir, SERVER)
+    authorized = head_dir / AUTHORIZED
+    authorized.mkdir()
+    for name in hosts:
+        own = _private_dir(directory / name)
+        if name != head:
+            written[name].append(_copy(head_dir / f"{SERVER}.key", own / f"{SERVER}.key"))
+        public, secret = _pair(own, CLIENT)
+        written[name] += [public, secret]
+        written[head].append(_copy(public, authorized / f"{name}.key"))
+    return written
+
+
+def _refuse_existing(directory: Path, hosts: list[str]) -> None:
+    """Keys are never overwritten (a host would silently lose the key its hub admits), nor mixed
+    with another layout or run in one directory (which head's ``authorized/`` would count?)."""
+    if directory.exists() and any(directory.iterdir()):
+        raise KeysError(f"{directory} is not empty: 'april keys DIR --hosts' writes a new directory, DIR/NAME/ per "
+                        f"host; use another directory")
+
+
+def _private_dir(path: Path) -> Path:
+    """A directory only its owner can read: the secret files written into it are never exposed,
+    not even between their creation and their chmod."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _pair(directory: Path, name: str) -> list[Path]:
+    """Write ``name.key`` and ``name.key_secret`` (mode 0600) in ``directory``."""
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return [Path(public), Path(secret)]
+
+
+def _copy(source: Path, target: Path) -> Path:
+    return Path(shutil.copy(source, target))
 
 
 def _load(directory: Path, name: str, *, secret: bool) -> tuple[bytes, bytes | None]:
@@ -91,32 +175,49 @@ def _authorized(directory: Path) -> Path:
     return path
 
 
-_authenticators: dict[int, tuple[ThreadAuthenticator, str]] = {}  # one ZAP handler per context
+_authenticators: dict[int, ThreadAuthenticator] = {}  # one ZAP handler per context
+
+
+def _zap_domain(allowed: str) -> str:
+    """One ZAP domain per ``authorized/`` directory, so that hubs of one process (the tests, a
+    process that serves two runs) may each admit their own list; hashed because libzmq caps a
+    domain's length."""
+    return f"{ZAP_DOMAIN}-{hashlib.sha256(allowed.encode()).hexdigest()[:16]}"
 
 
 def serve(sock: zmq.Socket, ctx: zmq.Context, keys: Path | None, bind: str, *, allow_open: bool) -> bool:
     """Make ``sock`` (before it binds ``bind``) a CURVE server when there are keys; refuse an open
-    non-loopback bind. True when the socket is secured."""
+    non-loopback bind. True when the socket is secured. Every call reads ``authorized/`` afresh,
+    so that a hub set up again (a restart) admits exactly the keys listed then."""
     if keys is None:
         if not is_loopback(bind) and not allow_open:
             raise KeysError(f"{bind} is reachable from other hosts and no keys are set: make them with "
                             f"'april keys DIR' and set APRIL_KEYS=DIR (or link.keys), or set link.allow_open "
                             f"on a trusted network")
         return False
+    _refuse_member(keys)
     public, secret = _load(keys, SERVER, secret=True)
     allowed = str(_authorized(keys).resolve())
-    auth, location = _authenticators.get(id(ctx), (None, None))
+    auth = _authenticators.get(id(ctx))
     if auth is None:
-        auth = ThreadAuthenticator(ctx)
+        auth = _authenticators[id(ctx)] = ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_curve(domain=ZAP_DOMAIN, location=allowed)
-        _authenticators[id(ctx)] = (auth, allowed)
-    elif location != allowed:
-        raise KeysError(f"this process already serves keys from {location}; one keys directory per process")
+    domain = _zap_domain(allowed)
+    auth.configure_curve(domain=domain, location=allowed)  # reads the directory now, and only now
     sock.curve_secretkey, sock.curve_publickey = secret, public
-    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.zap_domain = domain.encode()
     sock.curve_server = True
     return True
+
+
+def _refuse_member(keys: Path) -> None:
+    """A member's directory (``april keys --hosts``) has the hubs' public key but not their secret,
+    by design: say that, rather than that a file is missing, so that nobody copies the secret over."""
+    keys = Path(keys)
+    if (keys / f"{SERVER}.key").is_file() and not (keys / f"{SERVER}.key_secret").exists():
+        raise KeysError(f"keys directory {str(keys)!r} is a member's, not the head's: it has server.key but not "
+                        f"server.key_secret, which stays on the head. Serve the hubs (broker, broadcaster) on the "
+                        f"head, with APRIL_KEYS at the head's directory (the first of 'april keys DIR --hosts')")
 
 
 def connect(sock: zmq.Socket, keys: Path | None) -> bool:
@@ -134,3 +235,25 @@ REFUSALS = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (no CURVE, or another server key)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
 }
+"""Why the hub refused a handshake, by monitor event, as the hub sees it."""
+
+REFUSED_BY_HUB = {
+    # libzmq >= 4.3: the hub's ZAP handler said no and the hub sent an ERROR command.
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the hub refused this peer's key (it is not in the hub's authorized/)",
+    # The hub dropped the connection mid-handshake: it could not read our HELLO, which was
+    # encrypted for another server key.
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed: the hub hung up (is its server key another one?)",
+}
+"""Why a hub refused this peer, by monitor event, as the peer sees it (see ``refused_by_hub``)."""
+
+
+def refused_by_hub(event: int, value: int, *, secure: bool) -> str:
+    """The reason a peer gives for a handshake its hub refused: a mechanism mismatch means that
+    one side has keys and the other none, and the peer knows which side it is."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return f"handshake failed (protocol error {value:#x})"
+        if secure:
+            return "handshake failed (no CURVE: the hub has no keys)"
+        return "handshake failed (no CURVE: the hub has keys and this peer has none; set APRIL_KEYS)"
+    return REFUSED_BY_HUB.get(event, "handshake failed")

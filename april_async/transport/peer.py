@@ -14,6 +14,11 @@
   then (no connection was ever made — a refused CurveZMQ handshake leaves none — or the queue is
   full) is dropped and logged (``send_dropped``). What matters is sent again after the reconnect
   that follows, as after any lost connection.
+- A handshake the hub refuses (``transport/curve.py``: a key it does not admit, keys on one side
+  only, another server key) is logged as ``auth_refused`` with the reason, once per streak of
+  refusals (ZeroMQ and the reconnects retry without end), and counted (``auth_refusals``); a
+  handshake that succeeds ends the streak. The peer learns it from its socket's monitor, which
+  ``poll`` reads without waiting.
 - ``send(..., track=True)`` keeps the message's ``zmq.MessageTracker`` in ``last_tracker`` (None
   when the message was dropped): done once ZeroMQ no longer references the bytes of the
   message's last frame, so that their owner may change them.
@@ -21,6 +26,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -36,6 +42,9 @@ from april_async.wire.errors import WireError
 
 RECONNECT_BACKOFF_START_S = 0.1
 RECONNECT_BACKOFF_MAX_S = 5.0
+HANDSHAKE_EVENTS = sum(curve.REFUSALS) | zmq.EVENT_HANDSHAKE_SUCCEEDED
+"""What the peer's socket monitor reports: refused handshakes, and the successes that end a streak."""
+_monitor_ids = itertools.count()  # a fresh inproc address per monitor: pyzmq's default reuses the socket's fd
 
 
 class Peer:
@@ -46,6 +55,10 @@ class Peer:
         self.ctx = ctx or zmq.Context.instance()
         self.log = get_logger(actor=sender, component="peer")
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.secure = False  # whether the socket is a CURVE client
+        self.auth_refusals = 0  # handshakes the hub refused, all told
+        self._refused_reason: str | None = None  # the reason logged for the current streak, if any
         self.backoff_s = RECONNECT_BACKOFF_START_S
         self.reconnects = 0
         self.seq = 0  # never reset: see the module docstring
@@ -58,7 +71,9 @@ class Peer:
         self.sock.setsockopt(zmq.IDENTITY, self.sender.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.link.peer_timeout_s * 1000))
-        curve.connect(self.sock, self.link.keys)
+        self.secure = curve.connect(self.sock, self.link.keys)
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS,
+                                                    addr=f"inproc://april-peer-monitor-{next(_monitor_ids)}")
         self.sock.connect(self.endpoint)
         self._open_session()
 
@@ -89,6 +104,7 @@ class Peer:
             self._reconnect()
         elif now - self.last_send >= self.link.heartbeat_interval_s:
             self.send(m.Heartbeat())
+        self._handshakes()
         if not self.sock.poll(max(0, int(timeout_s * 1000))):
             return None
         frames = self.sock.recv_multipart(copy=False)
@@ -106,10 +122,37 @@ class Peer:
             return None
         return msg
 
+    def _handshakes(self) -> None:
+        """Read the socket monitor: log the first refusal of a streak, count every one. Without
+        this a refused peer only says ``hub_silent``, and nobody learns that its key is the cause."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._refused_reason is not None:
+                    self.log.info("auth_accepted", endpoint=self.endpoint, refusals=self.auth_refusals)
+                self._refused_reason = None
+                continue
+            self.auth_refusals += 1
+            reason = curve.refused_by_hub(event["event"], int(event["value"]), secure=self.secure)
+            if reason != self._refused_reason:  # a new streak, or a new cause within one
+                self._refused_reason = reason
+                self.log.warning("auth_refused", reason=reason, endpoint=self.endpoint, detail=int(event["value"]),
+                                 refusals=self.auth_refusals)
+
+    def _close_socket(self) -> None:
+        """Close the socket and its monitor, reading the monitor's last events first."""
+        self._handshakes()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.monitor = self.sock = None
+
     def _reconnect(self) -> None:
         wait = min(self.backoff_s, RECONNECT_BACKOFF_MAX_S) * random.uniform(0.8, 1.2)
         self.log.warning("hub_silent", endpoint=self.endpoint, reconnect_in_s=round(wait, 3))
-        self.sock.close(linger=0)
+        self._close_socket()
         time.sleep(wait)
         self.backoff_s = min(self.backoff_s * 2, RECONNECT_BACKOFF_MAX_S)
         self.reconnects += 1
@@ -117,5 +160,4 @@ class Peer:
 
     def close(self) -> None:
         if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+            self._close_socket()

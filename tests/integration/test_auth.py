@@ -3,12 +3,15 @@
 Real ZeroMQ sockets on loopback, in this process for the mechanics and as real actor processes
 for the broker: a peer with the run's keys gets its session; one without keys, with a client key
 the hub does not list, or expecting another server key gets nothing, and the hub logs the
-refusal.
+refusal. With ``april keys DIR --hosts`` each host has a key of its own: a member's directory
+cannot serve a hub, and one host is locked out by deleting its key from the head's ``authorized/``
+and restarting the hub; the refused peer then says so itself (``auth_refused``), once per streak.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from april_async.config import LinkConfig
-from april_async.transport.curve import KeysError, is_loopback, make_keys
+from april_async.transport.curve import KeysError, is_loopback, make_host_keys, make_keys
 from april_async.transport.hub import Hub
 from april_async.transport.peer import Peer
 from april_async.wire import messages as m
@@ -74,19 +77,50 @@ def test_bad_keys_directories_are_one_line_errors(tmp_path):
 
 
 def session(endpoint: str, name: str, link: LinkConfig, hub: Hub, seconds: float = 1.5) -> list[str]:
-    """What the hub hears from a peer named ``name`` within ``seconds``."""
-    peer = Peer(endpoint, name, link=link, on_connect=lambda p: p.send(m.Hello(role="scorer", instance=name)))
-    heard = []
+    """What the hub hears from a peer named ``name`` within ``seconds`` (up to its ``hello``)."""
+    peer = hello_peer(endpoint, name, link)
     try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for _, msg in hub.poll(0.05):
-                if msg.sender == name:  # not a late heartbeat of an earlier peer
-                    heard.append(msg.msg_type)
-            peer.poll(0.0)
+        return hear(peer, hub, seconds)
     finally:
         peer.close()
+
+
+def hello_peer(endpoint: str, name: str, link: LinkConfig) -> Peer:
+    return Peer(endpoint, name, link=link, on_connect=lambda p: p.send(m.Hello(role="scorer", instance=name)))
+
+
+def hear(peer: Peer, hub: Hub | None, seconds: float) -> list[str]:
+    """What ``hub`` hears from ``peer`` within ``seconds``, both polled in turn; stops at a ``hello``."""
+    heard = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and "hello" not in heard:
+        for _, msg in hub.poll(0.05) if hub is not None else []:
+            if msg.sender == peer.sender:  # not a late heartbeat of an earlier peer
+                heard.append(msg.msg_type)
+        peer.poll(0.0 if hub is not None else 0.05)
     return heard
+
+
+def restart(hub: Hub) -> Hub:
+    """The hub closed and bound again on its port, which libzmq frees a moment after the close."""
+    hub.close()
+    host, port = hub.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    deadline = time.monotonic() + 5
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
+            try:
+                probe.bind((host, int(port)))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{hub.endpoint} still taken 5 s after the close"
+                time.sleep(0.05)
+    return Hub(hub.endpoint, link=hub.link, name=hub.name)
+
+
+def peer_lines(out: str, name: str, event: str = "auth_refused") -> list[str]:
+    """The lines that peer ``name`` logged as ``event`` (the hub logs its own ``auth_refused``)."""
+    return [ln for ln in out.splitlines() if event in ln and "component=peer" in ln and f"actor={name}" in ln]
 
 
 def test_the_hub_admits_its_clients_and_refuses_and_logs_the_rest(keys, tmp_path, capsys):
@@ -176,3 +210,99 @@ def test_april_up_gives_every_actor_the_runs_keys(keys):
 
     _, children, configs = plan(load_document(None, [f"run.keys='{keys}'"]), None)
     assert len(children) == 6 and all(configs[c.name]["link"]["keys"] == str(keys) for c in children)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("hosts") / "keys"
+    done = april("keys", str(out), "--hosts", "a,b,c")
+    assert done.returncode == 0, done.stderr
+    return out, done
+
+
+def test_april_keys_hosts_writes_a_directory_per_host_and_says_where_it_goes(hosts):
+    keys, done = hosts
+    files = {d.name: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()) for d in keys.iterdir()}
+    assert files == {"a": ["authorized/a.key", "authorized/b.key", "authorized/c.key", "client.key",
+                           "client.key_secret", "server.key", "server.key_secret"],
+                     "b": ["client.key", "client.key_secret", "server.key"],
+                     "c": ["client.key", "client.key_secret", "server.key"]}
+    for secret in keys.rglob("*.key_secret"):
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
+    plan = done.stdout.splitlines()
+    assert len(plan) == 3
+    assert plan[0].startswith(f"host a (the head") and f"copy {keys / 'a'}/ to host a" in plan[0]
+    assert "server.key_secret" in plan[0] and "authorized/c.key" in plan[0]
+    for line, name in zip(plan[1:], "bc"):
+        assert f"host {name} (a member): copy {keys / name}/ to host {name}" in line and "server.key_secret" not in line
+    assert "delete authorized/NAME.key in the head's directory and restart" in done.stderr
+    bad = april("keys", str(keys.parent / "other"), "--hosts", "a,../b")
+    assert bad.returncode == 2 and "'../b'" in bad.stderr and not (keys.parent / "other").exists()
+
+
+def test_a_hub_served_from_a_members_directory_is_refused(hosts):
+    keys, _ = hosts
+    with pytest.raises(KeysError, match="is a member's, not the head's"):
+        Hub(f"tcp://0.0.0.0:{free_port()}", link=LinkConfig(keys=keys / "b"))
+
+
+def test_one_host_locked_out_at_the_hubs_restart_and_let_back_in(tmp_path, capsys):
+    """b and c connect to the head's hub; b's key deleted from the head's authorized/ counts only
+    once the hub restarts (pyzmq reads the directory when the hub is set up); then b is refused,
+    says so once per streak however often it retries, and c still connects; with the key back and
+    the hub restarted again, the same b peer gets in by itself."""
+    keys = tmp_path / "keys"
+    make_host_keys(keys, ["a", "b", "c"])
+    head, endpoint = LinkConfig(keys=keys / "a", **FAST), f"tcp://127.0.0.1:{free_port()}"
+    member = {name: LinkConfig(keys=keys / name, **FAST) for name in "bc"}
+    hub = Hub(endpoint, link=head)
+    try:
+        assert session(endpoint, "b", member["b"], hub) == ["hello"]
+        assert session(endpoint, "c", member["c"], hub) == ["hello"]
+        b_key = (keys / "a" / "authorized" / "b.key").read_bytes()
+        (keys / "a" / "authorized" / "b.key").unlink()
+        assert session(endpoint, "b", member["b"], hub) == ["hello"]  # the running hub still admits b
+        hub = restart(hub)
+        capsys.readouterr()
+        b = hello_peer(endpoint, "b", member["b"])
+        try:
+            assert hear(b, hub, 2.5) == []
+            assert b.auth_refusals >= 2, "b never retried: the once-per-streak check would be empty"
+            out = capsys.readouterr().out
+            lines = peer_lines(out, "b")
+            assert len(lines) == 1 and "the hub refused this peer's key" in lines[0], out
+            assert hub.counters["auth_refused"] >= 1
+            assert session(endpoint, "c", member["c"], hub) == ["hello"]
+            (keys / "a" / "authorized" / "b.key").write_bytes(b_key)
+            hub = restart(hub)
+            assert hear(b, hub, 8.0) == ["hello"]
+            out = capsys.readouterr().out
+            assert len(peer_lines(out, "b", "auth_accepted")) == 1 and not peer_lines(out, "b"), out
+        finally:
+            b.close()
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("another run's keys", "the hub hung up"),
+    ("no keys on the peer", "the hub has keys and this peer has none"),
+    ("no keys on the hub", "the hub has no keys"),
+])
+def test_a_refused_peer_says_why_once_per_streak(case, reason, tmp_path, capsys):
+    make_host_keys(tmp_path / "run", ["a", "b"])
+    make_host_keys(tmp_path / "other", ["x", "y"])
+    hub_keys, peer_keys = {"another run's keys": (tmp_path / "run" / "a", tmp_path / "other" / "y"),
+                           "no keys on the peer": (tmp_path / "run" / "a", None),
+                           "no keys on the hub": (None, tmp_path / "run" / "b")}[case]
+    hub = Hub(f"tcp://127.0.0.1:{free_port()}", link=LinkConfig(keys=hub_keys, **FAST))
+    peer = hello_peer(hub.endpoint, "b", LinkConfig(keys=peer_keys, **FAST))
+    try:
+        assert hear(peer, hub, 2.0) == []
+    finally:
+        peer.close()
+        hub.close()
+    out = capsys.readouterr().out
+    lines = peer_lines(out, "b")
+    assert len(lines) == 1 and reason in lines[0], out
+    assert peer.auth_refusals >= 2, f"{case}: one refusal only, the streak was not tested"
