@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import sys
 from collections.abc import Callable
@@ -85,6 +86,7 @@ FIELD_CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("WeightsUpdate", "parts"): {"minimum": 1},
     ("WeightsUpdate", "offset"): {"minimum": 0},
     ("WeightsUpdate", "total_bytes"): {"minimum": 0},
+    ("WeightsAnnounce", "digests"): {"items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
 }
 
 CROSS_FIELD_RULES: dict[str, str] = {
@@ -96,6 +98,7 @@ CROSS_FIELD_RULES: dict[str, str] = {
         "response_len"
     ),
     "WeightsUpdate": "part < parts",
+    "WeightsAnnounce": "digests is empty or holds one digest per bucket, ceil(num_bytes / bucket_bytes)",
 }
 
 
@@ -193,6 +196,15 @@ def schemas() -> dict[str, dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------
 # Golden vectors
+
+_V5_BYTES = np.asarray([1.0, 1.0, 0.5, -0.5, 0.25, 2.0], dtype="<f4").tobytes()  # version 5 of the vectors
+
+
+def _bucket_digests(data: bytes, bucket_bytes: int) -> list[str]:
+    """``weights_announce.digests`` of ``data``, written out here (``weights.flat`` needs torch)."""
+    return [hashlib.blake2b(data[i : i + bucket_bytes], digest_size=m.DIGEST_BYTES).hexdigest()
+            for i in range(0, len(data), bucket_bytes)]
+
 
 SENT_AT = 1767225600.25  # 2026-01-01T00:00:00.25Z: exact in binary
 
@@ -353,7 +365,7 @@ VECTORS: list[Vector] = [
            "learner-0", 3, lambda: m.WeightsUpdate(
                version=5, tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0),
                                    m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
-               data=np.frombuffer(np.asarray([1.0, 1.0, 0.5, -0.5, 0.25, 2.0], dtype="<f4").tobytes(), dtype="|u1")),
+               data=np.frombuffer(_V5_BYTES, dtype="|u1")),
            msg_id="d000000000000003"),
     Vector("weights_update_part0", "since 1.4: version 6 in 2 parts; part 0 carries the layout, the size and "
            "bytes [0, 8)", "learner-0", 4, lambda: m.WeightsUpdate(
@@ -375,6 +387,17 @@ VECTORS: list[Vector] = [
                         m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
                num_bytes=24, bucket_bytes=16),
            msg_id="e000000000000002"),
+    Vector("weights_announce_verified", "since 1.6: the same announce with the run's store key prefix, the "
+           "endpoint of the broadcaster's rendezvous store, and the BLAKE2b-128 digest of each of the 2 buckets "
+           "of version 5's bytes (those of the weights_update vector)",
+           "broadcaster", 4, lambda: m.WeightsAnnounce(
+               version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo",
+                                            key_prefix="5f1c0a9e2b7d4c3e8a6f0b1d2c3e4f50",
+                                            rendezvous="tcp://127.0.0.1:29601"),
+               tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0),
+                        m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
+               num_bytes=24, bucket_bytes=16, digests=_bucket_digests(_V5_BYTES, 16)),
+           msg_id="e000000000000004"),
     Vector("weights_published", "the broadcaster has fanned out version 4", "broadcaster", 3,
            lambda: m.WeightsPublished(version=4, num_bytes=988_160_000, source="runs/demo/weights/v4"),
            msg_id="e000000000000003"),

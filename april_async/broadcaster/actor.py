@@ -45,6 +45,19 @@ forgotten, so its next message is refused and it must ``hello`` again) and left 
 for ``2 × timeout_s``; one that leaves (``bye``) or goes silent is forgotten. Either way the
 others still get the version: the next round re-forms without the lost member.
 
+Protocol 1.6. Every announce carries a digest of each bucket of the version
+(``flat.bucket_digests``), and members check the bytes they receive against them before loading:
+bytes from anyone but this process fail. The digests are computed once per version, on a thread
+of their own right after the version is kept (hashing a large version takes seconds, which the
+hub must not stall for); a round of that version starts once they are known. The group's store
+keys live under a secret drawn once per process (``secrets.token_hex(16)``) and sent only inside
+announces: nobody guesses them or meets them by accident. They do not live in the TCPStore,
+which lists its keys to anyone who reaches its port (``list_keys``): the group meets on the
+rendezvous store this process hosts on ``store_host:rendezvous_port`` (``weights.zstore``), a
+ZeroMQ service secured like the hub, that lists nothing, and whose endpoint every ``GroupSpec``
+names (``rendezvous``). The TCPStore stays up for SGLang's weight-update group only, whose
+servers cannot speak ZeroMQ (SPEC, known weaknesses 1).
+
 The round logic (sessions, epochs, acks, benching, publishing) is ``rounds.RoundPlanner``, pure
 and tested on its own; this module carries out what it decides. The broker link runs on its own
 thread (a ``Peer`` waits while it reconnects, and the hub must not). The group's collectives run
@@ -56,6 +69,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import threading
 import time
 import warnings
@@ -82,7 +96,7 @@ from april_async.broadcaster.rounds import (
 )
 from april_async.broadcaster.sglang import SGLangFanout
 from april_async.logs import get_logger
-from april_async.weights.flat import check_layout
+from april_async.weights.flat import bucket_digests, check_layout
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
 
@@ -92,6 +106,27 @@ def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
     if cfg.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return cfg.backend
+
+
+KEY_PREFIX_MINOR = 6  # protocol 1.6: the group's store keys live under ``GroupSpec.key_prefix``
+
+
+def _cannot_join(hello: m.Hello, msg) -> str | None:
+    """Why the generator saying ``hello`` (in the message ``msg``) cannot be a member of the
+    group for its protocol version, or None.
+
+    A generator older than 1.6 ignores ``key_prefix`` and would wait for its group under keys
+    that rank 0 never writes, timing out in every round; refusing its hello says so at once.
+    (Falling back to no prefix would hand the keys back to anyone on the store port.) One on
+    SGLang servers (``servers``) receives nothing over the group and is welcome."""
+    if hello.role != "generator" or hello.servers:
+        return None
+    proto_version = msg.proto_version
+    minor = proto_version.partition(".")[2]
+    if minor.isdigit() and int(minor) >= KEY_PREFIX_MINOR:
+        return None
+    return (f"a generator of protocol {proto_version} cannot join this broadcaster's weights group: since "
+            f"1.{KEY_PREFIX_MINOR} its store keys live under GroupSpec.key_prefix; upgrade the generator")
 
 
 @dataclass
@@ -137,11 +172,11 @@ class PartRefused(Exception):
 class _Job:
     """A blocking call on a daemon thread; the loop checks ``done`` and reads ``result``/``error``."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, name: str = "bcast-collective"):
         self.result = None
         self.error: BaseException | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True, name="bcast-collective")
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True, name=name)
         self._thread.start()
 
     def _run(self, fn, *args) -> None:
@@ -210,13 +245,17 @@ class BroadcasterActor:
         self.clock = clock
         self.backend = resolved_backend(cfg)
         self.log = get_logger(actor="broadcaster", instance=cfg.name)
-        self.group = WeightGroup.host(cfg.store_host, cfg.store_port, cfg.timeout_s)
+        self.group = WeightGroup.host(cfg.store_host, cfg.store_port, cfg.timeout_s,
+                                      rendezvous_port=cfg.rendezvous_port, keys=cfg.link.keys,
+                                      allow_open=cfg.link.allow_open)
         self.planner = RoundPlanner(cfg, backend=self.backend, store=self.group.store_address,
-                                    epoch_id=os.urandom(6).hex())
+                                    epoch_id=os.urandom(6).hex(), key_prefix=secrets.token_hex(16),
+                                    rendezvous=self.group.rendezvous or "")
         self.links: dict[str, Link] = {}
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
         self._job_buffer: Buffer | None = None  # what the job reads
+        self._digest_job: tuple[int, _Job] | None = None  # the held version's digests, being computed
         self._assembly: Assembly | None = None  # a version arriving in parts
         self._refused_parts: tuple[str, int] | None = None  # (sender, version) whose later parts are dropped
         self._spare: np.ndarray | None = None  # a receive buffer free for the next assembly
@@ -227,7 +266,8 @@ class BroadcasterActor:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
-        self.log.info("serving", bind=self.hub.endpoint, store=self.group.store_address, backend=self.backend,
+        self.log.info("serving", bind=self.hub.endpoint, store=self.group.store_address,
+                      rendezvous=self.group.rendezvous, backend=self.backend,
                       bucket_mb=self.cfg.bucket_mb)
         try:
             while not stop:
@@ -255,6 +295,10 @@ class BroadcasterActor:
 
     def handle(self, identity: bytes, msg, now: float) -> None:
         body, sender, p = msg.body, msg.sender, self.planner
+        if isinstance(body, m.Hello) and (why := _cannot_join(body, msg)) is not None:
+            self.log.warning("hello_refused", peer=sender, proto_version=msg.proto_version, error=why)
+            self.hub.send(identity, m.Error(code="refused", message=why), parent_id=msg.msg_id)
+            return
         if isinstance(body, m.Hello):
             effects = p.hello(sender, body.role, body.policy_version, body.servers, now)
             if body.servers and self.fanout is None and any(isinstance(e, Open) for e in effects):
@@ -370,7 +414,7 @@ class BroadcasterActor:
             layout_error = None
         except ValueError as e:
             layout_error = str(e)
-        effects = self.planner.update(sender, version, tensors, len(data), layout_error, now)
+        effects = self.planner.update(sender, version, tensors, len(data), layout_error, now, digests=None)
         self._apply(effects, identity, msg, update=(tensors, data, owned))
         if owned and not any(isinstance(e, Keep) for e in effects):
             self._spare = data  # ignored or refused: the buffer is free again
@@ -407,6 +451,8 @@ class BroadcasterActor:
         self.held = Buffer(version, list(tensors), held, data if owned else None)
         if replaced is not None and replaced.owned is not None:
             self._spare = replaced.owned  # reused once no collective reads it (``_buffer``)
+        # Once per version; a job still hashing a replaced version is left to end, its result unused.
+        self._digest_job = (version, _Job(bucket_digests, held, self.cfg.bucket_bytes, name="bcast-digests"))
 
     def _send(self, name: str, body: m.Body, parent_id: str | None = None) -> None:
         link = self.links.get(name)
@@ -483,9 +529,20 @@ class BroadcasterActor:
                 self._apply(p.collective_finished(now, error=f"{type(job.error).__name__}: {job.error}"))
             else:
                 self._apply(p.collective_finished(now, result=job.result))
+        self._take_digests(now)
         self._apply(p.tick(now))
         if self._status_dirty:
             self._write_status()
+
+    def _take_digests(self, now: float) -> None:
+        """Hand the held version's digests to the planner once they are computed. Hashing
+        failing is a bug, not a peer's fault: it propagates."""
+        if self._digest_job is None or not self._digest_job[1].done:
+            return
+        (version, job), self._digest_job = self._digest_job, None
+        if job.error is not None:
+            raise RuntimeError(f"hashing the buckets of version {version} failed") from job.error
+        self._apply(self.planner.digested(version, job.result, now))
 
     # ------------------------------------------------------------------ status
 

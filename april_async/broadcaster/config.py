@@ -61,7 +61,16 @@ class BroadcasterConfig(BaseModel):
     store listens on it alone (``0.0.0.0``: every interface), and the broadcaster's rank of the
     weights group advertises it. ``april up`` sets it to the head's address (``run.host``)."""
     store_port: int = Field(29600, ge=0, le=65535)
-    """The TCPStore's port (0: any free port)."""
+    """The TCPStore's port (0: any free port). Since protocol 1.6 only SGLang's weight-update group
+    meets there (SGLang servers cannot speak the ZeroMQ channel); the weights group of
+    ``torch``-engine generators meets on the rendezvous store (``rendezvous_port``)."""
+    rendezvous_port: int = Field(0, ge=0, le=65535)
+    """The port of the weights group's rendezvous store, bound on ``store_host`` (0: any free port;
+    the endpoint travels in every announce, so members need not know it; set one, e.g. 29601, where
+    a firewall must name it). A ZeroMQ service secured like the hubs (CurveZMQ with ``link.keys``;
+    without keys it binds a loopback ``store_host`` only, unless ``link.allow_open``) that lists no
+    keys to anyone (``weights.zstore``). The default is 0 so that broadcasters started side by side
+    (tests, several runs on one host) never race for one port."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """The group's backend; ``auto``: nccl where CUDA is present here, else gloo. Every generator
     must be able to use it: with nccl each rank needs a GPU of its own (not one shared with another

@@ -5,12 +5,16 @@ generator holds, the held version's layout, the round in progress) and decides w
 next. It does no I/O, starts no thread, imports no torch and reads no clock: every method takes
 ``now`` (seconds on the caller's clock) and returns a list of effects, small dataclasses that
 the actor carries out in order (send a message, start the collective, tell the broker, log).
-The weights' bytes stay with the actor; the planner knows only a version's size and layout.
+The weights' bytes stay with the actor; the planner knows only a version's size, layout and
+bucket digests (protocol 1.6), which the actor computes off its loop and hands over with
+``digested``: a round of a version starts only once its digests are known, so that every
+announce carries them.
 
 The inputs, one method each: ``hello``, ``touch`` (any message from a session), ``update`` (a
 learner's ``weights_update``), ``heartbeat`` (a generator's ack or nack, its ``policy_version``),
 ``bye``, ``expired`` (the hub heard nothing from a peer for ``peer_timeout_s``),
-``collective_finished`` (the worker thread's result or error) and ``tick``.
+``digested`` (the held version's bucket digests), ``collective_finished`` (the worker thread's
+result or error) and ``tick``.
 
 The rules, as the actor's docstring describes them: a round starts when some generator heard
 from in the last ``peer_timeout_s / 2`` holds an older version than the one held; it re-forms
@@ -24,7 +28,7 @@ holds, or, while the collective still runs, sent its announce again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from april_async.broadcaster.config import BroadcasterConfig
 from april_async.wire import messages as m
@@ -149,6 +153,7 @@ class HeldVersion:
     tensors: list[m.TensorSpec]
     num_bytes: int
     learner: str
+    digests: tuple[str, ...] | None = ()  # one per bucket, in order; None: being computed
 
 
 @dataclass
@@ -180,14 +185,20 @@ class Round:
 class RoundPlanner:
     """Sessions and rounds of one broadcaster process; see the module docstring.
 
-    ``backend`` is the group's resolved backend, ``store`` the TCPStore's ``host:port``, and
-    ``epoch_id`` this process's identity in every ``welcome`` (new at each start)."""
+    ``backend`` is the group's resolved backend, ``store`` the TCPStore's ``host:port``,
+    ``epoch_id`` this process's identity in every ``welcome`` (new at each start), and
+    ``key_prefix`` the secret every ``GroupSpec`` carries (protocol 1.6; the actor draws one per
+    process, and it reaches members only inside announces), ``rendezvous`` the endpoint of the
+    rendezvous store every ``GroupSpec`` names ("": members meet on the TCPStore)."""
 
-    def __init__(self, cfg: BroadcasterConfig, *, backend: str, store: str, epoch_id: str):
+    def __init__(self, cfg: BroadcasterConfig, *, backend: str, store: str, epoch_id: str,
+                 key_prefix: str = "", rendezvous: str = ""):
         self.cfg = cfg
         self.backend = backend
         self.store = store
         self.epoch_id = epoch_id
+        self.key_prefix = key_prefix
+        self.rendezvous = rendezvous
         self.timeout_s = cfg.timeout_s
         self.fresh_s = cfg.link.peer_timeout_s / 2  # a member must have spoken this recently
         self.sessions: dict[str, Session] = {}
@@ -253,9 +264,12 @@ class RoundPlanner:
         return True
 
     def update(self, name: str, version: int, tensors: list[m.TensorSpec], num_bytes: int,
-               layout_error: str | None, now: float) -> list[Effect]:
+               layout_error: str | None, now: float,
+               digests: list[str] | tuple[str, ...] | None = ()) -> list[Effect]:
         """A ``weights_update`` from the session ``name``: held when it comes from a learner, is
-        newer than the held version and its layout fits (``layout_error`` says why not)."""
+        newer than the held version and its layout fits (``layout_error`` says why not).
+        ``digests``: its bucket digests, or None when the actor computes them after ``Keep``
+        (then rounds of it wait for ``digested``)."""
         s = self.sessions.get(name)
         if s is None:
             return []
@@ -268,9 +282,24 @@ class RoundPlanner:
             why = f"weights_update {version}: {layout_error}"[:500]
             return [_log("warning", "update_refused", version=version, error=layout_error),
                     Send(name, m.Error(code="refused", message=why, field="tensors"), reply=True)]
-        self.held = HeldVersion(version, list(tensors), num_bytes, name)
+        self.held = HeldVersion(version, list(tensors), num_bytes, name,
+                                None if digests is None else tuple(digests))
         return [Keep(version), StatusChanged(),
                 _log("info", "update", version=version, tensors=len(tensors), bytes=num_bytes, learner=name)]
+
+    def digested(self, version: int, digests: list[str], now: float) -> list[Effect]:
+        """The bucket digests of ``version``, computed by the actor. Ignored unless ``version``
+        is still the one held (a newer one may have replaced it meanwhile); one per bucket of
+        the configured ``bucket_bytes``, else a ``ValueError`` naming both counts (a bug)."""
+        held = self.held
+        if held is None or held.version != version or held.digests is not None:
+            return []
+        count = -(-held.num_bytes // self.cfg.bucket_bytes)
+        if len(digests) != count:
+            raise ValueError(f"{len(digests)} digests for version {version}, which has {count} buckets of "
+                             f"{self.cfg.bucket_bytes} bytes")
+        self.held = replace(held, digests=tuple(digests))
+        return [_log("debug", "digested", version=version, buckets=count)]
 
     def heartbeat(self, name: str, policy_version: int | None, now: float) -> list[Effect]:
         """A heartbeat from a session; a generator's ``policy_version`` acks (or fails) a round."""
@@ -351,6 +380,8 @@ class RoundPlanner:
             return []  # those that need it are quiet: wait until they speak again or expire
         servers = {g: list(self.sessions[g].servers) for g in members if self.sessions[g].servers}
         receivers = tuple(g for g in members if g not in servers)  # members of the torch.distributed group
+        if receivers and held.digests is None:
+            return []  # the actor is still hashing it: every announce carries the digests
         rejoin = bool(receivers) and (receivers != self.group_members or not self.group_ok)
         if rejoin:
             self.epoch += 1
@@ -361,7 +392,7 @@ class RoundPlanner:
         for rank, name in enumerate(receivers, start=1):
             announces[name] = m.WeightsAnnounce(
                 version=held.version, tensors=held.tensors, num_bytes=held.num_bytes,
-                bucket_bytes=self.cfg.bucket_bytes, group=self._spec(rank, world))
+                bucket_bytes=self.cfg.bucket_bytes, group=self._spec(rank, world), digests=list(held.digests))
             out.append(Send(name, announces[name]))
         root = self._spec(0, world) if receivers else None
         out.append(StartCollective(held.version, root, rejoin, servers, self.cfg.bucket_bytes))
@@ -373,7 +404,8 @@ class RoundPlanner:
 
     def _spec(self, rank: int, world: int) -> m.GroupSpec:
         return m.GroupSpec(epoch=self.epoch, rank=rank, world_size=world, store=self.store,
-                           backend=self.backend, timeout_s=self.timeout_s)
+                           backend=self.backend, timeout_s=self.timeout_s, key_prefix=self.key_prefix,
+                           rendezvous=self.rendezvous)
 
     def _progress(self, r: Round, now: float) -> list[Effect]:
         if r.running:

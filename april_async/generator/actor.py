@@ -69,7 +69,7 @@ class GeneratorActor:
         elif cfg.broadcaster is not None:
             from april_async.weights.subscriber import WeightSubscriber
 
-            self.weights = WeightSubscriber(cfg.name, cfg.broadcaster, cfg.link, engine)
+            self.weights = WeightSubscriber(cfg.name, cfg.broadcaster, cfg.link, engine, address=cfg.weights_address)
         self.peer = peer_factory(self._on_connect)
 
     # ------------------------------------------------------------------ session

@@ -1,9 +1,10 @@
 """One process's place in the weights group: a ``torch.distributed`` group that a ``GroupSpec``
 describes, re-formed (a new ``epoch``) whenever the broadcaster's generators change.
 
-- Rank 0 is the broadcaster. It hosts one ``TCPStore`` (``is_master``) for the whole run; each
-  epoch's rendezvous keys live under ``PrefixStore(f"epoch-{epoch}", store)``, so the keys of an
-  abandoned epoch (a member that registered and died) never meet those of the next one.
+- Rank 0 is the broadcaster. It hosts one store for the whole run (the rendezvous store, see
+  below; else a ``TCPStore``, ``is_master``); each epoch's rendezvous keys live under
+  ``PrefixStore(f"{key_prefix}/epoch-{epoch}", store)``, so the keys of an abandoned epoch (a
+  member that registered and died) never meet those of the next one.
 - ``join(spec)`` leaves the current group first (if any), then builds the new one.
   ``broadcast(buffer, bucket_bytes, tag=...)`` sends the buffer from rank 0 as consecutive slices
   (``flat.buckets``), one collective each, after a 4-integer header ``[epoch, tag, num_bytes,
@@ -39,6 +40,17 @@ SIGKILLed mid-epoch, a member that never joins, a member that joins and never br
 Groups should be left (``close``) before the interpreter exits: one left to the interpreter's
 teardown after a failed collective sometimes ends the process with ``std::terminate``.
 
+The rendezvous (``weights.zstore``): a broadcaster hosted with a ``rendezvous_port`` also runs a
+``StoreService``, a ZeroMQ store secured like the hubs (CurveZMQ with the run's keys), and fills
+``GroupSpec.rendezvous`` with its endpoint; every rank of such a group, rank 0 included, meets the
+others through a ``ZmqStore`` client of it, never through the TCPStore. The keys of an epoch are
+deleted from it when rank 0 leaves that epoch (not when the group forms: a member may still be
+reading another member's address then, and NCCL exchanges its id at the first collective). A
+spec without ``rendezvous`` (a broadcaster hosted without one) uses the TCPStore as before. The
+TCPStore itself stays up for SGLang's weight-update group alone (``broadcaster.sglang``): SGLang
+servers cannot speak the ZeroMQ channel, so that group's rendezvous remains open to whoever
+reaches the store port (SPEC, known weaknesses 1).
+
 Across hosts (``weights.routes``): every rank advertises the address of its interface that routes
 to the store's host (rank 0: the address the store is bound to), not what the host name resolves
 to (often 127.0.0.1: the others would connect to themselves). The store listens on that one
@@ -57,16 +69,19 @@ import ipaddress
 import socket
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from april_async.weights.flat import buckets
+from april_async.weights.zstore import StoreService, ZmqStore
 from april_async.weights.routes import RouteError, check_local, gloo_device, route_address, set_nccl_interface
 from april_async.logs import get_logger
 from april_async.wire.messages import GroupSpec
 
 HEADER_LEN = 4  # [epoch, tag, num_bytes, bucket_bytes]
+RETIRED_CLIENTS = 4  # closed rendezvous clients kept alive for abandoned joins (see ``_drop_zstore``)
 JOIN_GRACE_S = 2.0
 """How long past ``timeout_s`` a join may take before it is abandoned: the store's and gloo's own
 waits end at ``timeout_s``, and a failure they raise then is the better message."""
@@ -88,10 +103,18 @@ class WeightGroup:
     """This process's membership of the weights group (at most one epoch at a time)."""
 
     def __init__(self, *, device: torch.device | str | None = None, store: dist.TCPStore | None = None,
-                 store_host: str | None = None, address: str | None = None):
+                 store_host: str | None = None, address: str | None = None, keys: Path | None = None,
+                 service: StoreService | None = None, rendezvous: str | None = None):
         """``address``: the address this rank advertises to the others (default: found, see
-        ``weights.routes``); it must be one of this host's."""
+        ``weights.routes``); it must be one of this host's. ``keys``: the keys directory of this
+        process's link, with which it reaches a rendezvous store (``weights.zstore``). ``service``
+        and ``rendezvous``: rank 0's own rendezvous store and the endpoint members reach it at."""
         self.device = torch.device(device) if device is not None else None
+        self.keys = Path(keys) if keys is not None else None
+        self._service = service
+        self._rendezvous = rendezvous
+        self._zstore: ZmqStore | None = None  # the client of the rendezvous store in use (ZeroMQ reconnects it)
+        self._retired: list[ZmqStore] = []  # closed clients an abandoned join may still call: kept alive
         self.spec: GroupSpec | None = None
         self._store = store  # rank 0: the master store of the run; members: a client, per address
         self._store_address = f"{store_host}:{store.port}" if store is not None else None
@@ -102,9 +125,24 @@ class WeightGroup:
         self.log = get_logger(component="weight_group")
 
     @classmethod
-    def host(cls, host: str, port: int, timeout_s: float, *, device=None, address: str | None = None) -> WeightGroup:
+    def host(cls, host: str, port: int, timeout_s: float, *, device=None, address: str | None = None,
+             rendezvous_port: int | None = None, keys: Path | None = None, allow_open: bool = False) -> WeightGroup:
         """Rank 0: start the run's TCPStore on ``host:port`` (0: any free port) and return its
-        group. The store listens on ``host`` alone (``0.0.0.0``/``::``: every interface)."""
+        group. The store listens on ``host`` alone (``0.0.0.0``/``::``: every interface). With
+        ``rendezvous_port`` (0: any free port) it also starts the rendezvous store on ``host``,
+        secured with ``keys`` like the hubs (without keys: loopback only, unless ``allow_open``)."""
+        store = cls._tcp_store(host, port, timeout_s)
+        if rendezvous_port is None:
+            return cls(device=device, store=store, store_host=host, address=address, keys=keys)
+        try:
+            service = StoreService(f"tcp://{_bind_host(host)}:{rendezvous_port}", keys=keys, allow_open=allow_open)
+        except Exception as e:  # KeysError (an open bind refused, bad keys), StoreError (the port is taken)
+            raise GroupError(f"cannot start the rendezvous store on {host}:{rendezvous_port}: {e}") from e
+        return cls(device=device, store=store, store_host=host, address=address, keys=keys, service=service,
+                   rendezvous=f"tcp://{_bracketed(host)}:{service.port}")
+
+    @staticmethod
+    def _tcp_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         try:
             listener = _listen(host, port)
         except OSError as e:
@@ -117,13 +155,19 @@ class WeightGroup:
             listener.close()
             raise GroupError(f"cannot start the TCPStore on {host}:{port}: {e}") from e
         listener.detach()  # the store owns the descriptor now
-        return cls(device=device, store=store, store_host=host, address=address)
+        return store
 
     @property
     def store(self) -> dist.TCPStore | None:
         """The TCPStore this process hosts (rank 0) or is connected to; other groups may share it
         under their own key prefix (``weights.custom_group``)."""
         return self._store
+
+    @property
+    def rendezvous(self) -> str | None:
+        """The endpoint of the rendezvous store this process hosts (rank 0 hosted with a
+        ``rendezvous_port``), for ``GroupSpec.rendezvous``; else None."""
+        return self._rendezvous
 
     @property
     def store_address(self) -> str | None:
@@ -142,11 +186,8 @@ class WeightGroup:
         t0 = time.monotonic()
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         try:
-            store = self._client_store(spec) if spec.rank else self._store
-            if store is None:
-                raise GroupError(f"rank 0 of epoch {spec.epoch} needs the store this process hosts")
-            prefix = f"{spec.key_prefix}/epoch-{spec.epoch}" if getattr(spec, "key_prefix", "") else f"epoch-{spec.epoch}"
-            prefixed = dist.PrefixStore(prefix, store)
+            store = self._store_for(spec)
+            prefixed = dist.PrefixStore(_prefix(spec), store)
             address = self.local_address(spec)
             if spec.backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
@@ -163,7 +204,7 @@ class WeightGroup:
                 pg = _bounded(lambda: self._nccl(prefixed, spec, timeout), spec.timeout_s + JOIN_GRACE_S,
                               f"forming epoch {spec.epoch}")
         except Exception as e:  # DistStoreError, gloo's RuntimeError: a member that did not come
-            if spec.rank:  # the store may be gone (a restarted broadcaster): reconnect next time
+            if spec.rank and not spec.rendezvous:  # the store may be gone (a restarted broadcaster): reconnect
                 self._store, self._store_address = None, None
             if isinstance(e, GroupError):
                 raise
@@ -187,6 +228,38 @@ class WeightGroup:
         except RouteError as e:
             raise GroupError(str(e)) from None
 
+    def _store_for(self, spec: GroupSpec) -> dist.Store:
+        """The store this rank meets the others through: the rendezvous store when the spec names
+        one (rank 0: as a client of its own service), else the TCPStore."""
+        if spec.rendezvous:
+            return self._rendezvous_store(spec)
+        if spec.rank:
+            return self._client_store(spec)
+        if self._store is None:
+            raise GroupError(f"rank 0 of epoch {spec.epoch} needs the store this process hosts")
+        return self._store
+
+    def _rendezvous_store(self, spec: GroupSpec) -> ZmqStore:
+        endpoint = spec.rendezvous
+        if spec.rank == 0:
+            if self._service is None:
+                raise GroupError(f"rank 0 of epoch {spec.epoch} names the rendezvous store {endpoint!r}, but this "
+                                 f"process hosts none (WeightGroup.host(..., rendezvous_port=...))")
+            endpoint = _dialable(self._service.endpoint)
+        if self._zstore is None or self._zstore.endpoint != endpoint:
+            self._drop_zstore()
+            self._zstore = ZmqStore(endpoint, keys=self.keys, timeout_s=spec.timeout_s)
+        self._zstore.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
+        return self._zstore
+
+    def _drop_zstore(self) -> None:
+        """Close the rendezvous client, but keep the object: a join abandoned by ``_bounded`` may
+        still call it from C++ (it then gets a ``StoreError``, not a freed Python object)."""
+        zstore, self._zstore = self._zstore, None
+        if zstore is not None:
+            zstore.close()
+            self._retired = [*self._retired[-(RETIRED_CLIENTS - 1):], zstore]
+
     def _client_store(self, spec: GroupSpec) -> dist.TCPStore:
         if self._store is None or self._store_address != spec.store:
             host, port = parse_store(spec.store)
@@ -208,16 +281,22 @@ class WeightGroup:
         """Leave the current group: drop this process's group object, whose destructor closes its
         connections, so that the other ranks' pending operations fail at once. (``abort()`` and
         ``shutdown()`` do not close them on torch 2.13: the others then wait for their timeout.)"""
-        pg, self._pg, self.spec = self._pg, None, None
+        pg, spec, self._pg, self.spec = self._pg, self.spec, None, None
         if pg is not None and self._nccl_group:
             pg.abort()  # NCCL: abort the communicator, whose plain destruction can wait on a dead peer
         self._nccl_group = False
+        if spec is not None and spec.rank == 0 and spec.rendezvous and self._service is not None:
+            self._service.forget(_prefix(spec) + "/")  # nobody meets under this epoch again
 
     def close(self) -> None:
-        """Leave, and stop the store (rank 0) or drop the connection to it (a member may join again
-        afterwards: its next ``join`` connects to the store afresh)."""
+        """Leave, and stop the stores (rank 0) or drop the connections to them (a member may join
+        again afterwards: its next ``join`` connects afresh)."""
         self.leave()
         self._store = None
+        self._drop_zstore()
+        service, self._service = self._service, None
+        if service is not None:
+            service.close()
 
     # ------------------------------------------------------------------ data
 
@@ -271,6 +350,36 @@ class WeightGroup:
             work.wait(timeout)  # NCCL: block this thread until done, or raise after the timeout
         else:
             work.wait()  # gloo: the operation's own timeout applies
+
+
+def _prefix(spec: GroupSpec) -> str:
+    """Where an epoch's keys live: under the run's secret when the spec carries one (1.6)."""
+    return f"{spec.key_prefix}/epoch-{spec.epoch}" if spec.key_prefix else f"epoch-{spec.epoch}"
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as it goes into a ``tcp://`` endpoint (an IPv6 address in brackets)."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
+
+
+def _bind_host(host: str) -> str:
+    """``host`` as ZeroMQ binds it: an address (ZeroMQ binds interfaces, not host names)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    return _bracketed(host)
+
+
+def _dialable(endpoint: str) -> str:
+    """Rank 0's own way to its service: a bind on every interface (``0.0.0.0``, ``::``) is dialled
+    on loopback, which it listens on too."""
+    head, _, port = endpoint.rpartition(":")
+    host = head.split("://", 1)[1]
+    if not _unspecified(host):
+        return endpoint
+    return f"tcp://{'[::1]' if ':' in host.strip('[]') else '127.0.0.1'}:{port}"
 
 
 def _unspecified(host: str) -> bool:

@@ -6,6 +6,10 @@ version the engine holds) and, for each ``weights_announce``:
     join      leave the current group and join the announced one when its epoch is new;
     receive   every bucket of the buffer, from rank 0 (a member that holds the version already
               receives too: a collective needs every rank);
+    verify    each bucket against the announce's ``digests`` (protocol 1.6): the group's bytes come
+              over gloo/NCCL, unauthenticated, while the announce came over the authenticated
+              ZeroMQ channel, so a buffer that does not match is refused (``weights_refused``) and
+              never loaded; an announce without digests (a 1.5 broadcaster) loads unverified;
     load      ``engine.load_weights(views into the buffer, version)`` when the version is newer;
     ack       ``heartbeat`` with the ``policy_version`` the engine now holds. After a failure, the
               same with the version it still holds: the broadcaster then re-forms the group.
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from april_async.weights.flat import unflatten
+from april_async.weights.flat import DigestMismatch, check_digests, unflatten
 from april_async.weights.group import WeightGroup
 from april_async.config import LinkConfig
 from april_async.logs import get_logger
@@ -64,12 +68,18 @@ class WeightSubscriber:
     """``engine`` has ``policy_version`` (int) and ``load_weights(state_dict, version)``."""
 
     def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *,
-                 device: torch.device | str | None = None, peer_factory=None):
+                 device: torch.device | str | None = None, peer_factory=None, address: str | None = None):
+        """``address``: the address this member advertises to the group (``weights_address`` of the
+        generator's config; default: found, ``weights.routes``). The group's rendezvous store is
+        reached with ``link.keys``, like the broadcaster's hub."""
         self.name, self.engine = name, engine
         self.log = get_logger(actor="generator", instance=name, component="weights")
-        self.group = WeightGroup(device=device if device is not None else getattr(engine, "device", None))
+        self.group = WeightGroup(device=device if device is not None else getattr(engine, "device", None),
+                                 keys=link.keys, address=address)
         self.loaded = 0  # versions loaded
-        self.failures = 0  # announces whose receive failed
+        self.failures = 0  # announces whose receive failed (refusals included)
+        self.refused = 0  # announces whose bytes did not match their digests
+        self._unverified: int | None = None  # the last version logged as loaded without digests
         self.session = 0  # +1 at every hello
         self._broadcaster_epoch: str | None = None  # from its welcome: changes when it restarts
         self._last_tried: tuple[int, int] | None = None  # (epoch, version) of the last announce acted on
@@ -109,8 +119,14 @@ class WeightSubscriber:
         if r.error is not None:
             self.failures += 1
             current = r.session == self.session
-            self.log.warning("weights_not_received", version=ann.version, epoch=ann.group.epoch, reported=current,
-                             error=str(r.error))
+            if isinstance(r.error, DigestMismatch):
+                self.refused += 1
+                e = r.error
+                self.log.warning("weights_refused", version=ann.version, epoch=ann.group.epoch, bucket=e.bucket,
+                                 expected=e.expected, got=e.got, reported=current, error=str(e))
+            else:
+                self.log.warning("weights_not_received", version=ann.version, epoch=ann.group.epoch,
+                                 reported=current, error=str(r.error))
             if current:  # the version it still holds, not the announced one: a failure
                 self.peer.send(m.Heartbeat(policy_version=self.engine.policy_version))
             return False
@@ -168,11 +184,25 @@ class WeightSubscriber:
                     self.group.join(ann.group)
                 buffer = torch.empty(ann.num_bytes, dtype=torch.uint8, device=self.group.buffer_device())
                 self.group.broadcast(buffer, ann.bucket_bytes, tag=ann.version)
+                self._verify(ann, buffer)
                 state = unflatten(ann.tensors, buffer)
-            except Exception as e:  # GroupError, a layout that does not fit: reported, never fatal
+            except Exception as e:  # GroupError, DigestMismatch, a layout that does not fit: reported
                 self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0))
             else:
                 self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0))
+
+    def _verify(self, ann: m.WeightsAnnounce, buffer: torch.Tensor) -> None:
+        """Raise ``DigestMismatch`` unless every received bucket has its announced digest.
+
+        Runs on this worker thread, so decoding goes on meanwhile; it hashes on the host (about
+        1.5 GB/s per core), and a buffer on the GPU (nccl) is first copied to the host one bucket
+        at a time. Without digests (a 1.5 broadcaster) nothing can be checked: said once per version."""
+        if ann.digests or not ann.num_bytes:
+            check_digests(buffer, ann.bucket_bytes, ann.digests)
+        elif self._unverified != ann.version:
+            self._unverified = ann.version
+            self.log.info("weights_unverified", version=ann.version, epoch=ann.group.epoch,
+                          why="the announce carries no digests (a broadcaster older than protocol 1.6)")
 
 
 class ServerWeightsLink:

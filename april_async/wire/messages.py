@@ -24,6 +24,9 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 BYTES_DTYPE = np.dtype("|u1")  # raw tensor bytes (weights), laid out by a list of ``TensorSpec``
 
+DIGEST_BYTES = 16  # a bucket's BLAKE2b digest (``weights_announce.digests``): 32 hex digits
+HEX_DIGITS = "0123456789abcdef"
+
 Role = Literal["broker", "generator", "scorer", "learner", "broadcaster"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -371,6 +374,13 @@ class GroupSpec(msgspec.Struct, kw_only=True, frozen=True):
     store: str  # ``host:port`` of the broadcaster's TCPStore
     backend: Literal["gloo", "nccl"]
     timeout_s: float = 60.0
+    # since 1.6: a per-run secret; every store key of the group lives under it; "" from a 1.5
+    # broadcaster (SPEC, known weaknesses 1: the store lists its keys to any client)
+    key_prefix: str = ""
+    # since 1.6: the ZeroMQ endpoint (``tcp://host:port``) of the broadcaster's rendezvous store,
+    # reached over the authenticated channel (SPEC, "The rendezvous store"); empty: the TCPStore
+    # at ``store``
+    rendezvous: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -390,10 +400,25 @@ class WeightsAnnounce(Body):
     tensors: list[TensorSpec]
     num_bytes: int
     bucket_bytes: int
+    # since 1.6: a digest of each bucket of the buffer, in order (``flat.buckets(num_bytes,
+    # bucket_bytes)``), hex BLAKE2b with a 16-byte digest; [] from a 1.5 broadcaster
+    digests: list[str] = []
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.digests:
+            self._check_digests()
+
+    def _check_digests(self) -> None:
+        """One well-formed digest per bucket: a list of another length cannot name the buckets."""
+        num_buckets = -(-self.num_bytes // self.bucket_bytes)
+        if len(self.digests) != num_buckets:
+            raise ValueError(f"{len(self.digests)} digests for {num_buckets} buckets of {self.bucket_bytes} bytes "
+                             f"in {self.num_bytes} bytes")
+        for i, d in enumerate(self.digests):
+            if len(d) != 2 * DIGEST_BYTES or d.strip(HEX_DIGITS):
+                raise ValueError(f"digests[{i}] = {d!r} is not {2 * DIGEST_BYTES} lowercase hex digits")
 
 
 class WeightsPublished(Body):

@@ -84,3 +84,86 @@ def test_a_join_whose_rank_0_never_comes_fails_within_its_timeout():
         member.join(spec)
     assert time.monotonic() - t0 < spec.timeout_s + 3.0
     assert member.spec is None
+
+
+def test_the_rendezvous_store_listens_on_the_store_host_alone_and_is_named_in_specs():
+    group = WeightGroup.host("127.0.0.2", 0, 5.0, rendezvous_port=0)
+    try:
+        assert group.rendezvous.startswith("tcp://127.0.0.2:")
+        port = int(group.rendezvous.rsplit(":", 1)[1])
+        with socket.socket() as s:  # another address of this host: nobody listens there
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        group.close()
+    assert WeightGroup.host("127.0.0.1", 0, 5.0).rendezvous is None, "no rendezvous_port: the TCPStore alone"
+
+
+def test_a_busy_rendezvous_port_is_a_group_error_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(GroupError, match=f"rendezvous store on 127.0.0.1:{port}"):
+            WeightGroup.host("127.0.0.1", 0, 5.0, rendezvous_port=port)
+
+
+def test_an_open_rendezvous_store_beyond_loopback_needs_keys_or_a_trusted_network():
+    with pytest.raises(GroupError, match="reachable from other hosts and no keys are set"):
+        WeightGroup.host("0.0.0.0", 0, 5.0, rendezvous_port=0)
+    group = WeightGroup.host("0.0.0.0", 0, 5.0, rendezvous_port=0, allow_open=True)
+    group.close()
+
+
+def test_a_join_over_the_rendezvous_store_whose_rank_0_never_comes_fails_within_its_timeout():
+    root = WeightGroup.host("127.0.0.1", 0, 5.0, rendezvous_port=0)
+    member = WeightGroup()
+    spec = GroupSpec(epoch=1, rank=1, world_size=2, store=root.store_address, backend="gloo", timeout_s=2.0,
+                     key_prefix="p" * 32, rendezvous=root.rendezvous)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(GroupError, match="joining epoch 1 as rank 1 of 2 failed"):
+            member.join(spec)
+        assert time.monotonic() - t0 < spec.timeout_s + 3.0
+        assert member.spec is None
+    finally:
+        member.close()
+        root.close()
+
+
+def test_rank_0_without_a_rendezvous_store_cannot_take_a_spec_that_names_one():
+    group = WeightGroup.host("127.0.0.1", 0, 5.0)
+    spec = GroupSpec(epoch=1, rank=0, world_size=1, store=group.store_address, backend="gloo",
+                     rendezvous="tcp://127.0.0.1:1")
+    try:
+        with pytest.raises(GroupError, match="hosts none"):
+            group.join(spec)
+    finally:
+        group.close()
+
+
+def test_a_subscriber_joins_with_its_links_keys_and_its_configured_address(tmp_path):
+    from april_async.config import LinkConfig
+    from april_async.weights.subscriber import WeightSubscriber
+
+    class Engine:
+        policy_version = 0
+
+        def load_weights(self, state, version):
+            pass
+
+    class Session:
+        def __init__(self, on_connect):
+            on_connect(self)
+
+        def send(self, body, parent_id=None):
+            pass
+
+        def close(self):
+            pass
+
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LinkConfig(keys=tmp_path), Engine(), peer_factory=Session,
+                           address="127.0.0.1")
+    try:
+        assert sub.group.keys == tmp_path and sub.group.address == "127.0.0.1"
+    finally:
+        sub.close()

@@ -1,0 +1,262 @@
+"""Protocol 1.6 end to end: a member refuses bytes that do not match the announced digests, and
+the broadcaster's announces carry the run's key prefix and one digest per bucket.
+
+The member's side runs a ``WeightSubscriber`` over a recording engine in this process, against a
+real gloo group whose rank 0 is a thread of this process (it can send whatever bytes a test
+wants). The broadcaster's side is a real ``april broadcaster`` process (the ``weights`` fixture),
+with the test playing the generator on raw sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import threading
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, policy
+from april_async.weights.flat import bucket_digests, buckets, check_digests, flatten
+from april_async.weights.group import WeightGroup
+from april_async.wire import messages as m
+
+BUCKET = 1 << 16
+
+
+class Inbox:
+    """The subscriber's broadcaster session: the test fills ``inbox`` and reads ``sent``."""
+
+    def __init__(self, on_connect):
+        self.inbox, self.sent = [], []
+        on_connect(self)
+
+    def send(self, body, parent_id=None):
+        self.sent.append(body)
+
+    def poll(self, timeout_s):
+        return SimpleNamespace(body=self.inbox.pop(0)) if self.inbox else None
+
+    def close(self):
+        pass
+
+
+def _loads(tmp_path) -> list[int]:
+    """The versions the recording engine loaded, in order."""
+    return [json.loads(line)["version"] for line in (tmp_path / "loads.jsonl").read_text().splitlines()]
+
+
+def test_a_member_refuses_bytes_that_do_not_match_their_digests_and_keeps_its_weights(tmp_path):
+    from april_async.weights.subscriber import WeightSubscriber
+
+    engine = RecordingEngine(tmp_path / "loads.jsonl")
+    root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S)
+    prefix = "0123456789abcdef" * 2
+
+    def spec(rank):
+        return m.GroupSpec(epoch=1, rank=rank, world_size=2, store=root.store_address, backend="gloo",
+                           timeout_s=TIMEOUT_S, key_prefix=prefix)
+
+    def serve(buf, version, join):
+        if join:
+            root.join(spec(0))
+        root.broadcast(buf, BUCKET, tag=version)
+
+    def round_(sub, version, sent, announced_digests, join=False):
+        """Announce ``version`` with ``announced_digests``, send ``sent``; wait for the answer."""
+        specs, _ = flatten(policy(version))
+        sub.peer.inbox.append(m.WeightsAnnounce(version=version, tensors=specs, num_bytes=sent.numel(),
+                                                bucket_bytes=BUCKET, group=spec(1), digests=announced_digests))
+        answered = len([b for b in sub.peer.sent if isinstance(b, m.Heartbeat)])
+        t = threading.Thread(target=serve, args=(sent, version, join))
+        t.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len([b for b in sub.peer.sent if isinstance(b, m.Heartbeat)]) == answered:
+            assert time.monotonic() < deadline, f"no answer to version {version} within {TIMEOUT_S} s"
+            sub.poll(0.02)
+        t.join()
+        return sub.peer.sent[-1]
+
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=Inbox)
+    try:
+        with capture_logs() as logs:  # the subscriber's logger resolves its processors at first use
+            _, v1 = flatten(policy(1))
+            assert round_(sub, 1, v1, bucket_digests(v1, BUCKET), join=True).policy_version == 1
+
+            # version 2 announced with its digests, but one byte of bucket 3 differs on the wire
+            _, v2 = flatten(policy(2))
+            digests = bucket_digests(v2, BUCKET)
+            assert len(digests) > 4
+            tampered = v2.clone()
+            tampered[3 * BUCKET + 17] ^= 0x40
+            ack = round_(sub, 2, tampered, digests)
+            assert ack.policy_version == 1, "a refused version must not be reported as held"
+            assert engine.policy_version == 1 and sub.refused == 1 and sub.failures == 1
+            assert _loads(tmp_path) == [1], "the engine must keep its old weights"
+            (refused,) = [e for e in logs if e["event"] == "weights_refused"]
+            assert refused["version"] == 2 and refused["bucket"] == 3
+            assert refused["expected"] == digests[3] and refused["got"] == bucket_digests(tampered, BUCKET)[3]
+
+            # the same group still works: version 3 with no digests (a 1.5 broadcaster) loads, unverified
+            _, v3 = flatten(policy(3))
+            assert round_(sub, 3, v3, []).policy_version == 3
+            assert [e["version"] for e in logs if e["event"] == "weights_unverified"] == [3]
+            assert _loads(tmp_path) == [1, 3] and sub.refused == 1
+    finally:
+        sub.close()
+        root.close()
+
+
+def test_the_broadcaster_announces_its_key_prefix_and_the_digest_of_every_bucket(weights):
+    """A real broadcaster: every announce carries the same 128-bit hex key prefix and one digest
+    per bucket, and the bytes received over the group match them."""
+    import zmq
+
+    from april_async.wire.codec import decode, encode
+
+    w = weights
+    w.start_broadcaster()
+    seq = 0
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"gen-0")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(w.endpoint)
+
+    def send(body):
+        nonlocal seq
+        seq += 1
+        sock.send_multipart(encode(body, sender="gen-0", seq=seq))
+
+    def announce(timeout_s: float = 15.0) -> m.WeightsAnnounce:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            send(m.Heartbeat())  # stay fresh: rounds take members heard from lately
+            w.broker.pump(0.02)
+            while sock.poll(0):
+                msg = decode(sock.recv_multipart())
+                if isinstance(msg.body, m.WeightsAnnounce):
+                    return msg.body
+            time.sleep(0.05)
+        raise AssertionError(f"no announce within {timeout_s} s\n{w.cluster.dump_logs()}")
+
+    group = WeightGroup()
+    try:
+        send(m.Hello(role="generator", instance="gen-0", policy_version=0))
+        w.connect_learner()
+        w.wait("gen-0's session", lambda: "gen-0" in w.status().get("members", {}))
+        prefixes = set()
+        for version in (1, 2):
+            w.send_version(version)
+            ann = announce()
+            _, expected = flatten(policy(version))
+            assert ann.version == version and ann.num_bytes == expected.numel()
+            assert re.fullmatch(r"[0-9a-f]{32}", ann.group.key_prefix), ann.group.key_prefix
+            assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", ann.group.rendezvous), ann.group.rendezvous
+            prefixes.add(ann.group.key_prefix)
+            assert len(ann.digests) == len(list(buckets(ann.num_bytes, ann.bucket_bytes))) > 1
+            assert ann.digests == bucket_digests(expected, ann.bucket_bytes)
+            if group.epoch != ann.group.epoch:
+                group.join(ann.group)
+            buf = torch.empty(ann.num_bytes, dtype=torch.uint8)
+            group.broadcast(buf, ann.bucket_bytes, tag=version)
+            check_digests(buf, ann.bucket_bytes, ann.digests)
+            send(m.Heartbeat(policy_version=version))
+            w.wait(f"published {version}", lambda v=version: v in w.broker.published)
+        assert len(prefixes) == 1, "one secret per broadcaster process"
+        prefix = prefixes.pop()
+        assert prefix not in w.cluster.logs["broadcaster"].read_text(), "the secret must not be logged"
+    finally:
+        group.close()
+        send(m.Bye(reason="done"))
+        sock.close()
+
+
+def test_the_broadcaster_refuses_a_generator_of_protocol_1_5(weights):
+    """A 1.5 generator would wait for its group under keys rank 0 never writes: refused at hello."""
+    import zmq
+
+    from april_async.wire.codec import decode, encode
+
+    w = weights
+    w.start_broadcaster()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"gen-old")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(w.endpoint)
+    try:
+        frames = encode(m.Hello(role="generator", instance="gen-old", policy_version=0), sender="gen-old", seq=1)
+        env = msgspec.msgpack.decode(frames[0])
+        env["proto_version"] = "1.5"
+        sock.send_multipart([msgspec.msgpack.encode(env), *frames[1:]])
+        assert sock.poll(10_000), f"no answer\n{w.cluster.dump_logs()}"
+        reply = decode(sock.recv_multipart()).body
+        assert isinstance(reply, m.Error) and reply.code == "refused"
+        assert "1.5" in reply.message and "key_prefix" in reply.message
+        time.sleep(0.3)
+        assert "gen-old" not in w.status().get("members", {})
+    finally:
+        sock.close()
+
+
+def test_a_stranger_on_the_store_port_cannot_learn_the_groups_keys(tmp_path):
+    """Issue 17: the group meets on the rendezvous store (reached over CurveZMQ with the run's keys,
+    listing nothing), so the TCPStore, which lists its keys to any client, holds none of the
+    group's; and a stranger without the run's keys is refused by the rendezvous store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from april_async.transport.curve import make_keys
+    from april_async.weights.zstore import StoreError, ZmqStore
+
+    keys = tmp_path / "keys"
+    make_keys(keys)
+    root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S, rendezvous_port=0, keys=keys)
+    member = WeightGroup(keys=keys)
+    prefix = secrets.token_hex(16)
+
+    def spec(rank):
+        return m.GroupSpec(epoch=1, rank=rank, world_size=2, store=root.store_address, backend="gloo",
+                           timeout_s=TIMEOUT_S, key_prefix=prefix, rendezvous=root.rendezvous)
+
+    t = threading.Thread(target=member.join, args=(spec(1),))
+    t.start()
+    try:
+        root.join(spec(0))
+        t.join()
+        assert member.epoch == 1, "the member did not join over the rendezvous store"
+        got = torch.empty(3, dtype=torch.uint8)
+        t = threading.Thread(target=member.broadcast, args=(got, 2), kwargs={"tag": 9})
+        t.start()
+        root.broadcast(torch.tensor([7, 8, 9], dtype=torch.uint8), 2, tag=9)
+        t.join()
+        assert got.tolist() == [7, 8, 9]
+
+        host, port = root.store_address.rsplit(":", 1)
+        stranger = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        listed = stranger.list_keys()
+        assert not any(prefix in k or "epoch-1" in k for k in listed), f"a stranger lists {listed}"
+
+        keyless = ZmqStore(root.rendezvous, timeout_s=TIMEOUT_S)
+        try:
+            with pytest.raises(StoreError, match="refused this process"):
+                keyless.check([f"{prefix}/epoch-1/0/0"])
+        finally:
+            keyless.close()
+        admitted = ZmqStore(root.rendezvous, keys=keys, timeout_s=TIMEOUT_S)
+        try:
+            assert admitted.num_keys() >= 2, "the group's keys are in the rendezvous store"
+            with pytest.raises(StoreError, match="lists no keys"):
+                admitted.list_keys()
+            root.leave()
+            assert admitted.num_keys() == 0, "rank 0 deletes an epoch's keys when it leaves it"
+        finally:
+            admitted.close()
+    finally:
+        member.close()
+        root.close()

@@ -1,0 +1,250 @@
+"""Bucket digests of a weights buffer (protocol 1.6): the hash, its bucket boundaries, the check a
+member makes before loading, the announce's own checks, and what the broadcaster's planner
+puts in every announce (the run's key prefix, one digest per bucket)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+
+from april_async.broadcaster.actor import _cannot_join
+from april_async.broadcaster.config import BroadcasterConfig
+from april_async.broadcaster.rounds import RoundPlanner, Send, StartCollective
+from april_async.weights.flat import DigestMismatch, bucket_digests, buckets, check_digests, digest, flatten
+from april_async.wire import messages as m
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _blake(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The digest and its buckets
+
+
+def test_digest_is_hex_blake2b_with_a_16_byte_digest():
+    assert digest(b"abc") == _blake(b"abc")
+    assert len(digest(b"")) == 32 and digest(b"") != digest(b"\0")
+
+
+@pytest.mark.parametrize("num_bytes,bucket", [(10, 4), (8, 4), (3, 4), (1, 1), (4097, 1024)])
+def test_one_digest_per_bucket_over_exactly_its_bytes(num_bytes, bucket):
+    buf = _bytes(num_bytes)
+    raw = buf.numpy().tobytes()
+    expected = [_blake(raw[a:b]) for a, b in buckets(num_bytes, bucket)]
+    assert bucket_digests(buf, bucket) == expected
+    assert len(expected) == -(-num_bytes // bucket)
+
+
+def test_an_empty_buffer_has_no_digests():
+    assert bucket_digests(torch.empty(0, dtype=torch.uint8), 16) == []
+    check_digests(torch.empty(0, dtype=torch.uint8), 16, [])
+
+
+def test_a_read_only_view_of_a_received_frame_is_hashed_in_place():
+    import numpy as np
+
+    frame = np.frombuffer(bytes(range(40)), dtype=np.uint8)  # read-only, as a decoded bulk frame
+    with pytest.warns(UserWarning):
+        buf = torch.from_numpy(frame)
+    assert bucket_digests(buf, 16) == [_blake(bytes(range(a, b))) for a, b in ((0, 16), (16, 32), (32, 40))]
+
+
+def test_digests_refuse_a_buffer_that_is_not_flat_bytes():
+    with pytest.raises(ValueError, match="1-D uint8"):
+        bucket_digests(torch.zeros(4, dtype=torch.float32), 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+
+
+@pytest.mark.parametrize("flip,bucket", [(0, 0), (15, 0), (16, 1), (31, 1), (32, 2), (39, 2)])
+def test_a_flipped_byte_is_caught_in_its_own_bucket(flip, bucket):
+    sent = _bytes(40)
+    digests = bucket_digests(sent, 16)
+    received = sent.clone()
+    received[flip] ^= 0x01
+    with pytest.raises(DigestMismatch) as info:
+        check_digests(received, 16, digests)
+    e = info.value
+    assert e.bucket == bucket and e.expected == digests[bucket]
+    assert e.got == _blake(received.numpy().tobytes()[16 * bucket : 16 * bucket + 16])
+    assert e.got != e.expected and f"bucket {bucket}" in str(e)
+
+
+def test_matching_bytes_pass_the_check():
+    sent = _bytes(1000, seed=3)
+    check_digests(sent.clone(), 64, bucket_digests(sent, 64))
+
+
+def test_digests_of_another_bucket_size_do_not_pass():
+    sent = _bytes(64)
+    with pytest.raises(DigestMismatch, match="2 digests announced for the 4 buckets"):
+        check_digests(sent, 16, bucket_digests(sent, 32))
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_a_wrong_number_of_digests_is_refused(count):
+    sent = _bytes(40)
+    digests = (bucket_digests(sent, 16) * 2)[:count]
+    with pytest.raises(DigestMismatch, match=f"{count} digests announced for the 3 buckets") as info:
+        check_digests(sent, 16, digests)
+    assert info.value.bucket is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_a_cuda_buffer_is_hashed_bucket_by_bucket_on_the_host():
+    host = _bytes(3 * 1024 + 5, seed=7)
+    dev = host.cuda()
+    assert bucket_digests(dev, 1024) == bucket_digests(host, 1024)
+    dev[2000] ^= 0xFF
+    with pytest.raises(DigestMismatch) as info:
+        check_digests(dev, 1024, bucket_digests(host, 1024))
+    assert info.value.bucket == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The announce
+
+
+def _announce(**kw) -> m.WeightsAnnounce:
+    fields = dict(version=1, group=m.GroupSpec(epoch=1, rank=1, world_size=2, store="127.0.0.1:1", backend="gloo"),
+                  tensors=[], num_bytes=40, bucket_bytes=16)
+    return m.WeightsAnnounce(**{**fields, **kw})
+
+
+def test_an_announce_takes_no_digests_or_one_per_bucket():
+    assert _announce().digests == []
+    assert len(_announce(digests=bucket_digests(_bytes(40), 16)).digests) == 3
+    with pytest.raises(ValueError, match="2 digests for 3 buckets"):
+        _announce(digests=bucket_digests(_bytes(32), 16))
+
+
+@pytest.mark.parametrize("bad", ["ABCDEF" * 5 + "ab", "0" * 31, "0" * 33, "g" * 32])
+def test_an_announce_refuses_a_malformed_digest(bad):
+    good = bucket_digests(_bytes(40), 16)
+    with pytest.raises(ValueError, match=r"digests\[1\]"):
+        _announce(digests=[good[0], bad, good[2]])
+
+
+def test_the_decoder_refuses_a_wrong_digest_count_at_the_border():
+    from april_async.wire import codec
+    from april_async.wire.errors import WireError
+
+    frames = codec.encode(_announce(digests=bucket_digests(_bytes(40), 16)), sender="broadcaster", seq=1)
+    env = msgspec.msgpack.decode(frames[0])
+    env["body"]["digests"] = env["body"]["digests"][:2]
+    with pytest.raises(WireError) as info:
+        codec.decode([msgspec.msgpack.encode(env), *frames[1:]])
+    assert info.value.code == "malformed" and "2 digests for 3 buckets" in str(info.value)
+
+
+def test_the_golden_vector_states_the_digests_of_its_bytes():
+    """``weights_announce_verified`` names the buckets of the ``weights_update`` vector's bytes."""
+    vectors = ROOT / "proto" / "vectors"
+    update = json.loads((vectors / "weights_update.json").read_text())
+    announce = json.loads((vectors / "weights_announce_verified.json").read_text())["envelope"]["body"]
+    data = torch.tensor(update["bulk"]["$.body.data"], dtype=torch.uint8)
+    assert announce["digests"] == bucket_digests(data, announce["bucket_bytes"])
+    assert len(announce["group"]["key_prefix"]) == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# The broadcaster's planner: what its announces carry
+
+BUCKET = 64
+CONFIG = BroadcasterConfig(timeout_s=2.0, bucket_mb=BUCKET / (1 << 20))
+
+
+def _planner(key_prefix: str = "a" * 32) -> RoundPlanner:
+    return RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e", key_prefix=key_prefix)
+
+
+def _held(p: RoundPlanner, version: int, now: float, digests=None) -> tuple[torch.Tensor, list[str]]:
+    specs, buf = flatten({"w": torch.arange(50, dtype=torch.float32) + version})  # 200 bytes: 4 buckets
+    p.update("learner-0", version, specs, buf.numel(), None, now, digests=digests)
+    return buf, bucket_digests(buf, BUCKET)
+
+
+def _announces(effects) -> dict[str, m.WeightsAnnounce]:
+    return {e.name: e.body for e in effects if isinstance(e, Send) and isinstance(e.body, m.WeightsAnnounce)}
+
+
+def test_announces_carry_the_key_prefix_and_one_digest_per_bucket():
+    p = _planner()
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    for g in ("gen-0", "gen-1"):
+        p.hello(g, "generator", 0, [], 0.0)
+    buf, digests = _held(p, 1, 0.0)
+    assert _announces(p.tick(0.1)) == {}, "a round must wait for the version's digests"
+    p.digested(1, digests, 0.1)
+    effects = p.tick(0.2)
+    anns = _announces(effects)
+    assert set(anns) == {"gen-0", "gen-1"}
+    for ann in anns.values():
+        assert ann.group.key_prefix == "a" * 32
+        assert ann.digests == digests and len(ann.digests) == len(list(buckets(buf.numel(), BUCKET))) == 4
+    root = next(e.root for e in effects if isinstance(e, StartCollective))
+    assert root.rank == 0 and root.key_prefix == "a" * 32  # rank 0 keys its store the same way
+
+
+def test_digests_of_a_replaced_version_are_ignored():
+    p = _planner()
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    p.hello("gen-0", "generator", 0, [], 0.0)
+    _, old = _held(p, 1, 0.0)
+    _, new = _held(p, 2, 0.0)
+    assert p.digested(1, old, 0.1) == []
+    assert _announces(p.tick(0.1)) == {}
+    p.digested(2, new, 0.1)
+    (ann,) = _announces(p.tick(0.2)).values()
+    assert (ann.version, ann.digests) == (2, new)
+
+
+def test_digests_of_the_wrong_count_are_a_bug():
+    p = _planner()
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    _, digests = _held(p, 1, 0.0)
+    with pytest.raises(ValueError, match="3 digests for version 1, which has 4 buckets"):
+        p.digested(1, digests[:3], 0.0)
+
+
+@pytest.mark.parametrize("version,servers,refused", [("1.5", [], True), ("1.0", [], True), ("1.6", [], False),
+                                                     ("1.12", [], False), ("1.5", ["http://s:1"], False)])
+def test_a_generator_older_than_1_6_cannot_join_the_group(version, servers, refused):
+    hello = m.Hello(role="generator", instance="gen-0", servers=servers)
+    why = _cannot_join(hello, SimpleNamespace(proto_version=version))
+    assert (why is not None) == refused
+    if refused:
+        assert version in why and "key_prefix" in why
+    assert _cannot_join(m.Hello(role="learner", instance="l"), SimpleNamespace(proto_version="1.5")) is None
+
+
+def test_one_version_flattened_twice_has_the_same_digests(monkeypatch):
+    """The padding between tensors is zeroed, not left as the allocator's stray bytes (here made
+    dirty on purpose: every new buffer starts full of 0xAB)."""
+    real_empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(0xAB)
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    state = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.float32)}  # 6 bytes, 2 of padding
+    specs, first = flatten(state)
+    assert specs[1].offset == 8 and first[6:8].tolist() == [0, 0]
+    assert bucket_digests(first, 4) == bucket_digests(flatten(state)[1], 4)
