@@ -79,6 +79,10 @@ class BroadcasterConfig(BaseModel):
     """Broadcast the weights in pieces of this many MiB, one collective each."""
     timeout_s: float = Field(60.0, gt=0)
     """Limit of every collective and rendezvous, and of the wait for each member's ack."""
+    report_failing_after: int = Field(3, ge=1)
+    """A generator that took part in this many rounds in a row without receiving the version
+    (it could not join, the collective failed, it refused or never acked) is reported: a warning
+    ``member_failing`` and its streak in the status file (``failing``), which ``april up`` prints."""
     status_file: Path | None = None
     """Where to keep a JSON status: held version, published version, epoch, each member's version."""
     sglang: SGLangFanoutConfig = SGLangFanoutConfig()

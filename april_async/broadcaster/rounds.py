@@ -212,6 +212,7 @@ class RoundPlanner:
         self.retry_at = 0.0
         self.rounds = 0
         self.failed_rounds = 0
+        self.failing: dict[str, int] = {}  # generator -> rounds in a row it was in and did not receive
 
     @property
     def held_version(self) -> int | None:
@@ -439,9 +440,27 @@ class RoundPlanner:
                             late=sorted(late), gone=sorted(gone), **fields))
         else:
             out.append(_log("info", "round", **fields))
+        out += self._streaks(r, missed=set(r.members) - r.acked)
         if r.acked and r.version > self.published:
             out += self._publish(r.version, r.num_bytes, members=len(r.acked))
         out.append(StatusChanged())
+        return out
+
+    def _streaks(self, r: Round, missed: set[str]) -> list[Effect]:
+        """Count, per generator, the rounds in a row it took part in without receiving; report a
+        streak when it reaches ``report_failing_after`` (and at every multiple), and its end."""
+        out: list[Effect] = []
+        every = self.cfg.report_failing_after
+        for name in sorted(set(r.members) - missed):
+            if self.failing.pop(name, 0) >= every:
+                out.append(_log("info", "member_recovered", member=name, version=r.version))
+        for name in sorted(missed):
+            n = self.failing[name] = self.failing.get(name, 0) + 1
+            if n % every == 0:
+                why = ("the collective failed" if r.failed else "refused" if name in r.nacked
+                       else "left" if name not in self.sessions else "no ack")
+                out.append(_log("warning", "member_failing", member=name, rounds=n, version=r.version, why=why,
+                                failed=r.failed))
         return out
 
     def _publish(self, version: int, num_bytes: int, members: int) -> list[Effect]:
@@ -455,4 +474,5 @@ class RoundPlanner:
         return {"version": self.held.version if self.held else -1, "published": self.published,
                 "epoch": self.epoch,
                 "members": {n: s.version for n, s in self.sessions.items() if s.role == "generator"},
-                "rounds": self.rounds, "failed_rounds": self.failed_rounds}
+                "rounds": self.rounds, "failed_rounds": self.failed_rounds,
+                "failing": {n: k for n, k in sorted(self.failing.items()) if k >= self.cfg.report_failing_after}}

@@ -1,0 +1,68 @@
+"""A generator that keeps missing versions is reported, not left to stall the run quietly: the
+broadcaster's planner counts each member's rounds in a row without the version."""
+
+from __future__ import annotations
+
+import torch
+
+from april_async.broadcaster.config import BroadcasterConfig
+from april_async.broadcaster.rounds import CollectiveResult, Log, RoundPlanner, StartCollective
+from april_async.weights.flat import bucket_digests, flatten
+
+CONFIG = BroadcasterConfig(timeout_s=2.0, bucket_mb=64 / (1 << 20), report_failing_after=3)
+
+
+def held(p: RoundPlanner, version: int, now: float) -> None:
+    specs, buf = flatten({"w": torch.arange(50, dtype=torch.float32) + version})
+    p.update("learner-0", version, specs, buf.numel(), None, now)
+    p.digested(version, bucket_digests(buf, CONFIG.bucket_bytes), now)
+
+
+def one_round(p: RoundPlanner, version: int, now: float, acks: dict[str, int]) -> list[Log]:
+    """Hold ``version``, run its round; each generator answers with the version in ``acks``."""
+    for g in acks:
+        p.touch(g, now)
+    held(p, version, now)
+    effects = p.tick(now)
+    assert any(isinstance(e, StartCollective) for e in effects), effects
+    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None))
+    for g, v in acks.items():
+        p.heartbeat(g, v, now + 0.2)
+    return [e for e in p.tick(now + 0.3) if isinstance(e, Log)]
+
+
+def test_a_member_missing_rounds_in_a_row_is_reported_and_its_recovery_too():
+    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    for g in ("gen-0", "gen-1"):
+        p.hello(g, "generator", 0, [], 0.0)
+    now, reported = 0.0, []
+    for v in (1, 2, 3):
+        now += 10.0  # past every retry delay
+        logs = one_round(p, v, now, {"gen-0": v, "gen-1": 0})  # gen-1's receive fails every time
+        reported += [e for e in logs if e.event == "member_failing"]
+        assert p.status()["failing"] == ({"gen-1": 3} if v == 3 else {})
+    (warning,) = reported
+    assert warning.level == "warning" and warning.fields["member"] == "gen-1" and warning.fields["rounds"] == 3
+    assert warning.fields["why"] == "refused"
+
+    logs = one_round(p, 4, now + 10.0, {"gen-0": 4, "gen-1": 4})
+    assert [e.fields["member"] for e in logs if e.event == "member_recovered"] == ["gen-1"]
+    assert p.status()["failing"] == {}
+
+
+def test_a_failed_collective_counts_against_every_member():
+    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    p.hello("gen-0", "generator", 0, [], 0.0)
+    now = 0.0
+    for v in (1, 2, 3):
+        now += 10.0
+        p.touch("gen-0", now)
+        held(p, v, now)
+        assert any(isinstance(e, StartCollective) for e in p.tick(now))
+        p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.0, failed="gloo: connection reset"))
+        p.heartbeat("gen-0", 0, now + 0.2)
+        logs = [e for e in p.tick(now + 0.3) if isinstance(e, Log)]
+    (failing,) = [e for e in logs if e.event == "member_failing"]
+    assert failing.fields["why"] == "the collective failed" and p.status()["failing"] == {"gen-0": 3}
