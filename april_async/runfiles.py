@@ -36,3 +36,25 @@ def read_json(path: Path, default: Any = None) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError):
         return default
+
+
+CHILDREN = "children.json"
+"""``april up``'s children: name -> kind, pid (None while waiting for a restart), restarts, log."""
+
+
+def per_node(name: str, node: str) -> str:
+    """``name`` as one host of a cluster writes it (``children.json`` -> ``children-n1.json``): the hosts
+    share the run directory, and one file for all would hold only the last writer's rows."""
+    if not node:
+        return name
+    stem, dot, ext = name.partition(".")
+    return f"{stem}-{node}{dot}{ext}"
+
+
+def read_children(run_dir: Path) -> dict[str, dict]:
+    """Every host's children files (``children.json``, ``children-<node>.json``) as one mapping; actor
+    names are unique across hosts (``APRIL_NODE`` prefixes them). {} while there is none."""
+    rows: dict[str, dict] = {}
+    for path in sorted(Path(run_dir).glob("children*.json")):
+        rows.update(read_json(path, {}) or {})
+    return rows

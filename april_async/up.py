@@ -23,7 +23,11 @@ What it does, in order:
    environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` = ``run.learner_port``), all on this host.
 4. Show progress from the learner's ``metrics.jsonl``: step, reward, response length,
-   throughput, off-policy share, recycled partials.
+   throughput, off-policy share, recycled partials. On a cluster only the head (the host that
+   runs the broker) shows it; the other hosts show their own actors' starts, restarts, deaths and
+   stops, each line prefixed with the host's ``run.node``. Everything shown is also appended to
+   ``<run.dir>/logs/up.log`` (``up-<node>.log``), and a terminal that goes away (ssh closed: EIO;
+   ``| head``: EPIPE) only ends the console: the run goes on, or stops in order, as without it.
 5. With ``run.restart = "on-failure"``, restart a child that crashed (a non-zero exit or a
    signal, ``kill -9`` included) the way a process supervisor would: after a back-off that
    doubles while it keeps dying young, at most ``max_restarts`` times per actor within
@@ -33,10 +37,11 @@ What it does, in order:
    the others are killed (``SIGKILL``) and the group restarts together, counted once. Rank 0
    exiting 0 means the learner finished; a rank r > 0 exits 0 only when rank 0 stops the
    group, so one that does while rank 0 runs on (past ``stop_timeout_s``) failed.
-   ``<run.dir>/children.json`` always lists each child (each learner rank) with its pid and
-   restarts.
-6. Stop on Ctrl-C, SIGTERM, ``run.max_steps``, ``run.duration_s``, the learner finishing or a
-   child that dies and is not restarted: the learner group first (``SIGTERM`` to every rank;
+   ``<run.dir>/children.json`` (``children-<node>.json`` with ``run.node`` set, one per host)
+   always lists each child (each learner rank) with its pid and restarts.
+6. Stop on Ctrl-C, SIGTERM, SIGHUP (an ssh session closed), ``run.max_steps``, ``run.duration_s``,
+   the learner finishing or a child that dies and is not restarted (exit code 0 for all but the
+   last): the learner group first (``SIGTERM`` to every rank;
    rank 0 stops the others and writes a checkpoint), then — once the generators hold its
    last version — generators, scorer, broadcaster and broker last; whatever has not exited
    after ``stop_timeout_s`` is killed. Nothing is left running.
@@ -44,17 +49,21 @@ What it does, in order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,7 +76,7 @@ from april_async.config import (
     set_path,
     validate,
 )
-from april_async.runfiles import read_json, read_metrics
+from april_async.runfiles import CHILDREN, per_node, read_json, read_metrics
 from april_async.runtime import die_with_parent
 
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
@@ -81,6 +90,105 @@ CRASH_LOOP_S = 10.0
 CHILD_SETUP = functools.partial(die_with_parent, signal.SIGTERM, own_group=True)
 """Runs in each child between fork and exec: it dies with the supervisor, and Ctrl-C reaches the
 supervisor only, which stops the children in order."""
+
+
+# ---------------------------------------------------------------------- the console
+
+
+class SafeStream(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` while ``april up`` runs: a terminal that may vanish under it.
+
+    Under ``launch/cluster.sh`` the terminal is ssh's: when ssh closes, the next write fails with
+    EIO; behind ``| head`` it fails with EPIPE. A supervisor that raised there would skip its ordered
+    stop and its summary and leave the children to die at once by PDEATHSIG, so the first failure
+    ends this stream's console for good and nothing here ever raises. What the terminal shows also
+    goes to the log (``attach``), so nothing is lost with it.
+    """
+
+    def __init__(self, inner: IO[str]):
+        self.inner = inner
+        self.lost = False
+        self.log: IO[str] | None = None
+
+    def write(self, text: str) -> int:
+        if self.log is not None:
+            try:
+                self.log.write(text)
+            except (OSError, ValueError):  # a full disk must not stop the run either
+                self.log = None
+        if not self.lost:
+            try:
+                self.inner.write(text)
+                self.inner.flush()  # few lines, each shown at once; a gone terminal is found at once
+            except OSError:
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.log is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.log.flush()
+
+    def isatty(self) -> bool:
+        return not self.lost and self.inner.isatty()
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.inner, "encoding", "utf-8")
+
+    def _lose(self) -> None:
+        """Stop writing to the terminal, and point its descriptor at /dev/null long enough to drain what
+        the failed write left buffered: Python's own flush of the stream at exit then succeeds (a
+        failing one makes the exit status 120). Afterwards the descriptor points at the log, so that
+        whatever else writes there (a traceback) is kept."""
+        self.lost = True
+        try:
+            fd = self.inner.fileno()
+        except (OSError, ValueError, io.UnsupportedOperation):
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+        with contextlib.suppress(OSError, ValueError):
+            self.inner.flush()
+        if self.log is not None:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(self.log.fileno(), fd)
+
+
+@dataclass
+class Console:
+    """``april up``'s stdout and stderr as ``SafeStream`` s, and the log both also go to."""
+
+    out: SafeStream
+    err: SafeStream
+
+    def attach(self, path: Path) -> None:
+        """Append everything shown from now on to ``path`` too (``<run.dir>/logs/up[-<node>].log``)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = path.open("a", buffering=1)  # a line at a time: the log is what is left if the terminal goes
+        self.out.log = self.err.log = log
+
+
+@contextlib.contextmanager
+def safe_console() -> Iterator[Console]:
+    """``sys.stdout`` and ``sys.stderr`` replaced by ``SafeStream`` s while the block runs (then put back,
+    for callers in the same process; a lost terminal's descriptor stays on the log or /dev/null)."""
+    saved = sys.stdout, sys.stderr
+    console = Console(SafeStream(sys.stdout), SafeStream(sys.stderr))
+    sys.stdout, sys.stderr = console.out, console.err
+    try:
+        yield console
+    finally:
+        sys.stdout, sys.stderr = saved
+        log = console.out.log
+        console.out.log = console.err.log = None
+        if log is not None:
+            with contextlib.suppress(OSError):
+                log.close()
 
 
 class RunConfig(BaseModel):
@@ -100,7 +208,10 @@ class RunConfig(BaseModel):
     broker_port: int = Field(5555, ge=1, le=65535)
     broadcaster_port: int = Field(5556, ge=1, le=65535)
     store_port: int = Field(29600, ge=1, le=65535)
-    """The broadcaster's TCPStore (torch.distributed rendezvous)."""
+    """The broadcaster's TCPStore (the rendezvous of SGLang servers' weight-update group)."""
+    rendezvous_port: int = Field(0, ge=0, le=65535)
+    """The broadcaster's rendezvous store for the generators' weights group, reached over CurveZMQ
+    (0: any free port; its endpoint travels in every announce). Set it where a firewall needs to know."""
     learner_port: int = Field(29610, ge=1, le=65535)
     """The learner group's rendezvous port on the learner's host (``MASTER_PORT`` of its ranks)."""
     node: str = ""
@@ -133,6 +244,10 @@ class RunConfig(BaseModel):
     learner has to follow a rank > 0 that exited 0 (else the group failed)."""
     final_sync_s: float = Field(20.0, ge=0)
     """After the learner stops, wait this long at most for the generators to hold its last version."""
+    weights_stall_s: float | None = Field(600.0, gt=0)
+    """Stop the run (exit 1, naming the failing generators) when the broadcaster holds a version that
+    some generator lacks and no generator has received a new version for this long: weights that
+    never leave the head would otherwise stall the run quietly. Checked on the head. None: never."""
 
 
 SECTIONS = ("run", "warmstart", *ACTOR_KINDS)
@@ -239,7 +354,7 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
         elif kind == "broadcaster":
             add(kind, f"{prefix}broadcaster", section(
                 "broadcaster", name=f"{prefix}broadcaster", bind=f"tcp://{run.bind}:{run.broadcaster_port}",
-                store_host=run.host, store_port=run.store_port, **link,
+                store_host=run.host, store_port=run.store_port, rendezvous_port=run.rendezvous_port, **link,
                 status_file=str(run_dir / "broadcaster.json")))
         elif kind == "scorer":
             add(kind, f"{prefix}scorer-0", section("scorer", name=f"{prefix}scorer-0", **link,
@@ -282,7 +397,17 @@ class Supervisor:
         self.rows_seen = 0
         self.first_rewards: list[float] = []
         self.recent_rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+        self.weights_failing: dict[str, int] = {}  # what the console last said of failing generators
+        self.weights_reached, self.weights_since = -1, time.monotonic()  # newest version a generator holds, since
         self.lone_exits: dict[str, float] = {}  # group -> when a rank > 0 was seen exiting 0 with rank 0 alive
+        self.head = any(c.kind == "broker" for c in children)
+        """The host that runs the broker: of a cluster's hosts, the one whose console shows the steps."""
+        self.name = f"april up [{run.node}]" if run.node else "april up"
+
+    def say(self, text: str, *, err: bool = False) -> None:
+        """One console line, naming the host when it is one of several (a cluster's lines meet on one
+        console)."""
+        print(f"{self.name}: {text}", file=sys.stderr if err else sys.stdout, flush=True)
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_reason = self.stop_reason or signal.Signals(signum).name
@@ -299,7 +424,7 @@ class Supervisor:
             raise ConfigError("learner.checkpoint is empty and run.warm_start is off: nothing to start from")
         if not any(c.kind == "learner" for c in self.children):
             # Another host (the learner's) makes it; run.dir is shared.
-            print(f"april up: waiting for the initial checkpoint {init}", flush=True)
+            self.say(f"waiting for the initial checkpoint {init}")
             while not (init / "model.safetensors").is_file():
                 if self.stop_reason is not None:
                     raise ConfigError(f"stopped while waiting for {init}")
@@ -309,11 +434,10 @@ class Supervisor:
         from april_async.warmstart.sft import write_initial_policy
 
         cfg = validate(WarmStartConfig, self.doc.get("warmstart", {}), "warmstart")
-        print(f"april up: warm start -> {init} (once per run directory)", flush=True)
+        self.say(f"warm start -> {init} (once per run directory)")
         t0 = time.monotonic()
         stats = write_initial_policy(init, cfg)  # complete or absent: another host may be waiting for it
-        print(f"april up: warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}",
-              flush=True)
+        self.say(f"warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}")
 
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -323,7 +447,7 @@ class Supervisor:
             self._spawn(c)
         self._write_children()
         names = ", ".join(c.name for c in self.children)
-        print(f"april up: started {names}; logs in {self.dir / 'logs'}", flush=True)
+        self.say(f"started {names}; logs in {self.dir / 'logs'}")
 
     def _spawn(self, c: Child) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1", **c.env)
@@ -334,12 +458,15 @@ class Supervisor:
         c.started_at, c.due_at = time.monotonic(), None
 
     def _write_children(self) -> None:
-        """``children.json``: each child's pid and restarts, for operators (and the chaos test)."""
+        """``children.json`` (``children-<node>.json`` on a cluster's host: the run directory is shared):
+        each child's pid and restarts, for operators and the chaos test. The temporary file is this
+        process's own, so hosts writing at once never replace each other's half-written file."""
         rows = {c.name: {"kind": c.kind, "pid": c.proc.pid if c.proc and c.due_at is None else None,
                          "restarts": len(c.restarts), "log": str(c.log)} for c in self.children}
-        tmp = self.dir / "children.json.tmp"
+        final = self.dir / per_node(CHILDREN, self.run.node)
+        tmp = final.with_name(f"{final.name}.{socket.gethostname()}-{os.getpid()}.tmp")
         tmp.write_text(json.dumps(rows, indent=2))
-        os.replace(tmp, self.dir / "children.json")
+        os.replace(tmp, final)
 
     # ------------------------------------------------------------------ watch
 
@@ -358,12 +485,39 @@ class Supervisor:
                     self.first_rewards.append(row.get("reward_mean", 0.0))
                 self.recent_rewards.append(row.get("reward_mean", 0.0))
             now = time.monotonic()
-            if new and self.run.console and (now - last_print > 2.0 or not sys.stdout.isatty()):
-                print(self.status_line(new[-1]), flush=True)
+            if new and self.head and self.run.console and (now - last_print > 2.0 or not sys.stdout.isatty()):
+                print(self.status_line(new[-1]))
                 last_print = now
             if self.run.duration_s is not None and now - self.started > self.run.duration_s:
                 self.stop_reason = f"duration_s={self.run.duration_s:g} reached"
+            if self.head:
+                self._watch_weights(now)
         return getattr(self, "exit_code", 0)
+
+    def _watch_weights(self, now: float) -> None:
+        """Show generators the broadcaster reports failing; stop the run when the weights stall
+        (``run.weights_stall_s``). Read from the broadcaster's status file, where it runs."""
+        status = read_json(self.dir / "broadcaster.json", None)
+        if not status:
+            return
+        failing = status.get("failing", {})
+        for name, rounds in failing.items():
+            if rounds > self.weights_failing.get(name, 0):
+                self.say(f"weights: {name} has not received a version in {rounds} rounds in a row "
+                         f"(see {self.dir / 'logs'} for the broadcaster's member_failing)", err=True)
+        self.weights_failing = dict(failing)
+        held, members = status.get("version", -1), status.get("members", {})
+        reached = max(members.values(), default=-1)
+        if reached > self.weights_reached or held <= min(members.values(), default=-1):
+            self.weights_reached, self.weights_since = reached, now  # progress, or nobody behind
+            return
+        stalled = now - self.weights_since
+        if self.run.weights_stall_s is not None and stalled > self.run.weights_stall_s and held > reached:
+            self.stop_reason = (f"weights stalled: the broadcaster holds version {held}, no generator has "
+                                f"received a version for {stalled:.0f} s (newest held: {reached}; failing: "
+                                f"{failing or 'none reported'}; members: {members})")
+            self.say(self.stop_reason, err=True)
+            self.exit_code = 1
 
     def _units(self) -> list[list[Child]]:
         """The children as they start, die and restart: the learner's ranks together (rank 0 first),
@@ -383,7 +537,7 @@ class Supervisor:
                         self._spawn(c)
                     self._write_children()
                     what = lead.name if len(unit) == 1 else f"the {lead.kind} group {lead.group} ({len(unit)} ranks)"
-                    print(f"april up: {what} restarted ({len(lead.restarts)} so far)", flush=True)
+                    self.say(f"{what} restarted ({len(lead.restarts)} so far)")
                 continue
             dead = [(c, code) for c in unit if (code := c.proc.poll()) is not None]
             if not dead:
@@ -432,10 +586,10 @@ class Supervisor:
         self.lone_exits.pop(lead.name, None)
         self._write_children()
         if len(unit) == 1:
-            print(f"april up: {why} after {lived:.0f} s; restarting it in {delay:g} s", flush=True)
+            self.say(f"{why} after {lived:.0f} s; restarting it in {delay:g} s")
         else:
-            print(f"april up: the {lead.kind} group {lead.group} ({len(unit)} ranks) restarts in {delay:g} s: "
-                  f"{why} after {lived:.0f} s (the other ranks killed)", flush=True)
+            self.say(f"the {lead.kind} group {lead.group} ({len(unit)} ranks) restarts in {delay:g} s: "
+                  f"{why} after {lived:.0f} s (the other ranks killed)")
 
     def _no_restart(self, c: Child, code: int, now: float) -> str | None:
         """Why ``c`` is not restarted ('' for the plain policy ``never``), or None to restart it (its
@@ -467,7 +621,7 @@ class Supervisor:
             lines = c.log.read_text(errors="replace").splitlines()[-15:]
         except OSError:
             lines = []
-        print(f"april up: {c.name} stopped unexpectedly; the end of {c.log}:", file=sys.stderr)
+        self.say(f"{c.name} stopped unexpectedly; the end of {c.log}:", err=True)
         for line in lines:
             print(f"    {line}", file=sys.stderr)
 
@@ -486,11 +640,11 @@ class Supervisor:
             if status.get("version", -1) >= state and all(v >= state for v in members.values()):
                 return
             time.sleep(0.25)
-        print(f"april up: the generators did not all reach version {state} within {self.run.final_sync_s:g} s",
-              file=sys.stderr)
+        self.say(f"the generators did not all reach version {state} within {self.run.final_sync_s:g} s",
+                 err=True)
 
     def stop(self) -> None:
-        print(f"april up: stopping ({self.stop_reason})", flush=True)
+        self.say(f"stopping ({self.stop_reason})")
         for c in self.children:
             c.due_at = None  # nothing waiting for a restart is started now
         for kind in STOP_ORDER:
@@ -502,7 +656,7 @@ class Supervisor:
                 try:
                     c.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    print(f"april up: {c.name} did not stop in {self.run.stop_timeout_s:g} s; killing it", file=sys.stderr)
+                    self.say(f"{c.name} did not stop in {self.run.stop_timeout_s:g} s; killing it", err=True)
                     c.proc.kill()
                     c.proc.wait()
             if kind == "learner":
@@ -521,9 +675,21 @@ class Supervisor:
             out["reward_first"] = round(sum(r["reward_mean"] for r in rows[:k]) / k, 4)
             out["reward_last"] = round(sum(r["reward_mean"] for r in rows[-k:]) / k, 4)
             out["version"] = rows[-1]["version"]
-        name = f"summary-{self.run.node}.json" if self.run.node else "summary.json"  # one per host of a cluster
-        (self.dir / name).write_text(json.dumps(out, indent=2))
+        (self.dir / self.summary_name).write_text(json.dumps(out, indent=2))
         return out
+
+    @property
+    def summary_name(self) -> str:
+        return per_node("summary.json", self.run.node)  # one per host of a cluster
+
+    def show_end(self, out: dict) -> None:
+        """The last line: the whole summary on the head (or a lone host); a cluster's other hosts name only
+        how their own actors ended, the head's line being the run's."""
+        if self.head or not self.run.node:
+            self.say(f"done: {json.dumps(out)}")
+            return
+        codes = ", ".join(f"{name} {code}" for name, code in out["exit_codes"].items())
+        self.say(f"stopped ({out['stop']}): exit codes {codes}; {self.dir / self.summary_name}")
 
 
 def _latest_version(run_dir: Path) -> int | None:
@@ -532,6 +698,12 @@ def _latest_version(run_dir: Path) -> int | None:
 
 
 def main(args) -> int:
+    """``april up``, its console safe from a terminal that goes away (see ``SafeStream``)."""
+    with safe_console() as console:
+        return _main(args, console)
+
+
+def _main(args, console: Console) -> int:
     try:
         doc = load_document(args.config, args.set)
         run, children, configs = plan(doc, args.actors)
@@ -548,16 +720,17 @@ def main(args) -> int:
             print(json.dumps(configs[c.name], indent=2, sort_keys=True))
         return 0
     sup = Supervisor(run, children, configs, doc)
+    console.attach(sup.dir / "logs" / per_node("up.log", run.node))
     signal.signal(signal.SIGINT, sup._on_signal)
     signal.signal(signal.SIGTERM, sup._on_signal)
     signal.signal(signal.SIGHUP, sup._on_signal)  # the ssh session of launch/cluster.sh closed
     try:
         sup.ensure_initial_policy()
     except ConfigError as e:
-        print(f"april up: {e}", file=sys.stderr)
+        sup.say(str(e), err=True)
         return 2
     if args.warm_start_only:  # e.g. before starting SGLang servers from <run.dir>/init
-        print(f"april up: initial policy ready in {sup.dir / 'init'}", flush=True)
+        sup.say(f"initial policy ready in {sup.dir / 'init'}")
         return 0
     code = 0
     try:
@@ -565,6 +738,5 @@ def main(args) -> int:
         code = sup.watch()
     finally:
         sup.stop()
-    out = sup.summary()
-    print(f"april up: done: {json.dumps(out)}", flush=True)
+    sup.show_end(sup.summary())
     return code

@@ -11,21 +11,30 @@
 # each on CUDA; [learner] ranks = N in CONFIG does the same). One host line at most runs the learner.
 # The host that runs the broker is the head: every other host reaches the broker and the
 # broadcaster there (APRIL_HEAD), and they bind to all interfaces (APRIL_BIND=0.0.0.0) unless
-# every host is this machine. Each host line gets APRIL_NODE=n<index> so actor names are unique;
-# generators on other hosts wait for the head's initial checkpoint, so run.dir must be on a
-# shared filesystem (or learner.checkpoint / generator.torch.checkpoint must exist on every host).
+# every host is this machine. So beside other hosts, name the head by an address or name they
+# reach (not localhost or 127.0.0.1: refused). Each host line gets APRIL_NODE=n<index> so actor
+# names and its files (summary-n<index>.json, children-n<index>.json, logs/up-n<index>.log) are
+# its own; generators on other hosts wait for the head's initial checkpoint, so run.dir must be on
+# a shared filesystem (or learner.checkpoint / generator.torch.checkpoint must exist on every host).
+# One console: the head prints the steps, the other hosts their own actors' starts, restarts and stops.
 #
-# Launchers: ssh (default; `ssh -tt HOST`, so closing the session stops the remote side) or srun
-# (inside a SLURM allocation: `srun --nodes=1 --ntasks=1 --nodelist=HOST`). Hosts named
-# localhost, 127.0.0.1 or this machine's name run here directly, without either.
+# Launchers: ssh (default; `$APRIL_SSH -tt -o BatchMode=yes HOST COMMAND`, so closing the session
+# stops the remote side) or srun (inside a SLURM allocation: `srun --nodes=1 --ntasks=1
+# --nodelist=HOST`). Hosts named localhost, 127.0.0.1 or this machine's name run here directly.
 # Environment: APRIL_DIR, the checkout on every host (default: this one); APRIL, the april
-# command there (default: $APRIL_DIR/.venv/bin/april); APRIL_KEYS, a keys directory made by
-# `april keys DIR` and copied to every host: required when the hosts are not all this machine
-# (the hubs then bind 0.0.0.0 and speak CurveZMQ, admitting only holders of the client key).
-# Ctrl-C, or the head's run ending, stops every host.
+# command there (default: $APRIL_DIR/.venv/bin/april); APRIL_SSH, the ssh command (default ssh;
+# split into words); APRIL_KEYS, a keys directory: required when the hosts are not all this
+# machine (the hubs then bind 0.0.0.0 and speak CurveZMQ, admitting only holders of a client key).
+# Either one directory for every host (`april keys DIR`), or one per host (`april keys DIR --hosts
+# h1,h2,...`: DIR/<host>/), where each host gets APRIL_KEYS=DIR/<host>; the path must hold the
+# keys on that host. APRIL_STOP_WAIT_S (default 180): how long a stop waits for the hosts.
+# Ctrl-C (or TERM, HUP), or the head's run ending, stops every host: each gets a Ctrl-C on its
+# terminal (local and srun hosts SIGTERM) and stops its actors in order; this waits for all of
+# them, hangs up whatever still runs after APRIL_STOP_WAIT_S or at a second Ctrl-C, and exits
+# with the head's status (130 after a Ctrl-C).
 set -euo pipefail
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 2 ]] || usage
 hostfile="$1"; config="$2"; shift 2
 launcher=ssh; dry_run=0; extra=()
@@ -43,6 +52,8 @@ case "$launcher" in ssh|srun) ;; *) echo "cluster.sh: --launcher must be ssh or 
 
 dir="${APRIL_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 april="${APRIL:-$dir/.venv/bin/april}"
+read -r -a ssh_cmd <<< "${APRIL_SSH:-ssh}"
+stop_wait="${APRIL_STOP_WAIT_S:-180}"
 config="$(cd "$(dirname "$config")" && pwd)/$(basename "$config")"
 
 hosts=(); actors=()
@@ -53,6 +64,7 @@ done < "$hostfile"
 [[ ${#hosts[@]} -gt 0 ]] || { echo "cluster.sh: $hostfile names no host" >&2; exit 2; }
 
 is_local() { [[ "$1" == localhost || "$1" == 127.0.0.1 || "$1" == "$(hostname)" || "$1" == "$(hostname -s)" ]]; }
+is_loopback() { [[ "$1" == localhost || "$1" == 127.* || "$1" == ::1 ]]; }
 head=""; head_i=""; all_local=1; learner_hosts=()
 for i in "${!hosts[@]}"; do
   if [[ ",${actors[$i]}," == *,broker,* ]]; then head="${hosts[$i]}"; head_i=$i; fi
@@ -65,11 +77,19 @@ if [[ ${#learner_hosts[@]} -gt 1 ]]; then
        "ranks (learner:N)" >&2
   exit 2
 fi
+if [[ $all_local == 0 ]] && is_loopback "$head"; then
+  echo "cluster.sh: the head ($head, the host line with the broker) is named by a loopback address beside" \
+       "remote hosts, which would look for the broker on themselves (APRIL_HEAD=$head): name it in $hostfile" \
+       "by an address or name the other hosts reach" >&2
+  exit 2
+fi
 if [[ $all_local == 1 ]]; then head_addr=127.0.0.1; bind=127.0.0.1; else head_addr="$head"; bind=0.0.0.0; fi
-keys_env=""
-if [[ -n "${APRIL_KEYS:-}" ]]; then
-  keys_env=" APRIL_KEYS=$(printf '%q' "$APRIL_KEYS")"
-elif [[ $all_local == 0 ]]; then
+# APRIL_KEYS for host $1: its own directory when APRIL_KEYS holds one per host (april keys DIR --hosts ...).
+keys_env() {
+  [[ -n "${APRIL_KEYS:-}" ]] || return 0
+  if [[ -d "$APRIL_KEYS/$1" ]]; then printf ' APRIL_KEYS=%q' "$APRIL_KEYS/$1"; else printf ' APRIL_KEYS=%q' "$APRIL_KEYS"; fi
+}
+if [[ -z "${APRIL_KEYS:-}" && $all_local == 0 ]]; then
   echo "cluster.sh: the hubs will bind 0.0.0.0: make keys with 'april keys DIR', copy DIR to every host" \
        "and set APRIL_KEYS=DIR" >&2
   exit 2
@@ -78,39 +98,74 @@ fi
 commands=()
 for i in "${!hosts[@]}"; do
   q_extra=""; for a in "${extra[@]+"${extra[@]}"}"; do q_extra+=" $(printf '%q' "$a")"; done
-  cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i$keys_env"
+  cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i$(keys_env "${hosts[$i]}")"
   cmd+=" exec $(printf '%q' "$april") up --config $(printf '%q' "$config") --actors ${actors[$i]}$q_extra"
   commands+=("$cmd")
 done
 
 for i in "${!hosts[@]}"; do
-  if is_local "${hosts[$i]}"; then how="local"; elif [[ $launcher == ssh ]]; then how="ssh -tt ${hosts[$i]}";
+  if is_local "${hosts[$i]}"; then how="local"; elif [[ $launcher == ssh ]]; then how="${ssh_cmd[*]} -tt ${hosts[$i]}";
   else how="srun --nodes=1 --ntasks=1 --nodelist=${hosts[$i]}"; fi
   echo "[${hosts[$i]}] ($how) ${commands[$i]}"
 done
 [[ $dry_run == 1 ]] && exit 0
 
-pids=(); head_pid=""
-stop_all() {
-  trap - INT TERM
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait "${pids[@]}" 2>/dev/null || true
-}
-trap 'stop_all; exit 130' INT TERM
-order=("$head_i"); for i in "${!hosts[@]}"; do [[ $i == "$head_i" ]] || order+=("$i"); done
-for i in "${order[@]}"; do
-  host="${hosts[$i]}"
+# Each ssh reads its stdin from a FIFO held open here: a Ctrl-C written there reaches the remote
+# terminal, which interrupts that host's april up (an ordered stop), and ssh ends when it has.
+ctl="$(mktemp -d)"
+trap 'rm -rf "$ctl"' EXIT
+pids=(); ctl_fd=(); head_pid=""
+launch() {  # start host line $1 in the background
+  local i=$1 host="${hosts[$1]}" fd
   if is_local "$host"; then
     bash -c "${commands[$i]}" &
   elif [[ $launcher == ssh ]]; then
-    ssh -tt -o BatchMode=yes "$host" "${commands[$i]}" &
+    mkfifo "$ctl/$i"
+    exec {fd}<>"$ctl/$i"  # read-write: opening it never blocks, and no EOF reaches ssh
+    "${ssh_cmd[@]}" -tt -o BatchMode=yes "$host" "${commands[$i]}" <"$ctl/$i" &
+    ctl_fd[$i]=$fd
   else
     srun --nodes=1 --ntasks=1 --nodelist="$host" bash -c "${commands[$i]}" &
   fi
-  pids+=($!)
-  if [[ $i == "$head_i" ]]; then head_pid=$!; fi
+  pids[$i]=$!
+}
+running() { local p; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+hang_up() {  # stop waiting: end every launcher process (an ssh closed is a remote SIGHUP)
+  local p; for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+}
+stop_all() {  # ask every host still running to stop, then wait for every one of them
+  local i deadline=$((SECONDS + stop_wait))
+  trap 'hang_up' INT TERM HUP
+  for i in "${!pids[@]}"; do
+    kill -0 "${pids[$i]}" 2>/dev/null || continue
+    if [[ -n "${ctl_fd[$i]:-}" ]]; then
+      printf '\003' >&"${ctl_fd[$i]}" || kill -TERM "${pids[$i]}" 2>/dev/null || true
+    else
+      kill -TERM "${pids[$i]}" 2>/dev/null || true
+    fi
+  done
+  while running; do
+    if (( SECONDS >= deadline )); then
+      echo "cluster.sh: hosts still running ${stop_wait} s after the stop: hanging up" >&2
+      hang_up
+      break
+    fi
+    sleep 0.5
+  done
+  wait "${pids[@]}" 2>/dev/null || true
+}
+interrupted=0
+trap 'interrupted=1' INT TERM HUP
+order=("$head_i"); for i in "${!hosts[@]}"; do [[ $i == "$head_i" ]] || order+=("$i"); done
+for i in "${order[@]}"; do
+  launch "$i"
+  if [[ $i == "$head_i" ]]; then head_pid=${pids[$i]}; fi
 done
 status=0
-wait "$head_pid" || status=$?
+while [[ $interrupted == 0 ]]; do  # a trapped signal ends the wait early; the head may still run
+  wait "$head_pid" && status=0 || status=$?
+  kill -0 "$head_pid" 2>/dev/null || break
+done
 stop_all
+if [[ $interrupted == 1 ]]; then exit 130; fi
 exit $status

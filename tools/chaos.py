@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from april_async.runfiles import read_json, read_metrics  # noqa: E402
+from april_async.runfiles import read_children, read_json, read_metrics  # noqa: E402
 from april_async.testing.cluster import TINY_POLICY_TOML  # noqa: E402
 from april_async.testing.procs import free_port  # noqa: E402
 
@@ -126,7 +126,7 @@ class Chaos:
             time.sleep(0.2)
 
     def victim(self, kind: str) -> tuple[str, int] | None:
-        children = read_json(self.run_dir / "children.json", {})
+        children = read_children(self.run_dir)
         live = sorted((name, row["pid"]) for name, row in children.items() if row["kind"] == kind and row["pid"])
         return self.rng.choice(live) if live else None
 
@@ -183,7 +183,7 @@ class Chaos:
         if self.up is not None and self.up.poll() is None:
             self.up.kill()
             self.up.wait()
-        for row in (read_json(self.run_dir / "children.json", {}) or {}).values():
+        for row in read_children(self.run_dir).values():
             if row.get("pid"):
                 try:
                     os.kill(row["pid"], signal.SIGKILL)

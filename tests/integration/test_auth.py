@@ -191,7 +191,7 @@ def test_a_secured_broker_serves_its_run_and_refuses_a_stranger(keys, tmp_path):
 
 def test_cluster_sh_needs_keys_across_hosts_and_passes_them_on(keys, tmp_path):
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost broker,broadcaster,scorer,learner\nnode9 generator:1\n")
+    hosts.write_text("node8 broker,broadcaster,scorer,learner\nnode9 generator:1\n")
     config = tmp_path / "run.toml"
     config.write_text("[run]\n")
     env = {k: v for k, v in os.environ.items() if k != "APRIL_KEYS"}
