@@ -232,3 +232,41 @@ def test_a_rank_exiting_0_before_rank_0_is_a_failure_and_rank_0_exiting_0_finish
     finally:
         sup.stop()
     assert sup.stop_reason == "learner finished" and not any(c.restarts for c in group)
+
+
+# ---------------------------------------------------------------------- weights that do not move
+
+
+def broadcaster_status(tmp_path, version: int, members: dict[str, int], failing: dict[str, int] | None = None):
+    (tmp_path / "broadcaster.json").write_text(json.dumps({"version": version, "members": members,
+                                                           "failing": failing or {}}))
+
+
+def test_weights_that_never_leave_the_head_stop_the_run_naming_the_failing_generators(tmp_path, capsys):
+    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {}, {})
+    sup.head = True  # the host that runs the broker (and here the broadcaster)
+    broadcaster_status(tmp_path, 1, {"gen-0": 0, "gen-1": 1})
+    sup._watch_weights(100.0)  # gen-1 holds a new version: progress
+    broadcaster_status(tmp_path, 2, {"gen-0": 0, "gen-1": 2})
+    sup._watch_weights(103.0)
+    broadcaster_status(tmp_path, 3, {"gen-0": 0, "gen-1": 2}, {"gen-0": 3})
+    sup._watch_weights(107.0)  # 4 s without progress: not yet
+    assert sup.stop_reason is None
+    assert "gen-0 has not received a version in 3 rounds in a row" in capsys.readouterr().err
+    sup._watch_weights(108.5)
+    assert sup.stop_reason.startswith("weights stalled: the broadcaster holds version 3")
+    assert "gen-0" in sup.stop_reason and sup.exit_code == 1
+
+
+def test_generators_that_hold_the_newest_version_are_no_stall_however_long_the_step(tmp_path):
+    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {}, {})
+    sup.head = True
+    broadcaster_status(tmp_path, 4, {"gen-0": 4, "gen-1": 4})  # a slow learner: everyone is up to date
+    for now in (100.0, 200.0, 300.0):
+        sup._watch_weights(now)
+    assert sup.stop_reason is None
+    broadcaster_status(tmp_path, 5, {"gen-0": 4, "gen-1": 4})  # the next version appears: counted from now
+    sup._watch_weights(303.0)
+    assert sup.stop_reason is None
+    sup._watch_weights(306.0)
+    assert sup.stop_reason is not None
