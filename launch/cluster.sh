@@ -90,8 +90,8 @@ keys_env() {
   if [[ -d "$APRIL_KEYS/$1" ]]; then printf ' APRIL_KEYS=%q' "$APRIL_KEYS/$1"; else printf ' APRIL_KEYS=%q' "$APRIL_KEYS"; fi
 }
 if [[ -z "${APRIL_KEYS:-}" && $all_local == 0 ]]; then
-  echo "cluster.sh: the hubs will bind 0.0.0.0: make keys with 'april keys DIR', copy DIR to every host" \
-       "and set APRIL_KEYS=DIR" >&2
+  echo "cluster.sh: the hubs will bind 0.0.0.0: make keys with 'april keys DIR --hosts HEAD,NAME,...'," \
+       "copy each host its DIR/<host> (same path) and set APRIL_KEYS=DIR" >&2
   exit 2
 fi
 

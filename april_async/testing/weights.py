@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -54,6 +55,24 @@ def policy(version: int) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # The generator side, as its own process
+
+
+class ScriptedSession:
+    """A stand-in for a ``WeightSubscriber``'s broadcaster session (its ``peer_factory``): the test
+    puts the messages the broadcaster would send in ``inbox`` and reads what was sent in ``sent``."""
+
+    def __init__(self, on_connect):
+        self.inbox, self.sent = [], []
+        on_connect(self)
+
+    def send(self, body, parent_id=None):
+        self.sent.append(body)
+
+    def poll(self, timeout_s):
+        return SimpleNamespace(body=self.inbox.pop(0)) if self.inbox else None
+
+    def close(self):
+        pass
 
 
 class RecordingEngine:

@@ -39,8 +39,10 @@ delete ``authorized/NAME.key`` from the head's directory and restart the hubs: p
 ``ThreadAuthenticator`` reads ``authorized/`` when a hub is set up (``configure_curve``) and
 never again, and a connection already made is not checked again either.
 
-Secret files are written mode 0600 (host directories 0700). torch.distributed's TCPStore and
-gloo/NCCL traffic between the broadcaster and the generators are not covered by CurveZMQ.
+Secret files are written mode 0600 (host directories 0700). The weights group's rendezvous runs
+over CurveZMQ too (``weights.zstore``), but the gloo/NCCL traffic itself is not encrypted, and
+the TCPStore that SGLang servers' weight-update group meets on is open to whoever reaches its port
+(``proto/SPEC.md``, known weaknesses).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, digest, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, ScriptedSession, digest, policy
 from april_async.weights.flat import flatten
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
@@ -183,26 +183,10 @@ def test_a_member_that_reconnects_mid_round_gets_its_announce_again(weights):
 def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked(tmp_path):
     """The other side of the resend above: when the first announce did arrive, the copy must be
     ignored, not waited on (rank 0 broadcasts each epoch and version once)."""
-    from types import SimpleNamespace
-
     from april_async.weights.subscriber import WeightSubscriber
 
-    class Inbox:
-        def __init__(self, on_connect):
-            self.inbox, self.sent = [], []
-            on_connect(self)
-
-        def send(self, body, parent_id=None):
-            self.sent.append(body)
-
-        def poll(self, timeout_s):
-            return SimpleNamespace(body=self.inbox.pop(0)) if self.inbox else None
-
-        def close(self):
-            pass
-
     engine = RecordingEngine(tmp_path / "loads.jsonl")
-    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=Inbox)
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=ScriptedSession)
     root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S)
 
     def announce(version):

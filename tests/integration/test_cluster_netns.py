@@ -76,6 +76,7 @@ import datetime, torch.distributed as dist
 t = datetime.timedelta(seconds={timeout})
 store = dist.TCPStore("{head}", {port}, None, False, timeout=t)
 print("store reachable")
+print("keys:", store.list_keys())
 try:
     dist.ProcessGroupGloo(dist.PrefixStore("epoch-{epoch}", store), 1, 2, t)
     print("joined")
@@ -130,6 +131,8 @@ def test_a_run_across_three_namespaces(tmp_path):
             r = in_ns(hosts, 2, STRANGER.format(head=head, port=PORTS["store_port"], epoch=epoch,
                                                 timeout=STRANGER_TIMEOUT_S))
             assert "store reachable" in r.stdout and "refused:" in r.stdout, r.stdout + r.stderr[-2000:]
+            listed = next(ln for ln in r.stdout.splitlines() if ln.startswith("keys:"))
+            assert "epoch" not in listed, listed  # the group met elsewhere: on the authenticated rendezvous store
             before = status(run)["version"]
             wait("versions after the stranger", lambda: status(run).get("members", {}).get("n2-gen-0", 0) > before,
                  60, proc, log)

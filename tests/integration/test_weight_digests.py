@@ -14,36 +14,18 @@ import re
 import secrets
 import threading
 import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 import torch
 from structlog.testing import capture_logs
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, ScriptedSession, policy
 from april_async.weights.flat import bucket_digests, buckets, check_digests, flatten
 from april_async.weights.group import WeightGroup
 from april_async.wire import messages as m
 
 BUCKET = 1 << 16
-
-
-class Inbox:
-    """The subscriber's broadcaster session: the test fills ``inbox`` and reads ``sent``."""
-
-    def __init__(self, on_connect):
-        self.inbox, self.sent = [], []
-        on_connect(self)
-
-    def send(self, body, parent_id=None):
-        self.sent.append(body)
-
-    def poll(self, timeout_s):
-        return SimpleNamespace(body=self.inbox.pop(0)) if self.inbox else None
-
-    def close(self):
-        pass
 
 
 def _loads(tmp_path) -> list[int]:
@@ -82,7 +64,7 @@ def test_a_member_refuses_bytes_that_do_not_match_their_digests_and_keeps_its_we
         t.join()
         return sub.peer.sent[-1]
 
-    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=Inbox)
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=ScriptedSession)
     try:
         with capture_logs() as logs:  # the subscriber's logger resolves its processors at first use
             _, v1 = flatten(policy(1))
