@@ -128,9 +128,17 @@ def test_the_broadcaster_announces_its_key_prefix_and_the_digest_of_every_bucket
 
     group = WeightGroup()
     try:
-        send(m.Hello(role="generator", instance="gen-0", policy_version=0))
         w.connect_learner()
-        w.wait("gen-0's session", lambda: "gen-0" in w.status().get("members", {}))
+
+        def in_session() -> bool:
+            """Say hello until the broadcaster lists gen-0 (a slow start, or a pause longer than the
+            peer timeout, loses the session), then keep it fresh."""
+            held = "gen-0" in w.status().get("members", {})
+            send(m.Heartbeat() if held else m.Hello(role="generator", instance="gen-0", policy_version=0))
+            time.sleep(0.05)
+            return held
+
+        w.wait("gen-0's session", in_session)
         prefixes = set()
         for version in (1, 2):
             w.send_version(version)
