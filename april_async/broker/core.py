@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import Counter
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +37,28 @@ from april_async.broker.config import RolloutConfig
 
 SNAPSHOT_FORMAT = 2
 """What ``to_bytes`` writes. 1: positional lists (read only); 2: the ``Snapshot`` struct."""
+
+TOKEN_TYPECODE = "i"
+"""``array`` type of a sample's token ids (C int, 32 bits: any vocabulary)."""
+LOGPROB_TYPECODE = "d"
+"""``array`` type of a sample's log-probs (a C double holds a Python float exactly)."""
+
+
+NO_TOKENS: tuple = ()
+"""What a sample without tokens holds (queued, restarted, delivered): one shared immutable object,
+not two empty arrays per sample for the collector to walk. The first chunk brings the arrays."""
+
+
+def _token_array(values: Sequence[int] = ()) -> array:
+    """Token ids held by the ledger. An ``array`` rather than a list: the cyclic garbage collector
+    does not track it, so a full collection does not walk the millions of tokens a cluster holds
+    (lists of ints made 3 s full collections at 1,000 generators)."""
+    return array(TOKEN_TYPECODE, values)
+
+
+def _logprob_array(values: Sequence[float] = ()) -> array:
+    """Log-probs held by the ledger, as ``_token_array`` and for the same reason."""
+    return array(LOGPROB_TYPECODE, values)
 
 
 class Place(enum.StrEnum):
@@ -49,6 +73,11 @@ class Place(enum.StrEnum):
 
 HELD_PLACES = (Place.PARTIAL, Place.FINISHED, Place.SCORED)
 
+# The members as module names for the hot paths: in Python 3.11 ``Place.X`` runs a descriptor
+# (60 ns, several per move), a global is a dict lookup.
+_QUEUED, _LEASED, _PARTIAL, _FINISHED, _SCORED, _DELIVERED, _RETIRED = (
+    Place.QUEUED, Place.LEASED, Place.PARTIAL, Place.FINISHED, Place.SCORED, Place.DELIVERED, Place.RETIRED)
+
 
 class BrokerError(ValueError):
     """A request the broker refuses (the message names the offending value)."""
@@ -60,8 +89,8 @@ class Sample:
     group_id: int
     index: int  # 0 .. n-1 within its group
     place: Place = Place.QUEUED
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    tokens: array | tuple = NO_TOKENS  # array('i') once it holds any (see _token_array)
+    logprobs: array | tuple = NO_TOKENS  # array('d') once it holds any
     spans: list[list[int]] = field(default_factory=list)  # [[version, count], ...] run-length
     attempts: int = 0  # leases issued for it
     lease_id: int | None = None
@@ -71,14 +100,14 @@ class Sample:
 
     @property
     def oldest_version(self) -> int | None:
-        return min(v for v, _ in self.spans) if self.spans else None
+        return _oldest_of(self.spans) if self.spans else None
 
 
 @dataclass
 class Group:
     group_id: int
     prompt_id: str
-    prompt: list[int]
+    prompt: tuple[int, ...]  # a tuple of ints: the garbage collector stops tracking it, never walks it
     task: str
     meta: dict
     sample_ids: list[int]
@@ -135,28 +164,29 @@ class AbortLease:
     lease_id: int
 
 
-@dataclass(frozen=True)
-class BatchSampleOut:
+class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
+    """One delivered sample. The batch types are frozen msgspec Structs rather than frozen
+    dataclasses: built 8× faster (0.06 µs against 0.5 µs; 64,000 a batch at 1,000 generators), and
+    never tracked by the garbage collector (``gc=False``: they hold no reference cycles)."""
+
     sample_id: int
     reward: float
     finish_reason: str
-    tokens: list[int]
-    logprobs: list[float]
+    tokens: Sequence[int]  # the sample's own array('i'), handed over (the sample keeps none)
+    logprobs: Sequence[float]  # array('d'), likewise
     spans: list[list[int]]
 
 
-@dataclass(frozen=True)
-class BatchGroupOut:
+class BatchGroupOut(msgspec.Struct, frozen=True, gc=False):
     group_id: int
     prompt_id: str
-    prompt: list[int]
+    prompt: Sequence[int]
     task: str
     meta: dict
     samples: list[BatchSampleOut]
 
 
-@dataclass(frozen=True)
-class BatchOut:
+class BatchOut(msgspec.Struct, frozen=True, gc=False):
     batch_id: int
     policy_version: int
     groups: list[BatchGroupOut]
@@ -215,6 +245,61 @@ def _bump(d: dict[str, int], key: str, by: int = 1) -> None:
     d[key] = d.get(key, 0) + by
 
 
+def _count_down(d: dict[int, int], key: int) -> None:
+    """One less under ``key``; none left: no entry (so that ``len(d)`` counts the keys in use)."""
+    n = d[key] - 1
+    if n:
+        d[key] = n
+    else:
+        del d[key]
+
+
+def _oldest_of(spans: list[list[int]]) -> int:
+    """The oldest version in non-empty run-length ``spans``."""
+    oldest = spans[0][0]
+    for version, _ in spans:
+        if version < oldest:
+            oldest = version
+    return oldest
+
+
+class _DeliveryTally:
+    """A batch's delivery counters, summed by version and turned into lags once per batch: per
+    sample, only additions to small dicts of ints (string keys and lags per token span were most
+    of ``pull_batch``'s own time)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.tokens = 0
+        self.tokens_by_version: dict[int, int] = {}
+        self.samples_by_oldest: dict[int, int] = {}
+
+    def add(self, s: Sample) -> None:
+        self.samples += 1
+        self.tokens += len(s.tokens)
+        if not s.spans:
+            return
+        by_version = self.tokens_by_version
+        oldest = None
+        for version, count in s.spans:
+            by_version[version] = by_version.get(version, 0) + count
+            if oldest is None or version < oldest:
+                oldest = version
+        self.samples_by_oldest[oldest] = self.samples_by_oldest.get(oldest, 0) + 1
+
+    def count_into(self, c: Counters, V: int) -> None:
+        """Add the tally to ``c`` for a batch delivered at version ``V``."""
+        c.samples_delivered += self.samples
+        c.tokens_delivered += self.tokens
+        for version, count in sorted(self.tokens_by_version.items(), reverse=True):
+            lag = V - version
+            _bump(c.staleness_tokens, str(lag), count)
+            if lag > 0:
+                c.off_policy_tokens += count
+        for version, n in sorted(self.samples_by_oldest.items(), reverse=True):
+            _bump(c.staleness_samples, str(V - version), n)
+
+
 class BrokerCore:
     """The rollout ledger and the APRIL policy. See the module docstring."""
 
@@ -238,68 +323,115 @@ class BrokerCore:
     # ------------------------------------------------------------------ indexes (derived state)
 
     def _rebuild_indexes(self) -> None:
-        # Ordered sets (dicts): the queue of each place, in arrival order.
-        self._fresh: dict[int, None] = {}
-        self._recycle: dict[int, None] = {}
-        self._unscored: dict[int, None] = {}  # finished, not out for scoring
+        # Ordered sets: the queue of each place, in arrival order. The queues taken from the
+        # front are ``OrderedDict``s: a plain dict finds its first key by skipping every entry
+        # deleted before it (O(n) a lease once thousands went out), an OrderedDict follows a link.
+        self._fresh: dict[int, None] = OrderedDict()
+        self._recycle: dict[int, None] = OrderedDict()
+        self._unscored: dict[int, None] = OrderedDict()  # finished, not out for scoring
         self._done: dict[int, None] = {}  # open groups whose n samples are finished or scored
-        self._ready: dict[int, None] = {}  # open groups whose n samples are scored
-        self._live: dict[int, None] = {}  # samples not delivered or retired
-        self._place_counts: Counter[Place] = Counter()
-        self._n_leased: Counter[int] = Counter()  # group -> leased samples
-        self._n_done: Counter[int] = Counter()
-        self._n_scored: Counter[int] = Counter()
+        self._ready: dict[int, None] = OrderedDict()  # open groups whose n samples are scored
+        self._live: dict[int, None] = {}  # samples not delivered or retired, in the order they last moved
+        self._moved_at: dict[int, int] = {}  # live sample -> its rank in ``_live`` (a move counter)
+        self._moves = 0
+        # Live samples holding tokens, by the oldest version among them: a new version visits only
+        # the samples it can make stale, not every live one (see ``publish_version``).
+        self._oldest: dict[int, int] = {}  # sample -> the oldest version of its tokens
+        self._by_oldest: dict[int, set[int]] = {}  # that version -> those samples
+        self._unaborted: dict[int, None] = {}  # leases not yet told to abort, in lease order
+        self._place_counts: dict[Place, int] = dict.fromkeys(Place, 0)
+        # group -> its samples leased / finished or scored / scored (no entry: none)
+        self._n_leased: dict[int, int] = {}
+        self._n_done: dict[int, int] = {}
+        self._n_scored: dict[int, int] = {}
         self._gen_leases: dict[str, set[int]] = {}
         self._scorers: set[str] = {scorer for scorer, _ in self.scoring.values()}  # names that took score requests
         for s in self.samples.values():
             self._index_add(s)
         for lease in self.leases.values():
             self._gen_leases.setdefault(lease.generator, set()).add(lease.lease_id)
+            if not lease.aborting:
+                self._unaborted[lease.lease_id] = None
+
+    def _index_oldest(self, sid: int, version: int) -> None:
+        """File live sample ``sid`` under ``version``, the oldest its tokens carry."""
+        old = self._oldest.get(sid)
+        if old == version:
+            return
+        if old is not None:
+            self._unindex_oldest(sid)
+        self._oldest[sid] = version
+        bucket = self._by_oldest.get(version)
+        if bucket is None:
+            bucket = self._by_oldest[version] = set()
+        bucket.add(sid)
+
+    def _unindex_oldest(self, sid: int) -> None:
+        old = self._oldest.pop(sid, None)
+        if old is not None:
+            bucket = self._by_oldest[old]
+            bucket.discard(sid)
+            if not bucket:
+                del self._by_oldest[old]
 
     def _index_add(self, s: Sample) -> None:
-        self._place_counts[s.place] += 1
-        gid = s.group_id
-        if s.place not in (Place.DELIVERED, Place.RETIRED):
-            self._live[s.sample_id] = None
-        if s.place is Place.QUEUED:
-            self._fresh[s.sample_id] = None
-        elif s.place is Place.PARTIAL:
-            self._recycle[s.sample_id] = None
-        elif s.place is Place.LEASED:
-            self._n_leased[gid] += 1
-        elif s.place is Place.FINISHED and s.sample_id not in self.scoring:
-            self._unscored[s.sample_id] = None
-        if s.place in (Place.FINISHED, Place.SCORED):
-            self._n_done[gid] += 1
-            if self._n_done[gid] == self.config.group_size:
+        place, sid, gid = s.place, s.sample_id, s.group_id
+        self._place_counts[place] += 1
+        if place is _DELIVERED or place is _RETIRED:
+            self._moved_at.pop(sid, None)
+            self._unindex_oldest(sid)
+            return
+        self._live[sid] = None
+        self._moved_at[sid] = self._moves
+        self._moves += 1
+        if s.spans:
+            self._index_oldest(sid, _oldest_of(s.spans))
+        else:
+            self._unindex_oldest(sid)
+        if place is _QUEUED:
+            self._fresh[sid] = None
+        elif place is _PARTIAL:
+            self._recycle[sid] = None
+        elif place is _LEASED:
+            self._n_leased[gid] = self._n_leased.get(gid, 0) + 1
+        else:  # finished or scored
+            if place is _FINISHED and sid not in self.scoring:
+                self._unscored[sid] = None
+            n = self._n_done[gid] = self._n_done.get(gid, 0) + 1
+            if n == self.config.group_size:
                 self._done[gid] = None
-        if s.place is Place.SCORED:
-            self._n_scored[gid] += 1
-            if self._n_scored[gid] == self.config.group_size:
-                self._ready[gid] = None
+            if place is _SCORED:
+                n = self._n_scored[gid] = self._n_scored.get(gid, 0) + 1
+                if n == self.config.group_size:
+                    self._ready[gid] = None
 
     def _index_remove(self, s: Sample) -> None:
-        self._place_counts[s.place] -= 1
-        gid = s.group_id
-        self._live.pop(s.sample_id, None)
-        self._fresh.pop(s.sample_id, None)
-        self._recycle.pop(s.sample_id, None)
-        self._unscored.pop(s.sample_id, None)
-        if s.place is Place.LEASED:
-            self._n_leased[gid] -= 1
-            if not self._n_leased[gid]:
-                del self._n_leased[gid]
-        if s.place in (Place.FINISHED, Place.SCORED):
-            self._n_done[gid] -= 1
+        """Take ``s`` out of the indexes of its place (the oldest-version index is ``_index_add``'s:
+        a move between two live places keeps it)."""
+        place, sid, gid = s.place, s.sample_id, s.group_id
+        self._place_counts[place] -= 1
+        if place is _DELIVERED or place is _RETIRED:
+            return
+        del self._live[sid]
+        if place is _QUEUED:
+            self._fresh.pop(sid, None)
+        elif place is _PARTIAL:
+            self._recycle.pop(sid, None)
+        elif place is _LEASED:
+            _count_down(self._n_leased, gid)
+        else:  # finished or scored
+            if place is _FINISHED:
+                self._unscored.pop(sid, None)
+            _count_down(self._n_done, gid)
             self._done.pop(gid, None)
-        if s.place is Place.SCORED:
-            self._n_scored[gid] -= 1
-            self._ready.pop(gid, None)
+            if place is _SCORED:
+                _count_down(self._n_scored, gid)
+                self._ready.pop(gid, None)
 
     def _move(self, s: Sample, place: Place) -> None:
         """The one way a sample changes place: keeps every index in step."""
         self._index_remove(s)
-        if s.place is Place.FINISHED:
+        if s.place is _FINISHED:
             self.scoring.pop(s.sample_id, None)
         s.place = place
         self._index_add(s)
@@ -351,7 +483,7 @@ class BrokerCore:
             )
         gid = self._take("group")
         ids = [self._take("sample") for _ in range(self.config.group_size)]
-        self.groups[gid] = Group(gid, prompt_id, [int(t) for t in prompt], task, dict(meta or {}), ids, now)
+        self.groups[gid] = Group(gid, prompt_id, tuple(map(int, prompt)), task, dict(meta or {}), ids, now)
         self.prompt_ids.add(prompt_id)
         for k, sid in enumerate(ids):
             s = Sample(sid, gid, k)
@@ -378,7 +510,7 @@ class BrokerCore:
 
     def _group_admissible(self, gid: int) -> bool:
         cfg = self.config
-        if self._n_leased[gid]:
+        if gid in self._n_leased:
             return True
         if len(self._n_leased) >= cfg.max_inflight_groups:
             return False
@@ -411,6 +543,7 @@ class BrokerCore:
         lid = self._take("lease")
         self.leases[lid] = Lease(lid, s.sample_id, generator, now + self.config.lease_timeout_s)
         self._gen_leases.setdefault(generator, set()).add(lid)
+        self._unaborted[lid] = None
         if s.tokens:
             self.counters.partials_recycled += 1
             self.counters.tokens_resumed += len(s.tokens)
@@ -426,13 +559,14 @@ class BrokerCore:
             sample_id=s.sample_id,
             group_id=s.group_id,
             prompt=list(g.prompt),
-            resume=list(s.tokens),
+            resume=_plain(s.tokens),
             max_new_tokens=self.config.max_response_tokens - len(s.tokens),
             min_policy_version=self.version,
         )
 
     def _end_lease(self, lease: Lease) -> Sample:
         del self.leases[lease.lease_id]
+        self._unaborted.pop(lease.lease_id, None)
         owned = self._gen_leases.get(lease.generator)
         if owned is not None:
             owned.discard(lease.lease_id)
@@ -481,18 +615,34 @@ class BrokerCore:
         self.counters.tokens_over_budget += len(tokens) - skip - take
         if take <= 0:
             return 0
-        s.tokens.extend(_plain(tokens[skip : skip + take]))
-        s.logprobs.extend(_plain(logprobs[skip : skip + take]))
+        whole = skip == 0 and take == len(tokens)
+        try:  # both converted before either is stored: a bad value changes nothing
+            new_tokens = _to_array(TOKEN_TYPECODE, tokens if whole else tokens[skip : skip + take])
+            new_logprobs = _to_array(LOGPROB_TYPECODE, logprobs if whole else logprobs[skip : skip + take])
+        except (TypeError, OverflowError) as e:
+            raise BrokerError(
+                f"chunk for sample {s.sample_id}: a token id or log-prob is not a number: {e}") from None
+        if s.tokens:
+            s.tokens.extend(new_tokens)
+            s.logprobs.extend(new_logprobs)
+        else:  # the first tokens: the new arrays become the sample's
+            s.tokens, s.logprobs = new_tokens, new_logprobs
         # Slice the run-length version spans to [skip, skip + take).
         pos, lo, hi = 0, skip, skip + take
+        lowest = None
         for version, count in spans:
             a, b = max(pos, lo), min(pos + count, hi)
             if a < b:
+                version = int(version)
                 if s.spans and s.spans[-1][0] == version:
                     s.spans[-1][1] += b - a
                 else:
-                    s.spans.append([int(version), b - a])
+                    s.spans.append([version, b - a])
+                lowest = version if lowest is None else min(lowest, version)
             pos += count
+        old = self._oldest.get(s.sample_id)
+        if s.sample_id in self._live and (old is None or lowest < old):
+            self._index_oldest(s.sample_id, lowest)
         self.counters.tokens_generated += take
         return take
 
@@ -603,13 +753,14 @@ class BrokerCore:
     def score_lease(self, scorer: str, max_tasks: int, now: float) -> list[ScoreTask]:
         """Up to ``max_tasks`` finished samples for ``scorer``, oldest first."""
         tasks = []
-        for sid in list(self._unscored)[:max_tasks]:
+        for sid in list(islice(self._unscored, max_tasks)):
             s = self.samples[sid]
             g = self.groups[s.group_id]
             del self._unscored[sid]
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
             self._scorers.add(scorer)
-            tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), list(s.tokens), s.finish_reason, g.task, dict(g.meta)))
+            tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), _plain(s.tokens),
+                                   s.finish_reason, g.task, dict(g.meta)))
         return tasks
 
     def _return_to_scoring(self, sid: int) -> None:
@@ -659,7 +810,7 @@ class BrokerCore:
             return self.retire_group(s.group_id, "stale")
         self.counters.restarts += 1
         self.counters.tokens_discarded += len(s.tokens)
-        s.tokens, s.logprobs, s.spans = [], [], []
+        s.tokens, s.logprobs, s.spans = NO_TOKENS, NO_TOKENS, []
         s.finish_reason, s.reward, s.finished_by = None, None, None
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
@@ -691,10 +842,10 @@ class BrokerCore:
         """``april``: once B groups are complete, abort everything still in flight."""
         if self.config.mode != "april" or len(self._done) < self.config.batch_groups:
             return []
-        effects = [AbortLease(lease.generator, lid) for lid, lease in self.leases.items() if not lease.aborting]
+        effects = [AbortLease(self.leases[lid].generator, lid) for lid in self._unaborted]
         if effects:
             for e in effects:
-                self.leases[e.lease_id].aborting = True
+                self._set_aborting(self.leases[e.lease_id])
             self.counters.early_terminations += 1
             self.counters.aborts_sent += len(effects)
         return effects
@@ -714,27 +865,57 @@ class BrokerCore:
         self.counters.version_updates += 1
         if self.awaiting_version is not None and version > self.awaiting_version:
             self.awaiting_version = None
-            self.step_groups = {gid for gid in self._n_leased}
+            self._open_next_step()
         effects: list[AbortLease] = []
-        for sid in list(self._live):
+        for sid in self._stale_candidates():
             s = self.samples[sid]
             if s.place in HELD_PLACES:
                 effects += self._enforce_bound(s)
             elif s.place is Place.LEASED and self.is_stale(s):
                 lease = self.leases[s.lease_id]
                 if not lease.aborting:
-                    lease.aborting = True
+                    self._set_aborting(lease)
                     self.counters.aborts_sent += 1
                     effects.append(AbortLease(lease.generator, lease.lease_id))
         return effects
+
+    def _open_next_step(self) -> None:
+        """sync/april: the next rollout step starts with the groups still leased. Updated in place:
+        a new set of thousands of groups took 0.5–9 ms to allocate in the simulator (fresh memory
+        from the OS), the in-place update tens of µs."""
+        groups, leased = self.step_groups, self._n_leased
+        groups.difference_update([gid for gid in groups if gid not in leased])
+        groups.update(leased)
+
+    def _stale_candidates(self) -> list[int]:
+        """The live samples whose oldest token is over η at the current version, in the order
+        they last moved (the order the bound is applied in decides the order of the partials it
+        makes, so it is the order of every live sample, as a full scan would visit them).
+
+        Only the versions that η now excludes are looked at: a version visits the samples it
+        can make stale, not every live one (a scan of all live samples cost 30–240 ms a version
+        at 1,000 generators).
+        """
+        limit = self.version - self.config.staleness_bound  # a sample from a version below this is stale
+        found: list[int] = []
+        for version, sids in self._by_oldest.items():
+            if version < limit:
+                found.extend(sids)
+        found.sort(key=self._moved_at.__getitem__)
+        return found
+
+    def _set_aborting(self, lease: Lease) -> None:
+        lease.aborting = True
+        self._unaborted.pop(lease.lease_id, None)
 
     def pull_batch(self, now: float) -> BatchOut | None:
         """B whole, scored, in-bound groups for the learner, oldest first; None until there are B."""
         B = self.config.batch_groups
         if len(self._ready) < B:
             return None
-        chosen = list(self._ready)[:B]
+        chosen = list(islice(self._ready, B))
         V = self.version
+        tally = _DeliveryTally()
         out_groups = []
         for gid in chosen:
             g = self.groups[gid]
@@ -743,20 +924,22 @@ class BrokerCore:
                 BatchGroupOut(
                     gid,
                     g.prompt_id,
-                    list(g.prompt),
+                    g.prompt,  # a tuple: shared, not copied
                     g.task,
                     dict(g.meta),
-                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.tokens, s.logprobs,
-                                    [list(span) for span in s.spans]) for s in samples],
+                    # The token arrays leave with the batch (the sample gets empty ones below); the
+                    # spans are shared: a delivered sample's never change again.
+                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.tokens, s.logprobs, s.spans)
+                     for s in samples],
                 )
             )
             for s in samples:
-                self._account_delivery(s, V)
+                tally.add(s)
                 self._move(s, Place.DELIVERED)
-                # The tokens left with the batch; the ledger keeps the sample's version spans.
-                s.tokens, s.logprobs = [], []
+                s.tokens, s.logprobs = NO_TOKENS, NO_TOKENS
             g.state = "delivered"
             self.step_groups.discard(gid)
+        tally.count_into(self.counters, V)
         c = self.counters
         c.batches_delivered += 1
         c.groups_delivered += B
@@ -782,7 +965,7 @@ class BrokerCore:
         if newest and self.awaiting_version is not None and policy_version <= self.awaiting_version:
             self.counters.steps_skipped += 1
             self.awaiting_version = None
-            self.step_groups = {gid for gid in self._n_leased}
+            self._open_next_step()
 
     def ack_batches(self, upto_batch_id: int) -> bool:
         """The learner holds every batch up to ``upto_batch_id``: forget them. True if any was."""
@@ -798,17 +981,6 @@ class BrokerCore:
                 return batch
         return None
 
-    def _account_delivery(self, s: Sample, V: int) -> None:
-        c = self.counters
-        c.samples_delivered += 1
-        c.tokens_delivered += len(s.tokens)
-        for version, count in s.spans:
-            lag = V - version
-            _bump(c.staleness_tokens, str(lag), count)
-            if lag > 0:
-                c.off_policy_tokens += count
-        if s.spans:
-            _bump(c.staleness_samples, str(V - s.oldest_version))
 
     # ------------------------------------------------------------------ snapshot
 
@@ -827,7 +999,8 @@ class BrokerCore:
                                 meta=g.meta, sample_ids=g.sample_ids, admitted_at=g.admitted_at,
                                 state=g.state, retire_reason=g.retire_reason) for g in self.groups.values()],
             samples=[SampleRecord(sample_id=s.sample_id, group_id=s.group_id, index=s.index, place=s.place,
-                                  tokens=s.tokens, logprobs=s.logprobs, spans=s.spans, attempts=s.attempts,
+                                  tokens=_plain(s.tokens), logprobs=_plain(s.logprobs), spans=s.spans,
+                                  attempts=s.attempts,
                                   lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
                                   finished_by=s.finished_by) for s in self.samples.values()],
             leases=[LeaseRecord(lease_id=x.lease_id, sample_id=x.sample_id, generator=x.generator,
@@ -862,12 +1035,15 @@ class BrokerCore:
         core.step_groups = set(snap.step_groups)
         core.awaiting_version = snap.awaiting_version
         for g in snap.groups:
-            core.groups[g.group_id] = Group(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, g.sample_ids,
+            core.groups[g.group_id] = Group(g.group_id, g.prompt_id, tuple(g.prompt), g.task, g.meta,
+                                            g.sample_ids,
                                             g.admitted_at, g.state, g.retire_reason)
         for s in snap.samples:
-            core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, s.tokens,
-                                               s.logprobs, s.spans, s.attempts, s.lease_id, s.finish_reason,
-                                               s.reward, s.finished_by)
+            tokens = _token_array(s.tokens) if s.tokens else NO_TOKENS
+            logprobs = _logprob_array(s.logprobs) if s.logprobs else NO_TOKENS
+            core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, tokens, logprobs,
+                                               s.spans, s.attempts, s.lease_id, s.finish_reason, s.reward,
+                                               s.finished_by)
         for x in snap.leases:
             core.leases[x.lease_id] = Lease(x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting)
         for r in snap.scoring:
@@ -875,7 +1051,8 @@ class BrokerCore:
         for b in snap.unacked_batches:
             core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, [
                 BatchGroupOut(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, [
-                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, x.tokens, x.logprobs, x.spans)
+                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, _token_array(x.tokens),
+                                   _logprob_array(x.logprobs), x.spans)
                     for x in g.samples])
                 for g in b.groups])
         missing = sorted(({x.sample_id for x in snap.leases} | set(core.scoring)) - set(core.samples))
@@ -888,9 +1065,12 @@ class BrokerCore:
         for name in Queues.__struct_fields__:
             ids = getattr(snap.queues, name)
             attr = "_" + name
-            if set(getattr(core, attr)) != set(ids):
+            queue = getattr(core, attr)
+            if set(queue) != set(ids):
                 raise BrokerError(f"snapshot is inconsistent: queue {name!r} does not match the samples' places")
-            setattr(core, attr, dict.fromkeys(ids))
+            setattr(core, attr, type(queue).fromkeys(ids))
+        core._moved_at = {sid: rank for rank, sid in enumerate(core._live)}
+        core._moves = len(core._live)
         return core
 
     def rebase_deadlines(self, now: float) -> None:
@@ -1108,11 +1288,24 @@ def _batch_record(b: BatchOut) -> BatchRecord:
     return BatchRecord(batch_id=b.batch_id, policy_version=b.policy_version, groups=[
         BatchGroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
                          meta=g.meta, samples=[BatchSampleRecord(sample_id=x.sample_id, reward=x.reward,
-                                                    finish_reason=x.finish_reason, tokens=x.tokens,
-                                                    logprobs=x.logprobs, spans=x.spans) for x in g.samples])
+                                                    finish_reason=x.finish_reason, tokens=_plain(x.tokens),
+                                                    logprobs=_plain(x.logprobs), spans=x.spans)
+                                  for x in g.samples])
         for g in b.groups])
 
 
+def _to_array(typecode: str, values: Sequence) -> array:
+    """``values`` as a new array; from a list through ``fromlist``, twice as fast as the constructor."""
+    out = array(typecode)
+    if type(values) is list:
+        out.fromlist(values)
+    elif isinstance(values, array) and values.typecode == typecode:
+        out.extend(values)
+    else:  # a numpy array, a tuple, an array of another type
+        out.fromlist(_plain(values))
+    return out
+
+
 def _plain(values) -> list:
-    """Python ints/floats (for the snapshot) from a list or a numpy array."""
+    """Python ints/floats (for the snapshot and the messages) from a list, an ``array`` or a numpy array."""
     return values.tolist() if hasattr(values, "tolist") else list(values)

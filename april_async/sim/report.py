@@ -11,14 +11,22 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from april_async.sim.config import SimError, SimSettings, sim_settings
 from april_async.sim.costs import COSTS
 
+if TYPE_CHECKING:
+    from april_async.sim.simulation import SimResult
+
 DEFAULT_MODES = "sync,april:1.5,april:2,async:2"
 GOAL = 1.44  # APRIL's best published rollout-throughput gain over the synchronous baseline
-LATENCY_CALLS = ("lease", "finish", "scored", "pull_batch", "publish_version")
+LATENCY_CALLS = ("admit", "lease", "finish", "scored", "pull_batch", "publish_version")
+# Issue 18's bounds on the broker core at cluster scale: every per-message call at most 1 ms at
+# p99, and nothing (pull_batch and full garbage collections included) holding the broker over 10 ms.
+MESSAGE_P99_BOUND_US = 1_000.0
+ANY_CALL_BOUND_US = 10_000.0
+NOT_PER_MESSAGE = ("pull_batch",)  # one call moves a whole batch: held to the 10 ms bound only
 SMOKE = dict(generators=8, slots=16, group_size=4, max_response_tokens=1024, batches=2, warmup=1)
 
 
@@ -75,17 +83,46 @@ def parse_modes(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def bound_violations(r: SimResult) -> list[str]:
+    """What one mode's run broke of the latency bounds, worst first, as ``call p99|max N ms``."""
+    from april_async.sim.simulation import CORE_CALLS
+
+    found: list[tuple[float, str]] = []
+    for call in CORE_CALLS:
+        _, p99, n = r.latency(call)
+        if n and call not in NOT_PER_MESSAGE and p99 > MESSAGE_P99_BOUND_US:
+            found.append((p99, f"{call} p99 {p99 / 1e3:.1f} ms"))
+        worst = r.max_us(call)
+        if worst > ANY_CALL_BOUND_US:
+            found.append((worst, f"{call} max {worst / 1e3:.1f} ms"))
+    gc_worst = max(r.gc_pauses_ms, default=0.0) * 1e3
+    if gc_worst > ANY_CALL_BOUND_US:
+        found.append((gc_worst, f"full GC {gc_worst / 1e3:.0f} ms"))
+    return [text for _, text in sorted(found, reverse=True)]
+
+
+def bounds_line(results: list[SimResult]) -> str:
+    """One line: PASS, or FAIL and what each mode broke of the bounds."""
+    head = (f"bounds (p99 <= {MESSAGE_P99_BOUND_US / 1e3:g} ms a message call, "
+            f"max <= {ANY_CALL_BOUND_US / 1e3:g} ms any call or full GC):")
+    broken = [(r, bound_violations(r)) for r in results]
+    if not any(v for _, v in broken):
+        return f"{head} PASS"
+    return f"{head} FAIL — " + "; ".join(f"{r.mode} r={r.r:g}: {', '.join(v)}" for r, v in broken if v)
+
+
 def main(argv: list[str] | None = None, prog: str = "simulate") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv), prog)
 
 
-def run(args: argparse.Namespace, prog: str = "simulate", out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace, prog: str = "simulate", out: TextIO | None = None) -> int:
+    """Run the comparison; print to ``out`` (default: the ``sys.stdout`` of the moment of the call)."""
     from april_async.sim.workload import WorkloadError
 
     try:
-        return _run(args, out)
+        return _run(args, sys.stdout if out is None else out)
     except (SimError, WorkloadError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
@@ -136,6 +173,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             cells.append(f"{p50:7.1f} / {p99:7.1f}" if n else f"{'-':>17}")
         cells.append(f"{len(r.gc_pauses_ms):9d}, {max(r.gc_pauses_ms, default=0.0):7.0f}")
         p(f"{r.mode:<6} {r.r:4g} " + " ".join(cells))
+    p("slowest call of each kind, ms:")
+    p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in LATENCY_CALLS))
+    for r in results:
+        p(f"{r.mode:<6} {r.r:4g} " + " ".join(f"{r.max_us(c) / 1e3:17.2f}" for c in LATENCY_CALLS))
+    p(bounds_line(results))
     goal = next((r for r in results if r.mode == "april" and r.r == 2.0), None)
     if goal is not None and base.mode == "sync":
         gain = goal.tokens_per_s / base.tokens_per_s

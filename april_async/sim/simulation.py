@@ -104,6 +104,10 @@ class SimResult:
             return math.nan, math.nan, 0
         return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))], len(xs)
 
+    def max_us(self, call: str) -> float:
+        """The slowest call of one kind (µs; 0 when there was none)."""
+        return max(self.latency_us.get(call, ()), default=0.0)
+
     def row(self) -> dict:
         """The numbers as a flat dict (JSON, CSV)."""
         out = {"mode": self.mode, "r": self.r, "eta": self.eta, "sim_seconds": self.sim_seconds,
@@ -116,6 +120,7 @@ class SimResult:
         for call in CORE_CALLS:
             p50, p99, n = self.latency(call)
             out[f"{call}_p50_us"], out[f"{call}_p99_us"], out[f"{call}_calls"] = p50, p99, n
+            out[f"{call}_max_us"] = self.max_us(call)
         return out
 
 

@@ -499,7 +499,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                             f"sample {s.sample_id} delivered twice")
                     seen.add(s.sample_id)
                     require(6, m.place is Place.SCORED, f"sample {s.sample_id} delivered while {m.place}")
-                    require(1, s.tokens == [t for t, _, _ in m.tokens], f"sample {s.sample_id} lost tokens")
+                    require(1, list(s.tokens) == [t for t, _, _ in m.tokens],
+                            f"sample {s.sample_id} lost tokens")
                     oldest = min((v for v, _ in s.spans), default=None)
                     require(4, oldest is None or self.V - oldest <= self.cfg.staleness_bound,
                             f"sample {s.sample_id} from version {oldest} delivered at {self.V}")
@@ -596,10 +597,12 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             require(1, c.tokens_generated == live + c.tokens_delivered + c.tokens_discarded + c.tokens_retired,
                     f"tokens: {c.tokens_generated} accepted != {live} held + {c.tokens_delivered} delivered"
                     f" + {c.tokens_discarded} discarded + {c.tokens_retired} retired")
+            check_indexes(core)
             for sid, m in self.samples.items():
                 if m.place in HELD or m.place is Place.LEASED:
-                    require(1, core.samples[sid].tokens == [t for t, _, _ in m.tokens],
-                            f"sample {sid} holds {core.samples[sid].tokens}, was sent {[t for t, _, _ in m.tokens]}")
+                    require(1, list(core.samples[sid].tokens) == [t for t, _, _ in m.tokens],
+                            f"sample {sid} holds {list(core.samples[sid].tokens)},"
+                            f" was sent {[t for t, _, _ in m.tokens]}")
             # The model.
             for sid, m in self.samples.items():
                 self.agree(core.samples[sid].place is m.place, f"sample {sid}: core {core.samples[sid].place}, model {m.place}")
@@ -613,12 +616,32 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
     return BrokerMachine
 
 
+def check_indexes(core: BrokerCore) -> None:
+    """Invariant 1, the ledger's derived indexes against a scan of every sample and lease: the live
+    samples by the oldest version they hold (what a new version visits), their order of last move,
+    and the leases not yet told to abort."""
+    live = [sid for sid, s in core.samples.items() if s.place not in (Place.DELIVERED, Place.RETIRED)]
+    require(1, sorted(core._live) == sorted(live), "the live index is not the live samples")
+    require(1, sorted(core._live, key=core._moved_at.__getitem__) == list(core._live),
+            "the move ranks do not give the live order")
+    oldest = {sid: min(v for v, _ in core.samples[sid].spans) for sid in live if core.samples[sid].spans}
+    require(1, core._oldest == oldest, f"oldest-version index {core._oldest}, samples say {oldest}")
+    by_oldest: dict[int, set[int]] = {}
+    for sid, v in oldest.items():
+        by_oldest.setdefault(v, set()).add(sid)
+    require(1, core._by_oldest == by_oldest,
+            f"samples by oldest version {core._by_oldest}, should be {by_oldest}")
+    unaborted = [lid for lid, x in core.leases.items() if not x.aborting]
+    require(1, list(core._unaborted) == unaborted,
+            f"leases not aborting {list(core._unaborted)}, should be {unaborted}")
+
+
 def check_durable(before: BrokerCore, after: BrokerCore) -> None:
     """Invariant 7: a core rebuilt from its snapshot is the same core."""
     require(7, after.to_bytes() == before.to_bytes(), "the restored broker's snapshot differs")
     for sid, s in before.samples.items():
         r = after.samples.get(sid)
-        require(7, r is not None and (r.place, r.tokens, r.spans) == (s.place, s.tokens, s.spans),
+        require(7, r is not None and (r.place, list(r.tokens), r.spans) == (s.place, list(s.tokens), s.spans),
                 f"sample {sid} differs after restart")
     for name in ("recycle_queue", "fresh_queue", "done_groups", "ready_groups", "place_counts"):
         require(7, getattr(after, name)() == getattr(before, name)(), f"{name} differs after restart")

@@ -49,7 +49,7 @@ def test_april_terminates_early_and_recycles_partials_first_with_the_remaining_b
     for g in g2 + g3:
         finish(core, g, n_tokens=0, reason="abort")
     assert core.samples[g2[0].sample_id].place is Place.PARTIAL
-    assert core.samples[g2[0].sample_id].tokens == [5, 5, 5]  # a partial keeps its tokens
+    assert list(core.samples[g2[0].sample_id].tokens) == [5, 5, 5]  # a partial keeps its tokens
     score_all(core)
     batch = core.pull_batch(2.0)
     assert [g.group_id for g in batch.groups] == [g0[0].group_id, g1[0].group_id]
@@ -97,7 +97,7 @@ def test_staleness_restart_drops_tokens_counts_them_and_regenerates():
     assert core.samples[g.sample_id].place is Place.FINISHED
     core.publish_version(2, 1.0)  # lag 2 > η
     s = core.samples[g.sample_id]
-    assert s.place is Place.PARTIAL and s.tokens == [] and s.finished_by is None
+    assert s.place is Place.PARTIAL and list(s.tokens) == [] and s.finished_by is None
     assert core.counters.restarts == 1 and core.counters.tokens_discarded == 3
     again = core.lease("gen", 1, 2.0)[0]
     assert again.sample_id == g.sample_id and again.resume == [] and again.max_new_tokens == 8
@@ -125,7 +125,7 @@ def test_leased_sample_whose_tokens_break_the_bound_is_aborted_at_the_version_bu
     assert core.publish_version(1, 1.0) == []  # the same version again: a no-op
     finish(core, g, n_tokens=1, reason="abort", version=1)
     s = core.samples[g.sample_id]
-    assert s.place is Place.PARTIAL and s.tokens == []  # restarted: version-0 tokens were over η
+    assert s.place is Place.PARTIAL and list(s.tokens) == []  # restarted: version-0 tokens were over η
 
 
 def test_silent_generator_loses_its_leases_as_partials_heartbeats_keep_them():
@@ -136,7 +136,7 @@ def test_silent_generator_loses_its_leases_as_partials_heartbeats_keep_them():
     core.touch("gen-b", 4.0)
     core.expire(6.0)
     assert core.samples[a.sample_id].place is Place.PARTIAL
-    assert core.samples[a.sample_id].tokens == [4, 4]
+    assert list(core.samples[a.sample_id].tokens) == [4, 4]
     assert core.samples[b.sample_id].place is Place.LEASED
     assert core.counters.leases_expired == 1
     assert core.chunk(a.lease_id, 2, [9], [-1.0], [[0, 1]], 6.5) is False  # the old lease is over
@@ -151,11 +151,53 @@ def test_chunks_are_idempotent_by_offset_and_a_gap_is_ignored():
     assert core.chunk(g.lease_id, 1, [2, 3], [-2.0, -3.0], [[0, 1], [1, 1]], 0.3)  # overlap: tail
     assert not core.chunk(g.lease_id, 5, [9], [-1.0], [[1, 1]], 0.4)  # gap
     s = core.samples[g.sample_id]
-    assert s.tokens == [1, 2, 3] and s.logprobs == [-1.0, -2.0, -3.0] and s.spans == [[0, 2], [1, 1]]
+    assert list(s.tokens) == [1, 2, 3] and list(s.logprobs) == [-1.0, -2.0, -3.0]
+    assert s.spans == [[0, 2], [1, 1]]
     assert core.counters.tokens_duplicate == 3 and core.counters.chunk_gaps == 1
     # A finish whose start never arrived: the sample is resumed from what the broker holds.
     core.finish(g.lease_id, 7, [1], [-1.0], [[1, 1]], "stop", 0.5)
-    assert s.place is Place.PARTIAL and s.tokens == [1, 2, 3]
+    assert s.place is Place.PARTIAL and list(s.tokens) == [1, 2, 3]
+
+
+def test_a_chunk_with_a_value_that_is_not_a_number_is_refused_and_changes_nothing():
+    core = make()
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    assert core.chunk(g.lease_id, 0, [1, 2], [-1.0, -2.0], [[0, 2]], 0.1)
+    with pytest.raises(BrokerError, match="not a number"):
+        core.chunk(g.lease_id, 2, [3, 4], [-3.0, "x"], [[0, 2]], 0.2)
+    s = core.samples[g.sample_id]
+    assert list(s.tokens) == [1, 2] and list(s.logprobs) == [-1.0, -2.0] and s.spans == [[0, 2]]
+
+
+def test_token_arrays_leave_with_the_batch_and_numpy_chunks_are_taken():
+    """The ledger holds tokens in arrays (the collector does not walk them); a delivered sample holds none."""
+    np = pytest.importorskip("numpy")
+    core = make(batch_groups=1, group_size=1, over_provision=1.0)
+    admit(core, 1)
+    g = core.lease("gen", 1, 0.0)[0]
+    core.finish(g.lease_id, 0, np.array([5, 6], dtype=np.int32), np.array([-0.5, -0.25], dtype=np.float32),
+                [[0, 2]], "stop", 0.1)
+    score_all(core)
+    (sample,) = core.pull_batch(0.2).groups[0].samples
+    assert list(sample.tokens) == [5, 6] and list(sample.logprobs) == [-0.5, -0.25]
+    s = core.samples[g.sample_id]
+    assert s.place is Place.DELIVERED and len(s.tokens) == len(s.logprobs) == 0 and s.spans == [[0, 2]]
+
+
+def test_a_new_version_restarts_stale_partials_in_the_order_they_last_moved():
+    """Only the samples a version can make stale are visited, in the order a scan of every live
+    sample would give (the order of the partials it makes)."""
+    core = make(mode="async", batch_groups=4, group_size=1, over_provision=1.0, staleness_bound=0,
+                max_attempts=10)
+    admit(core, 4)
+    a, b, c, d = core.lease("gen", 4, 0.0)
+    for grant, version in ((c, 0), (a, 0), (d, 1), (b, 0)):  # c, a, b become partials, in that order
+        finish(core, grant, n_tokens=1, reason="abort", version=version)
+    assert core.recycle_queue() == [c.sample_id, a.sample_id, d.sample_id, b.sample_id]
+    core.publish_version(1, 2.0)  # version 0 is now over η = 0: c, a, b restart, d keeps its tokens
+    assert core.counters.restarts == 3 and list(core.samples[d.sample_id].tokens) == [7]
+    assert core.recycle_queue() == [d.sample_id, c.sample_id, a.sample_id, b.sample_id]
 
 
 def test_tokens_past_the_budget_are_ignored_and_the_sample_ends_by_length():
@@ -164,7 +206,7 @@ def test_tokens_past_the_budget_are_ignored_and_the_sample_ends_by_length():
     g = core.lease("gen", 1, 0.0)[0]
     core.finish(g.lease_id, 0, [1, 2, 3, 4], [-1.0] * 4, [[0, 4]], "abort", 0.5)
     s = core.samples[g.sample_id]
-    assert s.place is Place.FINISHED and s.finish_reason == "length" and s.tokens == [1, 2, 3]
+    assert s.place is Place.FINISHED and s.finish_reason == "length" and list(s.tokens) == [1, 2, 3]
     assert core.counters.tokens_over_budget == 1
 
 
@@ -211,7 +253,7 @@ def test_batch_accounts_staleness_and_off_policy_tokens():
     score_all(core)
     batch = core.pull_batch(0.4)
     (sample,) = batch.groups[0].samples
-    assert sample.tokens == [1, 2, 3] and sample.spans == [[0, 2], [1, 1]]
+    assert list(sample.tokens) == [1, 2, 3] and sample.spans == [[0, 2], [1, 1]]
     c = core.counters
     assert c.off_policy_tokens == 2
     assert c.staleness_tokens == {"1": 2, "0": 1} and c.staleness_samples == {"1": 1}  # lags as strings

@@ -19,11 +19,19 @@ from april_async.broker.config import RolloutConfig
 from april_async.broker.core import SNAPSHOT_FORMAT, BrokerCore, BrokerError, Place, read_snapshot
 from april_async.broker.journal import Journal
 from april_async.broker.service import replay
-from tests.data.make_broker_journal_v1 import state_of  # the fixture's view of a core
+from tests.data.make_broker_journal_v1 import state_of as fixture_state_of  # the fixture's view of a core
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 V1_DIR = DATA / "broker-journal-v1"
 V1 = json.loads((DATA / "broker-journal-v1.json").read_text())
+
+
+def state_of(core: BrokerCore) -> dict:
+    """The fixture's view of a core, with token and log-prob arrays as the lists the JSON holds."""
+    state = fixture_state_of(core)
+    for s in state["samples"].values():
+        s["tokens"], s["logprobs"] = list(s["tokens"]), list(s["logprobs"])
+    return state
 
 
 def run_calls(core: BrokerCore, calls: list) -> BrokerCore:

@@ -40,9 +40,28 @@ def test_every_mode_delivers_its_batches_and_the_ledger_balances(mode, r, eta):
     assert c["tokens_duplicate"] == c["chunk_gaps"] == c["stale_reports"] == 0  # every report was on time
     assert max(int(lag) for lag in c["staleness_samples"]) <= eta  # nothing delivered past η
     assert 0.0 <= res.idle_fraction <= 1.0 and 0.0 <= res.empty_fraction <= res.idle_fraction + 1e-9
-    for call in ("lease", "finish", "scored", "pull_batch", "publish_version"):
+    for call in ("admit", "lease", "finish", "scored", "pull_batch", "publish_version"):
         p50, p99, n = res.latency(call)
-        assert n > 0 and 0 < p50 <= p99, call
+        assert n > 0 and 0 < p50 <= p99 <= res.max_us(call), call
+
+
+def test_the_bounds_line_names_each_call_over_its_bound():
+    """Issue 18's bounds: p99 <= 1 ms for a per-message call, max <= 10 ms for any call (pull_batch
+    included) and any full garbage collection."""
+    from array import array
+
+    from april_async.sim.report import bound_violations, bounds_line
+
+    res = Simulation(cfg("async", 2.0, 1), SPEC).run()
+    res.latency_us = {call: array("d", [1.0] * 100) for call in res.latency_us}
+    res.gc_pauses_ms = array("d", [2.0])
+    assert bound_violations(res) == [] and bounds_line([res]).endswith(": PASS")
+    res.latency_us["finish"] = array("d", [1.0] * 90 + [2_000.0] * 10)  # p99 2 ms, max 2 ms
+    res.latency_us["pull_batch"] = array("d", [1.0] * 90 + [20_000.0] * 10)  # whole batches: max only
+    res.gc_pauses_ms = array("d", [30.0])
+    assert bound_violations(res) == ["full GC 30 ms", "pull_batch max 20.0 ms", "finish p99 2.0 ms"]
+    line = bounds_line([res])
+    assert "FAIL — async r=2: full GC 30 ms, pull_batch max 20.0 ms, finish p99 2.0 ms" in line
 
 
 def test_april_recycles_partials_and_sync_never_does():
@@ -101,7 +120,8 @@ def test_cli_prints_one_row_per_mode(capsys):
     rows = [ln.split() for ln in lines[head + 1:head + 5]]
     assert [(r[0], float(r[1])) for r in rows] == [("sync", 1.0), ("april", 1.5), ("april", 2.0), ("async", 2.0)]
     assert rows[0][6] == "1.00x" and all(float(r[5]) > 0 for r in rows)
-    assert "april (r=2) / sync = " in out and "p50 / p99" in out
+    assert "april (r=2) / sync = " in out and "p50 / p99" in out and "slowest call" in out
+    assert "bounds (p99 <= 1 ms a message call, max <= 10 ms any call or full GC): " in out
 
 
 def test_tools_simulate_runs_from_a_checkout_and_writes_json(tmp_path):
