@@ -26,11 +26,11 @@ slot-seconds / capacity and ``empty`` = the share of generator-time with no acti
 the off-policy share of the delivered tokens; tokens dropped by staleness restarts; partials
 resumed. Then the broker core's wall-clock cost per call (p50 / p99 µs, measured with
 ``time.perf_counter`` around each real call; ``pull_batch`` counts the calls that returned a
-batch) and the full garbage collections of the run.
+batch), the full garbage collections of the run, the slowest call of each kind, and the bounds.
 
-What it finds, in useful tokens/s against sync. The default at 1,000 generators (4 min 28 s,
-4.5 GB): sync 578k tokens/s with 77 % of slot time idle; april r=1.5 1.19x, r=2 1.87x (54 % idle,
-77 % of its tokens off-policy); async r=2 2.26x. The variations below ran at ``--generators 100``
+What it finds, in useful tokens/s against sync. The default at 1,000 generators (4 min 28 s and
+4.5 GB before issue 18's fixes, 2 min 36 s after): sync 578k tokens/s with 77 % of slot time
+idle; april r=1.5 1.19x, r=2 1.87x (54 % idle, 77 % of its tokens off-policy); async r=2 2.26x. The variations below ran at ``--generators 100``
 (15 s each), which gives the default's ratios within 0.05:
 
     default (gpu, math, budget 8192, n 16, B·n = slots, η 4)   april r=1.5 1.14x  r=2 1.87x  async 2.28x
@@ -73,18 +73,26 @@ APRIL reports up to 44 % on real clusters; this simulator gives more at the defa
 leaves out what a real engine adds: decode cost that grows with context, recomputing a partial's
 KV cache beyond the prefill charge, weight transfer, and any training time the rollout waits for.
 
-At 1,000 generators a mode costs 50–95 s of wall time on one core (4.5 min for the four), most
-of it inside the broker core's own calls — the cost this tool exists to show:
+At 1,000 generators a mode costs 30–45 s of wall time on one core (2 min 36 s for the four, on a
+shared 2-core machine), much of it inside the broker core's own calls — the cost this tool exists
+to show. After the table it prints the slowest call of each kind and one line against issue 18's
+bounds (p99 <= 1 ms for a per-message call, no call or full collection over 10 ms). Where the
+time goes (issue 18, item 1; before -> after at 1,000 generators):
 
-* Python's full garbage collections walk every token list the ledger holds: 15–16 per mode, up
-  to 3.3 s each, ~20 % of the run; one that lands in a call is that call's latency (the
-  ``pull_batch`` p50 of seconds). Token arrays that the collector does not track (``array``,
-  numpy) would remove most of it.
-* ``lease`` takes the sample at the front of a dict used as a FIFO queue, and iterating a dict
-  first skips the deleted entries at its front: p50 6 µs at 100 generators, 40–70 µs (p99 1–2 ms)
-  at 1,000, where two batches' worth of samples stay queued. An ``OrderedDict`` (iterated
-  along its linked list) or a deque with lazy deletion would keep it flat.
-* ``publish_version`` visits every live sample (queued ones included): 30–240 ms a version here.
+* Full garbage collections: 13–15 per mode, up to 0.7–1.3 s each (3.3 s when the ledger held
+  its tokens in Python lists; they are ``array``s now, and queued samples hold none). One that
+  lands in a call is that call's latency: every call's maximum, and the ``pull_batch`` p50 of
+  0.3–1.5 s. What is left to walk is two or three objects per sample ever admitted (the
+  ``Sample`` and its version spans; the ledger keeps delivered samples). A broker process that
+  freezes its heap after each batch (``gc.freeze()``) cut the longest collection at 100
+  generators from 100–180 ms to under 30 ms in an experiment; that is the service's choice, not the core's.
+* ``pull_batch`` moves 64,000 samples one by one: ~85 ms of its own (255 ms before: counters per
+  token span, frozen dataclasses, ``Counter``s, enum look-ups), 8 ms for 6,400 at 100 generators.
+* ``publish_version`` visits only the live samples whose oldest version the new one makes stale
+  (an index by oldest version), not every live sample: 8–460 µs p50 (28–240 ms before).
+* ``lease`` takes from ``OrderedDict`` queues (a dict skipped its deleted front entries):
+  p50 1 µs (40–70 µs before). ``finish`` turns each reported list into arrays, 35 µs p50 for a
+  ~2,000-token response (14 µs when it kept lists): the price of the collector's savings.
 """
 
 from __future__ import annotations
