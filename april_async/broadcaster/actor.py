@@ -5,7 +5,9 @@ Start:  april broadcaster --config run.toml   (section [broadcaster])
 Sessions. Learners and generators open sessions on the broadcaster's own hub with ``hello``
 (role ``learner`` or ``generator``; a generator's carries the version it holds). A learner hands
 each new version over once (``weights_update``); only the newest is kept, an older or equal one
-is ignored. A generator acknowledges each version with ``heartbeat`` ``policy_version``.
+is ignored. A generator acknowledges each version with ``heartbeat`` ``policy_version``. A version
+in one message is held as it arrived, without a copy: the hub takes large bulk frames as views of
+ZeroMQ's own message (``Hub._recv_frames``), which lives until a newer version replaces it.
 
 Parts (protocol 1.4). A version may come as ``parts`` messages, consecutive byte ranges of its
 buffer. Part 0 (layout, ``total_bytes``) starts an assembly in a receive buffer, abandoning any
@@ -108,6 +110,8 @@ def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
     return cfg.backend
 
 
+JOB_POLL_S = 0.002
+"""The loop's poll timeout while a worker thread's result is due (``_poll_timeout_s``)."""
 KEY_PREFIX_MINOR = 6  # protocol 1.6: the group's store keys live under ``GroupSpec.key_prefix``
 
 
@@ -271,11 +275,19 @@ class BroadcasterActor:
                       bucket_mb=self.cfg.bucket_mb)
         try:
             while not stop:
-                for identity, msg in self.hub.poll(self.cfg.link.heartbeat_interval_s / 4):
+                for identity, msg in self.hub.poll(self._poll_timeout_s()):
                     self.handle(identity, msg, self.clock())
                 self.tick(self.clock())
         finally:
             self.close()
+
+    def _poll_timeout_s(self) -> float:
+        """How long the loop may wait for a message: short while a worker thread's result is
+        due (digests, a collective), since no message announces it and the next step of the round
+        waits on it (a whole ``heartbeat_interval_s / 4`` was 0.125 s, longer than hashing 123 MB)."""
+        if self._digest_job is not None or self.job is not None:
+            return JOB_POLL_S
+        return self.cfg.link.heartbeat_interval_s / 4
 
     def close(self) -> None:
         r = self.planner.round

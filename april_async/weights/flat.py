@@ -6,8 +6,8 @@ tensor's bytes, in native little-endian order, at the byte ``offset`` its ``Tens
 - ``layout`` places named tensors (name, dtype, shape) in a buffer without touching their bytes:
   each offset is rounded up to the tensor's element size, so a state dict of one dtype is packed
   back to back, and every tensor can later be viewed in place.
-- ``flatten`` copies a state dict into one new contiguous buffer laid out by ``layout`` (the only
-  copy the hand-off makes).
+- ``flatten`` copies a state dict into one contiguous buffer laid out by ``layout`` (the only
+  copy the hand-off makes): a new one, or the caller's own of the right size, reused.
 - ``unflatten`` returns views into the buffer (no copy), with the dtype and shape of each spec.
   A tensor whose offset is not a multiple of its element size (another implementation may pack
   without padding) cannot be viewed and is copied out instead. A layout that does not fit the
@@ -27,8 +27,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -60,14 +62,19 @@ def layout(items: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[lis
     return specs, offset
 
 
-def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], torch.Tensor]:
-    """Copy every tensor of ``state_dict`` into one new 1-D uint8 CPU buffer; returns its layout too.
+def flatten(state_dict: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+            ) -> tuple[list[TensorSpec], torch.Tensor]:
+    """Copy every tensor of ``state_dict`` into one 1-D uint8 CPU buffer; returns its layout too.
 
-    The alignment padding between tensors is zeroed: left as it came from the allocator it would
-    send stray process memory over the wire, and make two copies of one version hash differently
-    (``bucket_digests``)."""
+    The buffer is ``out`` when that is a contiguous 1-D uint8 CPU tensor of exactly the layout's
+    size (a caller reusing the buffer of its last version: a new one of hundreds of MB faults in
+    page by page while it is written), else a new one. The alignment padding between tensors is
+    zeroed: left as it came from the allocator, or from the version before, it would send stray
+    bytes over the wire, and make two copies of one version hash differently (``bucket_digests``)."""
     specs, num_bytes = layout((name, t.dtype, t.shape) for name, t in state_dict.items())
-    buffer = torch.empty(num_bytes, dtype=torch.uint8)
+    reusable = (out is not None and out.dtype == torch.uint8 and out.dim() == 1 and out.is_contiguous()
+                and out.device.type == "cpu" and out.numel() == num_bytes)
+    buffer = out if reusable else torch.empty(num_bytes, dtype=torch.uint8)
     end = 0
     for spec, t in zip(specs, state_dict.values(), strict=True):
         buffer[end : spec.offset].zero_()
@@ -198,26 +205,65 @@ def _host_pieces(buffer: torch.Tensor, bucket_bytes: int) -> Iterator[memoryview
         yield memoryview(piece.numpy())
 
 
+HASH_THREADS_MAX = 8
+"""Buckets of a host buffer hashed at once, at most (and never more than this process's CPUs)."""
+
+
+def _hash_threads(buffer: torch.Tensor, bucket_bytes: int) -> int:
+    """Threads to hash ``buffer`` with: one per CPU this process may run on, up to
+    ``HASH_THREADS_MAX`` and the number of buckets; one for a device buffer, whose buckets
+    share one host staging tensor and come one at a time."""
+    if buffer.device.type != "cpu" or bucket_bytes < 1:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(HASH_THREADS_MAX, cpus, -(-buffer.numel() // bucket_bytes)))
+
+
+def _digests(buffer: torch.Tensor, bucket_bytes: int) -> Iterator[tuple[str, int]]:
+    """``(digest, length)`` of each bucket of ``buffer``, in order. The buckets of a host buffer
+    are hashed on several threads at once (BLAKE2b releases the GIL): at about 1.5 GB/s per core,
+    one thread hashing a version takes as long as a gloo broadcast of it. Closing the iterator
+    early (a mismatch) cancels the buckets not yet started."""
+    threads = _hash_threads(buffer, bucket_bytes)
+    if threads == 1:
+        for piece in _host_pieces(buffer, bucket_bytes):
+            yield digest(piece), len(piece)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="digest") as pool:
+        jobs = [(pool.submit(digest, piece), len(piece)) for piece in _host_pieces(buffer, bucket_bytes)]
+        try:
+            for job, length in jobs:
+                yield job.result(), length
+        finally:
+            for job, _ in jobs:
+                job.cancel()
+
+
 def bucket_digests(buffer: torch.Tensor, bucket_bytes: int) -> list[str]:
     """The ``digest`` of each of ``buckets(len(buffer), bucket_bytes)``, in order.
 
-    Hashing runs on the host at about 1.5 GB/s per core (BLAKE2b; it releases the GIL), so a
-    caller with a large buffer runs it off any loop that must keep serving; a device buffer also
-    pays its copy to the host, bucket by bucket (``_host_pieces``)."""
-    return [digest(piece) for piece in _host_pieces(buffer, bucket_bytes)]
+    Hashing runs on the host at about 1.5 GB/s per core (BLAKE2b; it releases the GIL), on up to
+    ``HASH_THREADS_MAX`` threads (``_digests``), so a caller with a large buffer runs it off any
+    loop that must keep serving; a device buffer also pays its copy to the host, bucket by
+    bucket, on one thread (``_host_pieces``)."""
+    return [d for d, _ in _digests(buffer, bucket_bytes)]
 
 
 def check_digests(buffer: torch.Tensor, bucket_bytes: int, digests: Sequence[str]) -> None:
     """Raise ``DigestMismatch`` at the first bucket of ``buffer`` whose digest is not the one
     ``digests`` gives, or when ``digests`` has not one digest per bucket. Stops at the first bad
-    bucket: a buffer that is refused need not be hashed to its end. Costs as ``bucket_digests``."""
+    bucket: a buffer that is refused need not be hashed to its end (buckets already being hashed
+    on other threads finish). Costs as ``bucket_digests``."""
     count = -(-buffer.numel() // bucket_bytes) if bucket_bytes >= 1 else 0
     if len(digests) != count:
         raise DigestMismatch(f"{len(digests)} digests announced for the {count} buckets of {bucket_bytes} bytes in "
                              f"a {buffer.numel()}-byte buffer")
-    for i, piece in enumerate(_host_pieces(buffer, bucket_bytes)):
-        got = digest(piece)
-        if got != digests[i]:
-            start = i * bucket_bytes
-            raise DigestMismatch(f"bucket {i} (bytes {start}:{start + len(piece)}) has digest {got}, announced "
-                                 f"{digests[i]}", bucket=i, expected=digests[i], got=got)
+    got_all = _digests(buffer, bucket_bytes)
+    try:
+        for i, (got, length) in enumerate(got_all):
+            if got != digests[i]:
+                start = i * bucket_bytes
+                raise DigestMismatch(f"bucket {i} (bytes {start}:{start + length}) has digest {got}, "
+                                     f"announced {digests[i]}", bucket=i, expected=digests[i], got=got)
+    finally:
+        got_all.close()  # a refused buffer need not be hashed to its end

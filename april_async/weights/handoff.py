@@ -3,7 +3,9 @@
 Two ways to hand a version over:
 
 - ``send(version, state_dict)``: the weights are copied once into a flat buffer
-  (``flat.flatten``) and handed over as one ``weights_update``; training may go on at once.
+  (``flat.flatten``) and handed over as one ``weights_update``; training may go on at once. The
+  buffer is sent without a copy and reused for the next version once ZeroMQ has let go of it
+  (its tracker is done) and the layout's size is unchanged; else a new one is made.
 - ``send_parts(version, specs, total_bytes, parts)``: for a learner that never holds the whole
   buffer (rank 0 of an FSDP2 group gathers the weights range by range). ``specs`` and
   ``total_bytes`` are the layout (``flat.layout``); ``parts`` yields ``(offset, array)``, the
@@ -93,6 +95,8 @@ class WeightHandoff:
         """The protocol version of the broadcaster's last message (parts need 1.4 or newer)."""
         self.unreleased = 0
         """Parts whose bytes ZeroMQ still referenced when the next was asked for (since start)."""
+        self._flat: tuple[torch.Tensor, zmq.MessageTracker | None] | None = None
+        """The buffer of the last one-message hand-off and its send's tracker (``_reusable``)."""
         self.log = get_logger(actor="learner", instance=name)
         self.peer = peer_factory(self._on_connect)
 
@@ -117,10 +121,22 @@ class WeightHandoff:
 
     def _send(self, peer, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         t0 = time.monotonic()
-        specs, buf = flatten(weights)  # the one copy: the caller may change its weights at once
-        peer.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()))
+        # The one copy: the caller may change its weights at once.
+        specs, buf = flatten(weights, out=self._reusable())
+        self._flat = None
+        peer.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()), track=True)
+        self._flat = (buf, peer.last_tracker)
         self.last_send_s = time.monotonic() - t0
         self._handed_over(version)
+
+    def _reusable(self) -> torch.Tensor | None:
+        """The last hand-off's buffer when ZeroMQ no longer references it (sent, or dropped), else
+        None. Never waits: a version still being written to the socket leaves its buffer alone,
+        and the next one gets a new buffer."""
+        if self._flat is None:
+            return None
+        buf, tracker = self._flat
+        return buf if tracker is None or tracker.done else None
 
     def send_parts(self, version: int, specs: list[m.TensorSpec], total_bytes: int, parts: Iterable[Part],
                    num_parts: int | None = None) -> None:

@@ -14,7 +14,9 @@ version the engine holds) and, for each ``weights_announce``:
     ack       ``heartbeat`` with the ``policy_version`` the engine now holds. After a failure, the
               same with the version it still holds: the broadcaster then re-forms the group.
 
-Joining and receiving run on a worker thread, so the generator keeps decoding (and its broker
+The buffer a version is received into is reused for the next version of the same size once the
+engine has loaded from it (``BufferPool``): fresh memory would fault in page by page during the
+receive. Joining and receiving run on a worker thread, so the generator keeps decoding (and its broker
 session keeps its heartbeats) while the bytes move; loading happens in ``poll``, which the
 generator calls between decode steps, so a generator is blocked only while it loads. An error
 of ``load_weights`` itself propagates to the caller.
@@ -52,6 +54,37 @@ class Receipt:
     state: dict[str, torch.Tensor] | None
     error: BaseException | None
     seconds: float
+    buffer: torch.Tensor | None = None  # what ``state`` views: back to the pool once loaded
+
+
+class BufferPool:
+    """Receive buffers kept across versions: a version of the same size, on the same device, is
+    received into the buffer of the one before instead of a new one.
+
+    A new buffer of hundreds of MB is fresh memory whose every page faults in during the receive
+    (the fan-out ran at half the raw bucketed rate for it). A buffer is taken by the worker thread
+    and given back by the caller's thread once the engine has loaded from it (``load_weights``
+    copies into the engine's own tensors), so a version never overwrites one still being loaded:
+    when none is free, a new one is made. At most ``keep`` are kept."""
+
+    def __init__(self, keep: int = 1):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int, device: torch.device) -> torch.Tensor:
+        """A 1-D uint8 buffer of ``num_bytes`` on ``device``: a free one of that size, else new."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() == num_bytes and buf.device == device:
+                    return self._free.pop(i)
+        return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """``buffer`` is free again (nothing reads it); the oldest free one goes past ``keep``."""
+        with self._lock:
+            self._free.append(buffer)
+            del self._free[: max(0, len(self._free) - self.keep)]
 
 
 def _broadcaster_peer(endpoint: str, name: str, link: LinkConfig):
@@ -65,7 +98,9 @@ def _broadcaster_peer(endpoint: str, name: str, link: LinkConfig):
 
 
 class WeightSubscriber:
-    """``engine`` has ``policy_version`` (int) and ``load_weights(state_dict, version)``."""
+    """``engine`` has ``policy_version`` (int) and ``load_weights(state_dict, version)``; the
+    tensors it is given view a receive buffer that a later version is received into
+    (``BufferPool``), so ``load_weights`` copies what it keeps (``load_state_dict`` does)."""
 
     def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *,
                  device: torch.device | str | None = None, peer_factory=None, address: str | None = None):
@@ -85,6 +120,7 @@ class WeightSubscriber:
         self._last_tried: tuple[int, int] | None = None  # (epoch, version) of the last announce acted on
         self._jobs: queue.Queue[tuple[m.WeightsAnnounce, int] | str | None] = queue.Queue()
         self._receipts: queue.Queue[Receipt] = queue.Queue()
+        self.buffers = BufferPool()
         self._thread = threading.Thread(target=self._receive_loop, daemon=True, name=f"{name}-weights")
         self._thread.start()
         self.peer = (peer_factory or _broadcaster_peer(endpoint, name, link))(self._on_connect)
@@ -112,7 +148,12 @@ class WeightSubscriber:
                 receipt = self._receipts.get_nowait()
             except queue.Empty:
                 return loaded
-            loaded |= self._finish(receipt)
+            try:
+                loaded |= self._finish(receipt)
+            finally:
+                if receipt.buffer is not None:
+                    receipt.state = None  # the views go first: the buffer is written into again
+                    self.buffers.give(receipt.buffer)
 
     def _finish(self, r: Receipt) -> bool:
         ann = r.announce
@@ -179,17 +220,18 @@ class WeightSubscriber:
                 continue
             self._last_tried = (ann.group.epoch, ann.version)
             t0 = time.monotonic()
+            buffer = None
             try:
                 if self.group.epoch != ann.group.epoch:
                     self.group.join(ann.group)
-                buffer = torch.empty(ann.num_bytes, dtype=torch.uint8, device=self.group.buffer_device())
+                buffer = self.buffers.take(ann.num_bytes, self.group.buffer_device())
                 self.group.broadcast(buffer, ann.bucket_bytes, tag=ann.version)
                 self._verify(ann, buffer)
                 state = unflatten(ann.tensors, buffer)
             except Exception as e:  # GroupError, DigestMismatch, a layout that does not fit: reported
-                self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0))
+                self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0, buffer))
             else:
-                self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0))
+                self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0, buffer))
 
     def _verify(self, ann: m.WeightsAnnounce, buffer: torch.Tensor) -> None:
         """Raise ``DigestMismatch`` unless every received bucket has its announced digest.

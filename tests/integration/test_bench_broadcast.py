@@ -37,6 +37,9 @@ def test_smoke_writes_positive_figures_for_each_size_and_leaves_no_process(tmp_p
     run = bench("--smoke", "--json", str(out), "--logs", str(tmp_path / "logs"))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "eff/raw" in run.stdout and "stall/copy" in run.stdout
+    goals = run.stdout.split("goals (issue 18)")[1].strip().splitlines()[1:]
+    assert [g.split()[0] for g in goals] == ["1M", "3M"]  # one verdict line per size
+    assert all(g.count("pass") + g.count("FAIL") == 2 for g in goals), goals
     data = json.loads(out.read_text())
     assert set(data["sizes"]) == {"1M", "3M"}
     for size, r in data["sizes"].items():
@@ -53,6 +56,7 @@ def test_smoke_writes_positive_figures_for_each_size_and_leaves_no_process(tmp_p
 @pytest.mark.parametrize("args, names", [
     (["--sizes", "30M,7M"], "'7M'"),
     (["--k", "0"], "--k"),
+    (["--member-threads", "0"], "--member-threads"),
     pytest.param(["--backend", "nccl"], "nccl", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="checks the error where CUDA is absent")),
 ])

@@ -449,3 +449,46 @@ def test_receive_buffers_are_reused_between_versions_of_one_size():
         assert not [b for b in hub.sent if isinstance(b, m.Error)][1:]
     finally:
         actor.close()
+
+
+def test_send_reuses_its_flat_buffer_once_zeromq_released_it():
+    """A one-message hand-off copies into the last version's buffer when ZeroMQ has let go of it
+    (no fresh memory to fault in), never while it may still be read; each message keeps its bytes."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    handoff = WeightHandoff("learner-0", lambda oc: Peer(endpoint, "learner-0", link=QUICK_LINK,
+                                                         on_connect=oc), lambda: (0, None))
+    try:
+        state = {"w": torch.zeros(PART_BYTES // 4)}
+        buffers = []
+        for version in (1, 2, 3):
+            state["w"].fill_(version)
+            handoff.send(version, state)
+            buf, tracker = handoff._flat
+            buffers.append(buf)
+            if version == 1:
+                tracker.wait(5)  # released: version 2 may write into it
+            elif version == 2:
+                handoff._flat = (buf, _Pending())  # as if ZeroMQ still read it: version 3 must not
+        assert buffers[1] is buffers[0] and buffers[2] is not buffers[1]
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            if router.poll(100):
+                body = decode(router.recv_multipart()[1:]).body
+                if isinstance(body, m.WeightsUpdate):
+                    got.append((body.version, body.data.view(np.float32)))
+        assert [v for v, _ in got] == [1, 2, 3]
+        for version, data in got:
+            assert (data == version).all(), f"version {version} was overwritten before it was sent"
+    finally:
+        handoff.peer.close()
+        router.close()
+
+
+class _Pending:
+    """A ``zmq.MessageTracker`` whose message ZeroMQ still references."""
+
+    done = False

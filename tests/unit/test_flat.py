@@ -231,3 +231,15 @@ def test_tensor_buckets_cut_a_real_state_dict_into_parts_that_rebuild_it():
     assert len(ranges) > 2
     rebuilt = torch.cat([buf[a:b] for a, b, _ in ranges])
     assert torch.equal(rebuilt, buf)
+
+
+def test_flatten_reuses_a_buffer_of_the_layouts_size_and_zeroes_its_padding():
+    sd = {"a": torch.randn(3, dtype=torch.float16), "b": torch.randn(2)}  # 2 bytes of padding at 6:8
+    specs, first = flatten(sd)
+    first.fill_(0xFF)  # what a version before left behind
+    again, buf = flatten(sd, out=first)
+    assert buf is first and again == specs
+    assert not buf[6:8].any(), "stale padding would change the bucket digests"
+    _same(sd, unflatten(specs, buf))
+    for other in (torch.empty(first.numel() + 1, dtype=torch.uint8), torch.empty(3, dtype=torch.float32)):
+        assert flatten(sd, out=other)[1] is not other  # the wrong size or dtype: a new buffer

@@ -86,6 +86,22 @@ def test_a_flipped_byte_is_caught_in_its_own_bucket(flip, bucket):
     assert e.got != e.expected and f"bucket {bucket}" in str(e)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_digests_on_several_threads_are_those_of_one_in_bucket_order(monkeypatch, threads):
+    from april_async.weights import flat
+
+    buf = _bytes(10_000, seed=5)
+    expected = [_blake(buf.numpy().tobytes()[a:b]) for a, b in buckets(10_000, 1024)]
+    monkeypatch.setattr(flat, "_hash_threads", lambda buffer, bucket_bytes: threads)
+    assert bucket_digests(buf, 1024) == expected
+    check_digests(buf, 1024, expected)
+    received = buf.clone()
+    received[9000] ^= 0x01  # bucket 8 of 10
+    with pytest.raises(DigestMismatch, match=r"bucket 8 \(bytes 8192:9216\)") as info:
+        check_digests(received, 1024, expected)
+    assert info.value.bucket == 8
+
+
 def test_matching_bytes_pass_the_check():
     sent = _bytes(1000, seed=3)
     check_digests(sent.clone(), 64, bucket_digests(sent, 64))
