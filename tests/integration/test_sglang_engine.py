@@ -66,6 +66,11 @@ def standins(ckpts, tmp_path):
         s.kill()
 
 
+OUTLIVE = ("--step-delay-s", "0.005")
+"""Stand-in flags for tests that act on requests still running after their first tokens: an
+undelayed tiny model can finish 300 tokens before the client's loop sees the third (seen in CI)."""
+
+
 def greedy(ckpt, prompt, n, resume=()):
     """The reference: the embedded engine, greedy, on the same checkpoint."""
     engine = TorchEngine(CausalLM.from_pretrained(ckpt), slots=1, max_seq_len=512)
@@ -124,7 +129,7 @@ def test_tokens_and_logprobs_equal_the_embedded_engines(ckpts, standins, stream,
 
 
 def test_an_abort_keeps_the_partial_and_a_resume_continues_it_exactly(ckpts, standins):
-    server = standins()
+    server = standins(*OUTLIVE)
     engine = make_engine(server.url)
     n = 300
     try:
@@ -140,7 +145,7 @@ def test_an_abort_keeps_the_partial_and_a_resume_continues_it_exactly(ckpts, sta
 
 
 def test_abort_all_ends_every_request_with_its_tokens(ckpts, standins):
-    server = standins()
+    server = standins(*OUTLIVE)
     engine = make_engine(server.url)
     n = 300
     asked = []
@@ -159,7 +164,7 @@ def test_abort_all_ends_every_request_with_its_tokens(ckpts, standins):
 
 
 def test_a_pause_that_aborts_everything_is_resumed_with_no_token_lost(ckpts, standins):
-    server = standins()
+    server = standins(*OUTLIVE)
     engine = make_engine(server.url)
     n = 300
     paused = []
@@ -178,7 +183,7 @@ def test_a_pause_that_aborts_everything_is_resumed_with_no_token_lost(ckpts, sta
 
 
 def test_a_dead_server_returns_its_requests_as_partials_and_its_slots(ckpts, standins):
-    doomed, healthy = standins(), standins()
+    doomed, healthy = standins(*OUTLIVE), standins(*OUTLIVE)
     engine = make_engine(doomed.url, healthy.url)
     n = 400
     assert engine.slots == 8
@@ -382,7 +387,7 @@ def test_a_push_updates_every_server_in_buckets_and_generation_follows(ckpts, st
 
 
 def test_an_update_in_flight_splits_a_response_between_two_exact_versions(ckpts, standins, store):
-    server = standins()
+    server = standins(*OUTLIVE)
     fanout = fanout_for(store)
     specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
     engine = make_engine(server.url)
