@@ -114,6 +114,72 @@ def member_main(argv: list[str]) -> int:
 # The test process: learner and broker
 
 
+class RawGenerator:
+    """A generator's broadcaster session played with bare frames on a DEALER socket, for tests that
+    must control what a generator sends and when (a real one acts on every announce). ``connect``
+    opens a new connection under the same name; ``seq`` goes on across connections, as in one
+    process."""
+
+    def __init__(self, w: Weights, name: str = "gen-0"):
+        self.w, self.name, self.seq = w, name, 0
+        self.sock = None
+        self.connect()
+
+    def connect(self):
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.w.endpoint)
+        return self.sock
+
+    def send(self, body: m.Body) -> None:
+        from april_async.wire.codec import encode
+
+        self.seq += 1
+        self.sock.send_multipart(encode(body, sender=self.name, seq=self.seq))
+
+    def hello(self, policy_version: int = 0) -> None:
+        self.send(m.Hello(role="generator", instance=self.name, policy_version=policy_version))
+
+    def hold_session(self, what: str | None = None) -> None:
+        """Say hello until the broadcaster lists this generator, keeping it fresh: a slow start,
+        or a pause longer than the peer timeout, would otherwise lose a single hello's session."""
+
+        def listed() -> bool:
+            held = self.name in self.w.status().get("members", {})
+            if held:
+                self.send(m.Heartbeat())
+            else:
+                self.hello()
+            time.sleep(0.05)
+            return held
+
+        self.w.wait(what or f"{self.name}'s session", listed)
+
+    def announce(self, timeout_s: float) -> m.WeightsAnnounce | None:
+        """The next announce on this connection (heartbeats meanwhile: rounds take members heard
+        from lately), or None after ``timeout_s``."""
+        from april_async.wire.codec import decode
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.send(m.Heartbeat())
+            self.w.broker.pump(0.02)
+            while self.sock.poll(0):
+                msg = decode(self.sock.recv_multipart())
+                if isinstance(msg.body, m.WeightsAnnounce):
+                    return msg.body
+            time.sleep(0.05)
+        return None
+
+    def close(self, bye: bool = True) -> None:
+        if bye:
+            self.send(m.Bye(reason="done"))
+        self.sock.close()
+
+
 class Weights:
     """The cluster of a broadcaster test: broadcaster + members + learner peer + fake broker."""
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, ScriptedSession, digest, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, RawGenerator, RecordingEngine, ScriptedSession, digest, policy
 from april_async.weights.flat import flatten
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
@@ -119,50 +119,19 @@ def test_a_member_that_reconnects_mid_round_gets_its_announce_again(weights):
     one) says hello on a new connection: the broadcaster sends the announce again, so the round
     completes at once instead of waiting its whole timeout. The test plays that generator with
     raw sockets: the first never acts on its announce; the second joins and acks."""
-    import zmq
-
-    from april_async.wire.codec import decode, encode
-
     w = weights
     w.start_broadcaster()
-    seq = 0
-
-    def socket():
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"gen-0")
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(w.endpoint)
-        return sock
-
-    def send(sock, body):
-        nonlocal seq
-        seq += 1  # one process: seq goes on across its connections
-        sock.send_multipart(encode(body, sender="gen-0", seq=seq))
-
-    def announce_on(sock, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            send(sock, m.Heartbeat())  # stay fresh: rounds take members heard from lately
-            w.broker.pump(0.02)
-            while sock.poll(0):
-                msg = decode(sock.recv_multipart())
-                if isinstance(msg.body, m.WeightsAnnounce):
-                    return msg.body
-            time.sleep(0.05)
-        return None
-
-    old = socket()
-    send(old, m.Hello(role="generator", instance="gen-0", policy_version=0))
+    gen = RawGenerator(w)
     w.connect_learner()
-    w.wait("gen-0's session", lambda: "gen-0" in w.status().get("members", {}))
+    gen.hold_session()
     w.send_version(1)
-    first = announce_on(old, 10.0)
+    first = gen.announce(10.0)
     assert first is not None and first.version == 1, w.cluster.dump_logs()
-    old.close()  # as if it never arrived: the connection dropped
-    new = socket()
+    gen.sock.close()  # as if it never arrived: the connection dropped
+    gen.connect()
     try:
-        send(new, m.Hello(role="generator", instance="gen-0", policy_version=0))
-        again = announce_on(new, TIMEOUT_S / 2)
+        gen.hello()
+        again = gen.announce(TIMEOUT_S / 2)
         assert again is not None, f"no announce on the new connection\n{w.cluster.dump_logs()}"
         assert (again.version, again.group.epoch, again.group.rank) == (1, first.group.epoch, 1)
         t0 = time.monotonic()
@@ -170,14 +139,13 @@ def test_a_member_that_reconnects_mid_round_gets_its_announce_again(weights):
         group.join(again.group)
         buf = torch.empty(again.num_bytes, dtype=torch.uint8)
         group.broadcast(buf, again.bucket_bytes, tag=1)
-        send(new, m.Heartbeat(policy_version=1))
+        gen.send(m.Heartbeat(policy_version=1))
         w.wait("published 1", lambda: 1 in w.broker.published)
         assert time.monotonic() - t0 < TIMEOUT_S, "the round waited for its timeout"
         assert "announce_resent" in w.cluster.logs["broadcaster"].read_text()
         group.close()
     finally:
-        send(new, m.Bye(reason="done"))
-        new.close()
+        gen.close()
 
 
 def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RecordingEngine, ScriptedSession, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, RawGenerator, RecordingEngine, ScriptedSession, policy
 from april_async.weights.flat import bucket_digests, buckets, check_digests, flatten
 from april_async.weights.group import WeightGroup
 from april_async.wire import messages as m
@@ -97,52 +97,18 @@ def test_a_member_refuses_bytes_that_do_not_match_their_digests_and_keeps_its_we
 def test_the_broadcaster_announces_its_key_prefix_and_the_digest_of_every_bucket(weights):
     """A real broadcaster: every announce carries the same 128-bit hex key prefix and one digest
     per bucket, and the bytes received over the group match them."""
-    import zmq
-
-    from april_async.wire.codec import decode, encode
-
     w = weights
     w.start_broadcaster()
-    seq = 0
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"gen-0")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(w.endpoint)
-
-    def send(body):
-        nonlocal seq
-        seq += 1
-        sock.send_multipart(encode(body, sender="gen-0", seq=seq))
-
-    def announce(timeout_s: float = 15.0) -> m.WeightsAnnounce:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            send(m.Heartbeat())  # stay fresh: rounds take members heard from lately
-            w.broker.pump(0.02)
-            while sock.poll(0):
-                msg = decode(sock.recv_multipart())
-                if isinstance(msg.body, m.WeightsAnnounce):
-                    return msg.body
-            time.sleep(0.05)
-        raise AssertionError(f"no announce within {timeout_s} s\n{w.cluster.dump_logs()}")
-
+    gen = RawGenerator(w)
     group = WeightGroup()
     try:
         w.connect_learner()
-
-        def in_session() -> bool:
-            """Say hello until the broadcaster lists gen-0 (a slow start, or a pause longer than the
-            peer timeout, loses the session), then keep it fresh."""
-            held = "gen-0" in w.status().get("members", {})
-            send(m.Heartbeat() if held else m.Hello(role="generator", instance="gen-0", policy_version=0))
-            time.sleep(0.05)
-            return held
-
-        w.wait("gen-0's session", in_session)
+        gen.hold_session()
         prefixes = set()
         for version in (1, 2):
             w.send_version(version)
-            ann = announce()
+            ann = gen.announce(15.0)
+            assert ann is not None, f"no announce of version {version}\n{w.cluster.dump_logs()}"
             _, expected = flatten(policy(version))
             assert ann.version == version and ann.num_bytes == expected.numel()
             assert re.fullmatch(r"[0-9a-f]{32}", ann.group.key_prefix), ann.group.key_prefix
@@ -155,15 +121,14 @@ def test_the_broadcaster_announces_its_key_prefix_and_the_digest_of_every_bucket
             buf = torch.empty(ann.num_bytes, dtype=torch.uint8)
             group.broadcast(buf, ann.bucket_bytes, tag=version)
             check_digests(buf, ann.bucket_bytes, ann.digests)
-            send(m.Heartbeat(policy_version=version))
+            gen.send(m.Heartbeat(policy_version=version))
             w.wait(f"published {version}", lambda v=version: v in w.broker.published)
         assert len(prefixes) == 1, "one secret per broadcaster process"
         prefix = prefixes.pop()
         assert prefix not in w.cluster.logs["broadcaster"].read_text(), "the secret must not be logged"
     finally:
         group.close()
-        send(m.Bye(reason="done"))
-        sock.close()
+        gen.close()
 
 
 def test_the_broadcaster_refuses_a_generator_of_protocol_1_5(weights):
