@@ -215,17 +215,24 @@ class Weights:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     def connect_learner(self) -> None:
+        """A learner's session with the broadcaster; like the real learner (``WeightHandoff``) it
+        hands its newest version over again on every new connection, since what went down a
+        connection its peer replaced (the hub slow to answer under load) may be lost."""
         self.learner_sessions = 0
+        self.last_update: m.WeightsUpdate | None = None
 
         def hello(peer):
             peer.send(m.Hello(role="learner", instance="learner-0", policy_version=0))
             self.learner_sessions += 1
+            if self.last_update is not None and self.learner_sessions > 1:
+                peer.send(self.last_update)
 
         self.learner = Peer(self.endpoint, "learner-0", link=LINK, on_connect=hello)
 
     def send_version(self, version: int) -> str:
         specs, buf = flatten(policy(version))
-        self.learner.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()))
+        self.last_update = m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy())
+        self.learner.send(self.last_update)
         return digest(policy(version))
 
     def status(self) -> dict:
