@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import itertools
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -259,3 +261,58 @@ def refused_by_hub(event: int, value: int, *, secure: bool) -> str:
             return "handshake failed (no CURVE: the hub has no keys)"
         return "handshake failed (no CURVE: the hub has keys and this peer has none; set APRIL_KEYS)"
     return REFUSED_BY_HUB.get(event, "handshake failed")
+
+
+HANDSHAKE_FAILED = sum(REFUSALS)
+"""The monitor events of a refused handshake (either side)."""
+REFUSAL_LOG_EVERY_S = 10.0
+"""A server logs a refused handshake at most this often per reason (ZeroMQ retries every 100 ms)."""
+
+
+class HandshakeMonitor:
+    """The handshake events of one socket (a ZeroMQ socket monitor), read without waiting.
+
+    Every socket that must learn of refused handshakes has one: a hub or the rendezvous store
+    (a server: whom it refused), a peer or a store client (a client: that it was refused). Made
+    before the socket connects or binds; ``close`` before the socket closes."""
+
+    _ids = itertools.count()  # a fresh inproc address per monitor: pyzmq's default reuses the socket's fd
+
+    def __init__(self, sock: zmq.Socket, events: int = HANDSHAKE_FAILED):
+        self.sock = sock
+        self.socket = sock.get_monitor_socket(events, addr=f"inproc://april-handshakes-{next(self._ids)}")
+
+    def events(self) -> Iterator[dict]:
+        """The events since the last call (``event``, ``value``, ``endpoint``), oldest first."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.socket.poll(0):
+            yield recv_monitor_message(self.socket)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.socket.close(linger=0)
+
+
+class RefusalLog:
+    """A server's account of the handshakes it refused: every one counted, one ``auth_refused``
+    line per reason every ``REFUSAL_LOG_EVERY_S`` (with how many went unlogged since)."""
+
+    def __init__(self, log, clock: Callable[[], float]):
+        self.log, self.clock = log, clock
+        self.count = 0
+        self._lines: dict[str, tuple[float, int]] = {}  # reason -> (last logged, refusals since)
+
+    def note(self, event: dict) -> None:
+        self.count += 1
+        reason = REFUSALS.get(event["event"], "handshake failed")
+        last, since = self._lines.get(reason, (float("-inf"), 0))
+        now = self.clock()
+        if now - last < REFUSAL_LOG_EVERY_S:
+            self._lines[reason] = (last, since + 1)
+            return
+        self._lines[reason] = (now, 0)
+        self.log.warning("auth_refused", reason=reason, detail=str(event["value"]),
+                         endpoint=event["endpoint"].decode(errors="replace"), since_last_line=since,
+                         refused=self.count)
+

@@ -36,8 +36,6 @@ from april_async.wire.errors import WireError
 HARD_LIMIT_FACTOR = 4
 """ZeroMQ drops a connection that sends more than max_message_bytes × this in one message; below
 it, an oversized message is refused politely with ``too_large``."""
-REFUSAL_LOG_EVERY_S = 10.0
-"""A refused handshake is logged at most this often per reason (the count goes with it)."""
 MAX_BATCH = 256
 """Messages taken per poll before control returns to the caller's loop."""
 ZERO_COPY_MIN_BYTES = 64 * 1024
@@ -56,14 +54,14 @@ class Hub:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, link.max_message_bytes * HARD_LIMIT_FACTOR)
         self.secure = curve.serve(self.sock, self.ctx, link.keys, bind, allow_open=link.allow_open)
-        self.monitor = self.sock.get_monitor_socket(sum(curve.REFUSALS)) if self.secure else None
-        self._refused: dict[str, tuple[float, int]] = {}  # reason -> (last logged, refusals since)
+        self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         if bind.endswith(":0"):
             self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
         else:
             self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.log = get_logger(actor=name, component="hub")
+        self.refusals = curve.RefusalLog(self.log, self.clock)
         self.highest_seq: dict[str, int] = {}
         self.expiry: dict[str, float] = {}
         self.identities: dict[str, bytes] = {}
@@ -107,21 +105,10 @@ class Hub:
         return frames
 
     def _refusals(self) -> None:
-        """Log every handshake the CurveZMQ layer refused since the last poll."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
+        """Count and log every handshake the CurveZMQ layer refused since the last poll."""
+        for event in self.monitor.events():
             self.counters["auth_refused"] += 1
-            reason = curve.REFUSALS.get(event["event"], "handshake failed")
-            last, count = self._refused.get(reason, (float("-inf"), 0))
-            now = self.clock()
-            if now - last < REFUSAL_LOG_EVERY_S:  # ZeroMQ retries every 100 ms: one line per reason
-                self._refused[reason] = (last, count + 1)
-                continue
-            self._refused[reason] = (now, 0)
-            self.log.warning("auth_refused", reason=reason, detail=str(event["value"]),
-                             endpoint=event["endpoint"].decode(errors="replace"), since_last_line=count)
+            self.refusals.note(event)
 
     def _accept(self, frames: list[bytes]):
         identity = frames[0]
@@ -179,6 +166,5 @@ class Hub:
 
     def close(self) -> None:
         if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
+            self.monitor.close()
         self.sock.close(linger=0)

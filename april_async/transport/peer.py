@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections.abc import Callable
@@ -42,9 +41,8 @@ from april_async.wire.errors import WireError
 
 RECONNECT_BACKOFF_START_S = 0.1
 RECONNECT_BACKOFF_MAX_S = 5.0
-HANDSHAKE_EVENTS = sum(curve.REFUSALS) | zmq.EVENT_HANDSHAKE_SUCCEEDED
+HANDSHAKE_EVENTS = curve.HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 """What the peer's socket monitor reports: refused handshakes, and the successes that end a streak."""
-_monitor_ids = itertools.count()  # a fresh inproc address per monitor: pyzmq's default reuses the socket's fd
 
 
 class Peer:
@@ -55,7 +53,7 @@ class Peer:
         self.ctx = ctx or zmq.Context.instance()
         self.log = get_logger(actor=sender, component="peer")
         self.sock: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None
+        self.monitor: curve.HandshakeMonitor | None = None
         self.secure = False  # whether the socket is a CURVE client
         self.auth_refusals = 0  # handshakes the hub refused, all told
         self._refused_reason: str | None = None  # the reason logged for the current streak, if any
@@ -72,8 +70,7 @@ class Peer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.link.peer_timeout_s * 1000))
         self.secure = curve.connect(self.sock, self.link.keys)
-        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS,
-                                                    addr=f"inproc://april-peer-monitor-{next(_monitor_ids)}")
+        self.monitor = curve.HandshakeMonitor(self.sock, HANDSHAKE_EVENTS)
         self.sock.connect(self.endpoint)
         self._open_session()
 
@@ -125,10 +122,7 @@ class Peer:
     def _handshakes(self) -> None:
         """Read the socket monitor: log the first refusal of a streak, count every one. Without
         this a refused peer only says ``hub_silent``, and nobody learns that its key is the cause."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
+        for event in self.monitor.events():
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._refused_reason is not None:
                     self.log.info("auth_accepted", endpoint=self.endpoint, refusals=self.auth_refusals)
@@ -144,8 +138,7 @@ class Peer:
     def _close_socket(self) -> None:
         """Close the socket and its monitor, reading the monitor's last events first."""
         self._handshakes()
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
+        self.monitor.close()
         self.sock.close(linger=0)
         self.monitor = self.sock = None
 

@@ -191,18 +191,13 @@ class WeightGroup:
             address = self.local_address(spec)
             if spec.backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = timeout
-                if address is not None:
-                    opts._devices = [gloo_device(address)]
-                else:
-                    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-                pg = _bounded(lambda: dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, opts),
-                              spec.timeout_s + JOIN_GRACE_S, f"forming epoch {spec.epoch}")
+                opts._timeout, opts._devices = timeout, [gloo_device(address)]
+                make = lambda: dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, opts)  # noqa: E731
             else:
                 if address is not None:
                     set_nccl_interface(address)
-                pg = _bounded(lambda: self._nccl(prefixed, spec, timeout), spec.timeout_s + JOIN_GRACE_S,
-                              f"forming epoch {spec.epoch}")
+                make = lambda: self._nccl(prefixed, spec, timeout)  # noqa: E731
+            pg = _bounded(make, spec.timeout_s + JOIN_GRACE_S, f"forming epoch {spec.epoch}")
         except Exception as e:  # DistStoreError, gloo's RuntimeError: a member that did not come
             if spec.rank and not spec.rendezvous:  # the store may be gone (a restarted broadcaster): reconnect
                 self._store, self._store_address = None, None

@@ -72,13 +72,16 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def gloo_device(address: str):
-    """A gloo transport device bound to ``address`` (or to ``GLOO_SOCKET_IFNAME`` when set)."""
+def gloo_device(address: str | None):
+    """A gloo transport device bound to ``address`` (``GLOO_SOCKET_IFNAME``, when set, wins; None:
+    gloo's default, the host name's address)."""
     import torch.distributed as dist
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface)
+    if address is None:
+        return dist.ProcessGroupGloo.create_default_device()
     return dist.ProcessGroupGloo.create_device(hostname=address)
 
 

@@ -59,16 +59,12 @@ TICK_S = 0.05  # the service thread's longest sleep: how soon it notices ``close
 REPLY_GRACE_S = 2.0
 """How long a client waits past a blocking operation's own timeout: the service answers a timed-out
 waiter itself, and its typed ``timeout`` reply is the better message than "no answer"."""
-REFUSAL_LOG_EVERY_S = 10.0  # one ``auth_refused`` line per reason this often (ZeroMQ retries every 100 ms)
 
 OPS = ("set", "get", "add", "compare_set", "append", "check", "wait", "delete_key", "num_keys")
 """What the service answers. gloo's rendezvous uses set, wait and get (torch 2.13, seen by running
 it); NCCL's is expected to use set and get (its unique id) and, from its monitor thread, check,
 but has not been run over this store (no GPUs where it was written); the rest complete
 ``torch.distributed.Store``, so that whatever else a backend calls is answered, not refused."""
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_monitor_ids = itertools.count()
 
 
 class StoreError(RuntimeError):
@@ -272,14 +268,12 @@ class StoreService:
         self.counters = {"requests": 0, "errors": 0, "auth_refused": 0}
         self._lock = threading.Lock()  # the table: this thread, and ``forget`` from the owner's
         self._stop = threading.Event()
-        self._refused: dict[str, float] = {}
+        self.refusals = curve.RefusalLog(self.log, self.clock)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.secure = curve.serve(self.sock, self.ctx, keys, bind, allow_open=allow_open)
-        self.monitor = (self.sock.get_monitor_socket(sum(curve.REFUSALS),
-                                                     addr=f"inproc://april-zstore-monitor-{next(_monitor_ids)}")
-                        if self.secure else None)
+        self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         try:
             if bind.endswith(":0"):
                 self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -312,8 +306,7 @@ class StoreService:
         if self.sock.closed:
             return
         if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
+            self.monitor.close()
         self.sock.close(linger=0)
 
     # ------------------------------------------------------------------ the service's thread
@@ -424,18 +417,10 @@ class StoreService:
         self._reply(identity, request_id, False, [code, text])
 
     def _refusals(self) -> None:
-        """Log refused handshakes, one line per reason every ``REFUSAL_LOG_EVERY_S``."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
+        """Count and log refused handshakes (``curve.RefusalLog``)."""
+        for event in self.monitor.events():
             self.counters["auth_refused"] += 1
-            reason = curve.REFUSALS.get(event["event"], "handshake failed")
-            now = self.clock()
-            if now - self._refused.get(reason, float("-inf")) >= REFUSAL_LOG_EVERY_S:
-                self._refused[reason] = now
-                self.log.warning("auth_refused", reason=reason, endpoint=event["endpoint"].decode(errors="replace"),
-                                 refused=self.counters["auth_refused"])
+            self.refusals.note(event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,8 +465,7 @@ class ZmqStore(dist.Store):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.secure = curve.connect(self.sock, keys)
-        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED,
-                                                    addr=f"inproc://april-zstore-client-{next(_monitor_ids)}")
+        self.monitor = curve.HandshakeMonitor(self.sock)
         self.sock.connect(endpoint)
 
     def close(self) -> None:
@@ -496,8 +480,7 @@ class ZmqStore(dist.Store):
 
     def _close_sockets(self) -> None:
         if self.sock is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
+            self.monitor.close()
             self.sock.close(linger=0)
             self.sock = self.monitor = None
 
@@ -595,7 +578,7 @@ class ZmqStore(dist.Store):
         """Until the socket is ready for ``event``; a refused handshake or the deadline raises."""
         poller = zmq.Poller()
         poller.register(self.sock, event)
-        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.monitor.socket, zmq.POLLIN)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -603,16 +586,13 @@ class ZmqStore(dist.Store):
                                  f"{limit_s:g} s (is the broadcaster up, reachable from here, and does it "
                                  f"admit this process's key?)", "unanswered")
             ready = dict(poller.poll(min(left_ms, 1000)))
-            if self.monitor in ready:
+            if self.monitor.socket in ready:
                 self._refused()
             if self.sock in ready:
                 return
 
     def _refused(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            if event["event"] & HANDSHAKE_FAILED:
+        for event in self.monitor.events():
+            if event["event"] & curve.HANDSHAKE_FAILED:
                 why = curve.refused_by_hub(event["event"], int(event["value"]), secure=self.secure)
                 raise StoreError(f"the rendezvous store at {self.endpoint} refused this process: {why}", "refused")

@@ -5,6 +5,7 @@ group formed over it."""
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 
@@ -118,9 +119,12 @@ def test_waits_that_time_out_say_so_and_name_the_endpoint(service):
 
 
 def test_a_service_that_does_not_answer_is_an_error_not_a_hang():
-    svc = StoreService("tcp://127.0.0.1:0")
-    endpoint = svc.endpoint
-    svc.close()
+    # A port that accepts connections and never speaks (a service closed instead would free its
+    # port, which a test running beside this one may take and answer on).
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+    endpoint = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
     store = ZmqStore(endpoint, timeout_s=SHORT_S)
     try:
         t0 = time.monotonic()
@@ -131,6 +135,7 @@ def test_a_service_that_does_not_answer_is_an_error_not_a_hang():
         assert time.monotonic() - t0 < 2 * SHORT_S + zstore.REPLY_GRACE_S + 1
     finally:
         store.close()
+        mute.close()
 
 
 @pytest.mark.parametrize("frames, code", [
