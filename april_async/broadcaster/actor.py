@@ -101,6 +101,7 @@ from april_async.logs import get_logger
 from april_async.weights.flat import bucket_digests, check_layout
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
+from april_async.wire.version import parse
 
 
 def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
@@ -112,7 +113,7 @@ def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
 
 JOB_POLL_S = 0.002
 """The loop's poll timeout while a worker thread's result is due (``_poll_timeout_s``)."""
-KEY_PREFIX_MINOR = 6  # protocol 1.6: the group's store keys live under ``GroupSpec.key_prefix``
+KEY_PREFIX_SINCE = (1, 6)  # the protocol version since which the group's keys live under ``key_prefix``
 
 
 def _cannot_join(hello: m.Hello, msg) -> str | None:
@@ -123,14 +124,11 @@ def _cannot_join(hello: m.Hello, msg) -> str | None:
     that rank 0 never writes, timing out in every round; refusing its hello says so at once.
     (Falling back to no prefix would hand the keys back to anyone on the store port.) One on
     SGLang servers (``servers``) receives nothing over the group and is welcome."""
-    if hello.role != "generator" or hello.servers:
+    if hello.role != "generator" or hello.servers or parse(msg.proto_version) >= KEY_PREFIX_SINCE:
         return None
-    proto_version = msg.proto_version
-    minor = proto_version.partition(".")[2]
-    if minor.isdigit() and int(minor) >= KEY_PREFIX_MINOR:
-        return None
-    return (f"a generator of protocol {proto_version} cannot join this broadcaster's weights group: since "
-            f"1.{KEY_PREFIX_MINOR} its store keys live under GroupSpec.key_prefix; upgrade the generator")
+    return (f"a generator of protocol {msg.proto_version} cannot join this broadcaster's weights group: since "
+            f"{'.'.join(map(str, KEY_PREFIX_SINCE))} its store keys live under GroupSpec.key_prefix; upgrade the "
+            f"generator")
 
 
 @dataclass

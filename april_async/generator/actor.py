@@ -23,6 +23,7 @@ from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
 from april_async.wire import messages as m
+from april_async.wire.version import parse
 
 ERROR_REASON_SINCE = (1, 5)  # the protocol version that added finished.reason "error"
 
@@ -266,11 +267,7 @@ class GeneratorActor:
 
     def _check_broker_takes_errors(self, w: LeaseWork, error: str | None) -> None:
         """A broker older than protocol 1.5 knows no ``finished.reason = "error"``."""
-        try:
-            proto = tuple(int(p) for p in (self.broker_proto or "").split(".")[:2])
-        except ValueError:
-            proto = ()
-        if self.broker_proto is not None and proto < ERROR_REASON_SINCE:
+        if self.broker_proto is not None and parse(self.broker_proto) < ERROR_REASON_SINCE:
             raise ActorFailed(f"the engine refused sample {w.sample_id} ({error}), and the broker speaks protocol "
                               f"{self.broker_proto}, which cannot take a refusal (finished.reason \"error\" needs "
                               f"{'.'.join(map(str, ERROR_REASON_SINCE))}): upgrade the broker")

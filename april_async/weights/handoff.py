@@ -65,12 +65,15 @@ from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
 from april_async.weights.flat import flatten
 from april_async.wire import messages as m
+from april_async.wire.version import parse
 
 Part = tuple[int, np.ndarray]
 """``(offset, bytes)``: one consecutive byte range of a version's buffer."""
 PartsFactory = Callable[[], tuple[list[m.TensorSpec], int, Iterable[Part], int]]
 """Makes ``(specs, total_bytes, parts, num_parts)``: the arguments of ``send_parts`` after the version."""
 Weights = Mapping[str, torch.Tensor] | PartsFactory | None
+
+PARTS_SINCE = (1, 4)  # the protocol version that added hand-offs in parts
 
 
 class BroadcastRefused(ActorFailed):
@@ -154,7 +157,7 @@ class WeightHandoff:
             num_parts = len(parts)
         if num_parts < 1:
             raise ValueError(f"version {version}: a hand-off has at least one part, got num_parts={num_parts}")
-        if num_parts > 1 and self.peer_proto is not None and _minor(self.peer_proto) < 4:
+        if num_parts > 1 and self.peer_proto is not None and parse(self.peer_proto) < PARTS_SINCE:
             raise BroadcastRefused(f"the broadcaster speaks protocol {self.peer_proto}: a hand-off in {num_parts} "
                                    f"parts needs 1.4 or newer; upgrade it, or raise learner.gather_bucket_mb above "
                                    f"{total_bytes / (1 << 20):.0f} MiB so that a version goes in one part")
@@ -221,9 +224,3 @@ class WeightHandoff:
     def close(self) -> None:
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
-
-
-def _minor(version: str) -> int:
-    """The minor number of a protocol version ``major.minor`` (0 when it has none)."""
-    _, _, minor = version.partition(".")
-    return int(minor) if minor.isdigit() else 0

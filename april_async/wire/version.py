@@ -7,3 +7,11 @@ major differs from its own; a minor bump only adds optional fields or new messag
 
 PROTO_VERSION = "1.6"
 PROTO_MAJOR = int(PROTO_VERSION.split(".")[0])
+
+
+def parse(proto_version: str) -> tuple[int, int]:
+    """``"MAJOR.MINOR"`` as numbers, for "since" checks against a peer's version (a part that is
+    not a number, or missing, counts as 0: such a peer has none of the later additions)."""
+    major, _, minor = proto_version.partition(".")
+    return (int(major) if major.isdigit() else 0, int(minor) if minor.isdigit() else 0)
+
