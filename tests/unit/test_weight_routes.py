@@ -43,13 +43,18 @@ def test_the_store_listens_on_its_address_alone():
         group.close()
 
 
-def test_a_busy_port_is_a_group_error_naming_it():
+@pytest.mark.parametrize("which", ["store", "rendezvous"])
+def test_a_busy_port_is_a_group_error_naming_it(which):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(GroupError, match=f"127.0.0.1:{port}"):
-            WeightGroup.host("127.0.0.1", port, 5.0)
+        if which == "store":
+            with pytest.raises(GroupError, match=f"TCPStore on 127.0.0.1:{port}"):
+                WeightGroup.host("127.0.0.1", port, 5.0)
+        else:
+            with pytest.raises(GroupError, match=f"rendezvous store on 127.0.0.1:{port}"):
+                WeightGroup.host("127.0.0.1", 0, 5.0, rendezvous_port=port)
 
 
 def test_rank_0_advertises_the_store_address_and_a_member_its_route_to_it():
@@ -96,15 +101,6 @@ def test_the_rendezvous_store_listens_on_the_store_host_alone_and_is_named_in_sp
     finally:
         group.close()
     assert WeightGroup.host("127.0.0.1", 0, 5.0).rendezvous is None, "no rendezvous_port: the TCPStore alone"
-
-
-def test_a_busy_rendezvous_port_is_a_group_error_naming_it():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        with pytest.raises(GroupError, match=f"rendezvous store on 127.0.0.1:{port}"):
-            WeightGroup.host("127.0.0.1", 0, 5.0, rendezvous_port=port)
 
 
 def test_an_open_rendezvous_store_beyond_loopback_needs_keys_or_a_trusted_network():
