@@ -217,7 +217,7 @@ class Bench:
             "off_policy": d["off_policy_tokens"] / max(1, d["tokens_delivered"]),
             "discarded": d["tokens_discarded"] / max(1, d["tokens_generated"]),
             "recycled": d["partials_recycled"], "restarts": d["restarts"],
-            "ledger_ok": sum(self.core.place_counts().values()) == len(self.core.samples),
+            "ledger_ok": self.core.audit()["balanced"],
         }
 
 

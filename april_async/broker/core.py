@@ -14,6 +14,13 @@ world do something (abort a lease) return ``AbortLease`` effects; the service se
 Reports are idempotent: a report on an unknown or ended lease, a chunk already applied, a score
 for a sample not awaiting one, an old version — each is a counted no-op, so redelivery is safe.
 
+A group that ends (delivered or retired) leaves the ledger at once, with its samples: the place
+counts keep them (``place_counts`` is exact over the whole run), the counters keep their tokens, and
+``samples``/``groups`` hold only what is still live. So memory, full garbage collections and the
+snapshot stay the size of the work in flight, not of the run. A report about a sample that left
+is a stale no-op like any other. Prompt ids are remembered while their group is open: the prompt
+source yields each id once (``tasks/source.py``), so the ledger only guards its own replays.
+
 ``to_bytes``/``from_bytes`` snapshot the whole state as a typed ``Snapshot`` (MessagePack, one
 named field per part of the state); the derived indexes are rebuilt on restore. Snapshots of the
 earlier positional format 1 still load, through one conversion (``_snapshot_from_format_1``).
@@ -24,14 +31,14 @@ from __future__ import annotations
 import enum
 import math
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgpack
 import msgspec
+import numpy as np
 
 from april_async.broker.config import RolloutConfig
 
@@ -42,23 +49,56 @@ TOKEN_TYPECODE = "i"
 """``array`` type of a sample's token ids (C int, 32 bits: any vocabulary)."""
 LOGPROB_TYPECODE = "d"
 """``array`` type of a sample's log-probs (a C double holds a Python float exactly)."""
+TOKEN_DTYPE = np.dtype(np.intc)  # the same as numpy types
+LOGPROB_DTYPE = np.dtype(np.double)
+_TOKEN_SIZE = TOKEN_DTYPE.itemsize
+
+NO_TOKENS = b""
+"""What a sample without tokens holds (queued, restarted, delivered): one shared immutable object.
+The first chunk brings a ``bytearray`` of its own.
+
+A sample's tokens and log-probs are ``bytearray``s of packed values (``TOKEN_DTYPE``,
+``LOGPROB_DTYPE``), appended in place. Not lists (millions of int objects made 3 s full
+collections at 1,000 generators), and not ``array.array``: since Python 3.11 an ``array`` is a
+container the garbage collector tracks, and the hundred thousand of them a 1,000-generator ledger
+holds, scattered over the heap, made every full collection 100 ms. A ``bytearray`` is not tracked,
+and numpy reads it without a copy."""
 
 
-NO_TOKENS: tuple = ()
-"""What a sample without tokens holds (queued, restarted, delivered): one shared immutable object,
-not two empty arrays per sample for the collector to walk. The first chunk brings the arrays."""
+def _token_bytes(values) -> bytes | memoryview:
+    """Token ids (a list, an ``array('i')`` or a numpy array) packed as the ledger holds them;
+    a value that is not an int or out of the 32-bit range is a ``TypeError``/``OverflowError``."""
+    if isinstance(values, np.ndarray):
+        if values.dtype == TOKEN_DTYPE:
+            return values.tobytes()
+        values = values.tolist()  # other widths: checked value by value below
+    elif isinstance(values, array) and values.typecode == TOKEN_TYPECODE:
+        return memoryview(values)
+    out = array(TOKEN_TYPECODE)
+    out.fromlist(values if type(values) is list else list(values))
+    return memoryview(out)
 
 
-def _token_array(values: Sequence[int] = ()) -> array:
-    """Token ids held by the ledger. An ``array`` rather than a list: the cyclic garbage collector
-    does not track it, so a full collection does not walk the millions of tokens a cluster holds
-    (lists of ints made 3 s full collections at 1,000 generators)."""
-    return array(TOKEN_TYPECODE, values)
+def _logprob_bytes(values) -> bytes | memoryview:
+    """Log-probs packed as the ledger holds them (float32 is widened exactly)."""
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind == "f":
+            return values.astype(LOGPROB_DTYPE, copy=False).tobytes()
+        values = values.tolist()
+    elif isinstance(values, array) and values.typecode == LOGPROB_TYPECODE:
+        return memoryview(values)
+    out = array(LOGPROB_TYPECODE)
+    out.fromlist(values if type(values) is list else list(values))
+    return memoryview(out)
 
 
-def _logprob_array(values: Sequence[float] = ()) -> array:
-    """Log-probs held by the ledger, as ``_token_array`` and for the same reason."""
-    return array(LOGPROB_TYPECODE, values)
+def _token_view(buf) -> np.ndarray:
+    """The ids in a packed buffer, as a numpy array that shares its memory (no copy)."""
+    return np.frombuffer(buf, TOKEN_DTYPE)
+
+
+def _logprob_view(buf) -> np.ndarray:
+    return np.frombuffer(buf, LOGPROB_DTYPE)
 
 
 class Place(enum.StrEnum):
@@ -83,15 +123,27 @@ class BrokerError(ValueError):
     """A request the broker refuses (the message names the offending value)."""
 
 
-@dataclass
-class Sample:
+Spans = tuple[tuple[int, int], ...]
+"""Run-length versions of a sample's tokens, ``((version, count), ...)``: tuples of ints, which the
+garbage collector stops tracking at its first look (lists of lists it walks at every full
+collection); a chunk replaces the tuple, a few pairs long, instead of editing it."""
+
+
+# The ledger's records are msgspec Structs with ``gc=False``: never tracked by the cyclic garbage
+# collector (they hold no reference cycles: ints, strings, enum members, arrays and tuples of
+# ints), so a full collection does not visit the hundreds of thousands of live samples of a
+# 1,000-generator cluster. As dataclasses, each sample was two tracked objects (itself and its
+# ``__dict__``) plus its span lists, and full collections grew with the ledger.
+
+
+class Sample(msgspec.Struct, gc=False):
     sample_id: int
     group_id: int
     index: int  # 0 .. n-1 within its group
     place: Place = Place.QUEUED
-    tokens: array | tuple = NO_TOKENS  # array('i') once it holds any (see _token_array)
-    logprobs: array | tuple = NO_TOKENS  # array('d') once it holds any
-    spans: list[list[int]] = field(default_factory=list)  # [[version, count], ...] run-length
+    token_bytes: bytearray | bytes = NO_TOKENS  # packed TOKEN_DTYPE (see NO_TOKENS)
+    logprob_bytes: bytearray | bytes = NO_TOKENS  # packed LOGPROB_DTYPE
+    spans: Spans = ()
     attempts: int = 0  # leases issued for it
     lease_id: int | None = None
     finish_reason: str | None = None
@@ -102,22 +154,33 @@ class Sample:
     def oldest_version(self) -> int | None:
         return _oldest_of(self.spans) if self.spans else None
 
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_bytes) // _TOKEN_SIZE
 
-@dataclass
-class Group:
+    @property
+    def tokens(self) -> np.ndarray:
+        """A copy of the token ids held (a view would pin the buffer: it could not grow)."""
+        return _token_view(self.token_bytes).copy()
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return _logprob_view(self.logprob_bytes).copy()
+
+
+class Group(msgspec.Struct, gc=False):
     group_id: int
     prompt_id: str
     prompt: tuple[int, ...]  # a tuple of ints: the garbage collector stops tracking it, never walks it
     task: str
     meta: dict
-    sample_ids: list[int]
+    sample_ids: tuple[int, ...]
     admitted_at: float
     state: str = "open"  # open | delivered | retired
     retire_reason: str | None = None
 
 
-@dataclass
-class Lease:
+class Lease(msgspec.Struct, gc=False):
     lease_id: int
     sample_id: int
     generator: str
@@ -172,9 +235,9 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     sample_id: int
     reward: float
     finish_reason: str
-    tokens: Sequence[int]  # the sample's own array('i'), handed over (the sample keeps none)
-    logprobs: Sequence[float]  # array('d'), likewise
-    spans: list[list[int]]
+    tokens: np.ndarray  # TOKEN_DTYPE, over the sample's own buffer, handed over (the sample keeps none)
+    logprobs: np.ndarray  # LOGPROB_DTYPE, likewise
+    spans: Spans
 
 
 class BatchGroupOut(msgspec.Struct, frozen=True, gc=False):
@@ -254,7 +317,7 @@ def _count_down(d: dict[int, int], key: int) -> None:
         del d[key]
 
 
-def _oldest_of(spans: list[list[int]]) -> int:
+def _oldest_of(spans: Spans) -> int:
     """The oldest version in non-empty run-length ``spans``."""
     oldest = spans[0][0]
     for version, _ in spans:
@@ -276,7 +339,7 @@ class _DeliveryTally:
 
     def add(self, s: Sample) -> None:
         self.samples += 1
-        self.tokens += len(s.tokens)
+        self.tokens += s.n_tokens
         if not s.spans:
             return
         by_version = self.tokens_by_version
@@ -300,18 +363,102 @@ class _DeliveryTally:
             _bump(c.staleness_samples, str(V - version), n)
 
 
+class FifoSet:
+    """An ordered set of ints taken from the front: O(1) add, remove and first, and nothing for the
+    garbage collector to walk.
+
+    The ledger's queues hold up to hundreds of thousands of ids. A plain dict finds its first key by
+    skipping every entry deleted before it (O(n) a lease once thousands went out); an
+    ``OrderedDict`` follows a link, but it is a container the collector always tracks, and
+    visiting its 256,000 ids made half of a 1,000-generator broker's full collections (75 ms).
+    Here the order lives in an ``array`` (one object, whose contents the collector never visits)
+    and membership in a dict of ints, which the collector stops tracking: each id is appended with
+    a stamp, removal only forgets the id, and stale entries are skipped at the front and dropped
+    when the array is compacted.
+    """
+
+    __slots__ = ("_order", "_members", "_head", "_next")
+
+    def __init__(self, ids: Sequence[int] = ()):
+        self._order = array("q")  # id, stamp, id, stamp, ...
+        self._members: dict[int, int] = {}  # id -> the stamp of its live entry
+        self._head = 0  # index in _order of the first entry that may be live
+        self._next = 0
+        for i in ids:
+            self[i] = None
+
+    @classmethod
+    def fromkeys(cls, ids: Sequence[int]) -> FifoSet:
+        return cls(ids)
+
+    def __setitem__(self, key: int, _value: None) -> None:
+        """Add ``key`` at the back (already in: it stays where it is, like a dict's key)."""
+        if key in self._members:
+            return
+        stamp = self._next
+        self._next = stamp + 1
+        self._members[key] = stamp
+        self._order.append(key)
+        self._order.append(stamp)
+
+    def pop(self, key: int, default=None):
+        return default if self._members.pop(key, _MISSING) is _MISSING else None
+
+    def __delitem__(self, key: int) -> None:
+        del self._members[key]
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __bool__(self) -> bool:
+        return bool(self._members)
+
+    def _live_head(self) -> int:
+        """Skip the dead entries at the front (each is skipped once) and return the index of the
+        first live one (the end when none is)."""
+        order, members, i, end = self._order, self._members, self._head, len(self._order)
+        while i < end and members.get(order[i], -1) != order[i + 1]:  # a removed or re-added id's old entry
+            i += 2
+        if i > 4096 and i * 2 > end:  # drop the dead front: amortized O(1) per entry
+            del order[:i]
+            i = 0
+        self._head = i
+        return i
+
+    def first(self) -> int:
+        """The oldest id (the set must not be empty)."""
+        return self._order[self._live_head()]
+
+    def __iter__(self):
+        """The ids, oldest first. Dead entries in the middle are skipped as met: a queue whose
+        middle is taken (scoring, ready groups) should be read a few ids at a time (``islice``)."""
+        order, members = self._order, self._members
+        for i in range(self._live_head(), len(order), 2):
+            key = order[i]
+            if members.get(key, -1) == order[i + 1]:
+                yield key
+
+
+_MISSING = object()
+
+
 class BrokerCore:
     """The rollout ledger and the APRIL policy. See the module docstring."""
 
     def __init__(self, config: RolloutConfig):
         self.config = config
         self.version = 0  # the newest policy version published
-        self.samples: dict[int, Sample] = {}
-        self.groups: dict[int, Group] = {}
+        self.samples: dict[int, Sample] = {}  # live samples: those of open groups
+        self.groups: dict[int, Group] = {}  # open groups
+        # Samples whose group ended and left the ledger, by their last place (delivered, retired).
+        self.ended: dict[Place, int] = {Place.DELIVERED: 0, Place.RETIRED: 0}
         self.leases: dict[int, Lease] = {}
         self.scoring: dict[int, tuple[str, float]] = {}  # sample_id -> (scorer, deadline)
         self.counters = Counters()
-        self.prompt_ids: set[str] = set()
+        self.prompt_ids: dict[str, None] = {}  # of the open groups (a dict: not tracked by the collector)
         self.step_groups: set[int] = set()  # sync/april: groups leased in this rollout step
         self.awaiting_version: int | None = None  # sync/april: a batch went out at this version
         # Batches sent but not yet acknowledged by the learner, kept whole so that a batch lost
@@ -324,32 +471,34 @@ class BrokerCore:
 
     def _rebuild_indexes(self) -> None:
         # Ordered sets: the queue of each place, in arrival order. The queues taken from the
-        # front are ``OrderedDict``s: a plain dict finds its first key by skipping every entry
-        # deleted before it (O(n) a lease once thousands went out), an OrderedDict follows a link.
-        self._fresh: dict[int, None] = OrderedDict()
-        self._recycle: dict[int, None] = OrderedDict()
-        self._unscored: dict[int, None] = OrderedDict()  # finished, not out for scoring
+        # front are ``FifoSet``s (see there).
+        self._fresh = FifoSet()
+        self._recycle = FifoSet()
+        self._unscored = FifoSet()  # finished, not out for scoring
         self._done: dict[int, None] = {}  # open groups whose n samples are finished or scored
-        self._ready: dict[int, None] = OrderedDict()  # open groups whose n samples are scored
+        self._ready = FifoSet()  # open groups whose n samples are scored
         self._live: dict[int, None] = {}  # samples not delivered or retired, in the order they last moved
         self._moved_at: dict[int, int] = {}  # live sample -> its rank in ``_live`` (a move counter)
         self._moves = 0
         # Live samples holding tokens, by the oldest version among them: a new version visits only
         # the samples it can make stale, not every live one (see ``publish_version``).
         self._oldest: dict[int, int] = {}  # sample -> the oldest version of its tokens
-        self._by_oldest: dict[int, set[int]] = {}  # that version -> those samples
+        # that version -> those samples (dicts as sets: a dict of ints is not tracked by the
+        # garbage collector, a set always is)
+        self._by_oldest: dict[int, dict[int, None]] = {}
         self._unaborted: dict[int, None] = {}  # leases not yet told to abort, in lease order
         self._place_counts: dict[Place, int] = dict.fromkeys(Place, 0)
+        self._place_counts.update(self.ended)
         # group -> its samples leased / finished or scored / scored (no entry: none)
         self._n_leased: dict[int, int] = {}
         self._n_done: dict[int, int] = {}
         self._n_scored: dict[int, int] = {}
-        self._gen_leases: dict[str, set[int]] = {}
+        self._gen_leases: dict[str, dict[int, None]] = {}  # generator -> its leases
         self._scorers: set[str] = {scorer for scorer, _ in self.scoring.values()}  # names that took score requests
         for s in self.samples.values():
             self._index_add(s)
         for lease in self.leases.values():
-            self._gen_leases.setdefault(lease.generator, set()).add(lease.lease_id)
+            self._gen_leases.setdefault(lease.generator, {})[lease.lease_id] = None
             if not lease.aborting:
                 self._unaborted[lease.lease_id] = None
 
@@ -363,14 +512,14 @@ class BrokerCore:
         self._oldest[sid] = version
         bucket = self._by_oldest.get(version)
         if bucket is None:
-            bucket = self._by_oldest[version] = set()
-        bucket.add(sid)
+            bucket = self._by_oldest[version] = {}
+        bucket[sid] = None
 
     def _unindex_oldest(self, sid: int) -> None:
         old = self._oldest.pop(sid, None)
         if old is not None:
             bucket = self._by_oldest[old]
-            bucket.discard(sid)
+            bucket.pop(sid, None)
             if not bucket:
                 del self._by_oldest[old]
 
@@ -442,7 +591,21 @@ class BrokerCore:
         return {p.value: self._place_counts[p] for p in Place}
 
     def samples_in(self, place: Place) -> list[int]:
+        """The ledger's samples in ``place`` (a place of ended groups holds none: they left)."""
         return [sid for sid, s in self.samples.items() if s.place is place]
+
+    def audit(self) -> dict:
+        """Conservation, checked: every admitted sample is in exactly one place, the live ones on
+        the ledger, the ended ones counted; and every accepted token is held, delivered, discarded
+        or retired."""
+        counts = self.place_counts()
+        live = sum(n for place, n in counts.items() if place not in (_DELIVERED, _RETIRED))
+        expected = self.counters.groups_admitted * self.config.group_size
+        c = self.counters
+        held = sum(s.n_tokens for s in self.samples.values())
+        tokens_ok = c.tokens_generated == held + c.tokens_delivered + c.tokens_discarded + c.tokens_retired
+        return {"places": counts, "live": len(self.samples), "expected": expected,
+                "balanced": live == len(self.samples) and sum(counts.values()) == expected and tokens_ok}
 
     def leased_groups(self) -> int:
         return len(self._n_leased)
@@ -482,9 +645,9 @@ class BrokerCore:
                 f"prompt {prompt_id!r} has {len(prompt)} tokens, over max_prompt_tokens={self.config.max_prompt_tokens}"
             )
         gid = self._take("group")
-        ids = [self._take("sample") for _ in range(self.config.group_size)]
+        ids = tuple(self._take("sample") for _ in range(self.config.group_size))
         self.groups[gid] = Group(gid, prompt_id, tuple(map(int, prompt)), task, dict(meta or {}), ids, now)
-        self.prompt_ids.add(prompt_id)
+        self.prompt_ids[prompt_id] = None
         for k, sid in enumerate(ids):
             s = Sample(sid, gid, k)
             self.samples[sid] = s
@@ -529,24 +692,25 @@ class BrokerCore:
             queue = self._lease_queue()
             if not queue:
                 break
-            s = self.samples[next(iter(queue))]
+            s = self.samples[queue.first()]
             if not self._group_admissible(s.group_id):
                 break
             grants.append(self._grant(s, generator, now))
         return grants
 
-    def _lease_queue(self) -> dict[int, None]:
+    def _lease_queue(self) -> FifoSet:
         """Where the next lease comes from: recycled partials while any wait, else fresh samples."""
         return self._recycle or self._fresh
 
     def _grant(self, s: Sample, generator: str, now: float) -> LeaseGrant:
         lid = self._take("lease")
         self.leases[lid] = Lease(lid, s.sample_id, generator, now + self.config.lease_timeout_s)
-        self._gen_leases.setdefault(generator, set()).add(lid)
+        self._gen_leases.setdefault(generator, {})[lid] = None
         self._unaborted[lid] = None
-        if s.tokens:
+        held = s.n_tokens
+        if held:
             self.counters.partials_recycled += 1
-            self.counters.tokens_resumed += len(s.tokens)
+            self.counters.tokens_resumed += held
         s.attempts += 1
         s.lease_id = lid
         self._move(s, Place.LEASED)
@@ -559,8 +723,8 @@ class BrokerCore:
             sample_id=s.sample_id,
             group_id=s.group_id,
             prompt=list(g.prompt),
-            resume=_plain(s.tokens),
-            max_new_tokens=self.config.max_response_tokens - len(s.tokens),
+            resume=_token_view(s.token_bytes).tolist(),
+            max_new_tokens=self.config.max_response_tokens - held,
             min_policy_version=self.version,
         )
 
@@ -569,7 +733,7 @@ class BrokerCore:
         self._unaborted.pop(lease.lease_id, None)
         owned = self._gen_leases.get(lease.generator)
         if owned is not None:
-            owned.discard(lease.lease_id)
+            owned.pop(lease.lease_id, None)
             if not owned:
                 del self._gen_leases[lease.generator]
         s = self.samples[lease.sample_id]
@@ -601,7 +765,7 @@ class BrokerCore:
             raise BrokerError(
                 f"chunk for sample {s.sample_id}: {len(tokens)} tokens, {len(logprobs)} log-probs, spans cover {covered}"
             )
-        held = len(s.tokens)
+        held = s.n_tokens
         if offset > held:
             self.counters.chunk_gaps += 1
             return None
@@ -617,29 +781,31 @@ class BrokerCore:
             return 0
         whole = skip == 0 and take == len(tokens)
         try:  # both converted before either is stored: a bad value changes nothing
-            new_tokens = _to_array(TOKEN_TYPECODE, tokens if whole else tokens[skip : skip + take])
-            new_logprobs = _to_array(LOGPROB_TYPECODE, logprobs if whole else logprobs[skip : skip + take])
-        except (TypeError, OverflowError) as e:
+            new_tokens = _token_bytes(tokens if whole else tokens[skip : skip + take])
+            new_logprobs = _logprob_bytes(logprobs if whole else logprobs[skip : skip + take])
+        except (TypeError, OverflowError, ValueError) as e:
             raise BrokerError(
                 f"chunk for sample {s.sample_id}: a token id or log-prob is not a number: {e}") from None
-        if s.tokens:
-            s.tokens.extend(new_tokens)
-            s.logprobs.extend(new_logprobs)
-        else:  # the first tokens: the new arrays become the sample's
-            s.tokens, s.logprobs = new_tokens, new_logprobs
+        if held:
+            s.token_bytes += new_tokens
+            s.logprob_bytes += new_logprobs
+        else:  # the first tokens: buffers of the sample's own
+            s.token_bytes, s.logprob_bytes = bytearray(new_tokens), bytearray(new_logprobs)
         # Slice the run-length version spans to [skip, skip + take).
         pos, lo, hi = 0, skip, skip + take
         lowest = None
+        held_spans = s.spans
         for version, count in spans:
             a, b = max(pos, lo), min(pos + count, hi)
             if a < b:
                 version = int(version)
-                if s.spans and s.spans[-1][0] == version:
-                    s.spans[-1][1] += b - a
+                if held_spans and held_spans[-1][0] == version:
+                    held_spans = held_spans[:-1] + ((version, held_spans[-1][1] + b - a),)
                 else:
-                    s.spans.append([version, b - a])
+                    held_spans = held_spans + ((version, b - a),)
                 lowest = version if lowest is None else min(lowest, version)
             pos += count
+        s.spans = held_spans
         old = self._oldest.get(s.sample_id)
         if s.sample_id in self._live and (old is None or lowest < old):
             self._index_oldest(s.sample_id, lowest)
@@ -671,7 +837,7 @@ class BrokerCore:
             return self.retire_group(s.group_id, "engine_refused")
         accepted = self._accept(s, offset, tokens, logprobs, spans)
         self._end_lease(lease)
-        if len(s.tokens) >= self.config.max_response_tokens:
+        if s.n_tokens >= self.config.max_response_tokens:
             reason = "length"
         elif accepted is None:
             reason = "abort"  # the end of the response never reached us: resume from what we hold
@@ -742,7 +908,7 @@ class BrokerCore:
         s = self._end_lease(lease)
         self.counters.leases_expired += 1
         self._move(s, Place.PARTIAL)
-        if s.tokens:
+        if s.token_bytes:
             self.counters.partials_created += 1
         if s.attempts >= self.config.max_attempts:
             return self.retire_group(s.group_id, "attempts_exhausted")
@@ -759,7 +925,7 @@ class BrokerCore:
             del self._unscored[sid]
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
             self._scorers.add(scorer)
-            tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), _plain(s.tokens),
+            tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), _token_view(s.token_bytes).tolist(),
                                    s.finish_reason, g.task, dict(g.meta)))
         return tasks
 
@@ -809,8 +975,8 @@ class BrokerCore:
         if self.config.over_bound == "drop":
             return self.retire_group(s.group_id, "stale")
         self.counters.restarts += 1
-        self.counters.tokens_discarded += len(s.tokens)
-        s.tokens, s.logprobs, s.spans = NO_TOKENS, NO_TOKENS, []
+        self.counters.tokens_discarded += s.n_tokens
+        s.token_bytes, s.logprob_bytes, s.spans = NO_TOKENS, NO_TOKENS, ()
         s.finish_reason, s.reward, s.finished_by = None, None, None
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
@@ -830,10 +996,10 @@ class BrokerCore:
                 if not lease.aborting:  # one abort per lease is enough
                     effects.append(AbortLease(lease.generator, lease.lease_id))
                 self._end_lease(lease)
-            self.counters.tokens_retired += len(s.tokens)
+            self.counters.tokens_retired += s.n_tokens
             self._move(s, Place.RETIRED)
         g.state, g.retire_reason = "retired", reason
-        self.step_groups.discard(group_id)
+        self._forget(g)
         _bump(self.counters.groups_retired, reason)
         self.counters.aborts_sent += len(effects)
         return effects
@@ -868,7 +1034,9 @@ class BrokerCore:
             self._open_next_step()
         effects: list[AbortLease] = []
         for sid in self._stale_candidates():
-            s = self.samples[sid]
+            s = self.samples.get(sid)
+            if s is None:  # its group was retired by the bound, for a sample before it ("drop")
+                continue
             if s.place in HELD_PLACES:
                 effects += self._enforce_bound(s)
             elif s.place is Place.LEASED and self.is_stale(s):
@@ -929,16 +1097,17 @@ class BrokerCore:
                     dict(g.meta),
                     # The token arrays leave with the batch (the sample gets empty ones below); the
                     # spans are shared: a delivered sample's never change again.
-                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.tokens, s.logprobs, s.spans)
+                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, _token_view(s.token_bytes),
+                                    _logprob_view(s.logprob_bytes), s.spans)
                      for s in samples],
                 )
             )
             for s in samples:
                 tally.add(s)
                 self._move(s, Place.DELIVERED)
-                s.tokens, s.logprobs = NO_TOKENS, NO_TOKENS
+                s.token_bytes, s.logprob_bytes = NO_TOKENS, NO_TOKENS
             g.state = "delivered"
-            self.step_groups.discard(gid)
+            self._forget(g)
         tally.count_into(self.counters, V)
         c = self.counters
         c.batches_delivered += 1
@@ -948,6 +1117,15 @@ class BrokerCore:
         batch = BatchOut(self._take("batch"), V, out_groups)
         self.unacked_batches[batch.batch_id] = batch
         return batch
+
+    def _forget(self, g: Group) -> None:
+        """Group ``g`` ended: it and its samples leave the ledger; ``ended`` counts them."""
+        for sid in g.sample_ids:
+            s = self.samples.pop(sid)
+            self.ended[s.place] += 1
+        del self.groups[g.group_id]
+        self.prompt_ids.pop(g.prompt_id, None)
+        self.step_groups.discard(g.group_id)
 
     def report_batch(self, batch_id: int, policy_version: int, dropped_groups: Sequence[int], reason: str) -> None:
         """The learner is done with ``batch_id``: count the groups it left out under ``reason``.
@@ -999,7 +1177,8 @@ class BrokerCore:
                                 meta=g.meta, sample_ids=g.sample_ids, admitted_at=g.admitted_at,
                                 state=g.state, retire_reason=g.retire_reason) for g in self.groups.values()],
             samples=[SampleRecord(sample_id=s.sample_id, group_id=s.group_id, index=s.index, place=s.place,
-                                  tokens=_plain(s.tokens), logprobs=_plain(s.logprobs), spans=s.spans,
+                                  tokens=_token_view(s.token_bytes).tolist(),
+                                  logprobs=_logprob_view(s.logprob_bytes).tolist(), spans=s.spans,
                                   attempts=s.attempts,
                                   lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
                                   finished_by=s.finished_by) for s in self.samples.values()],
@@ -1008,6 +1187,7 @@ class BrokerCore:
             scoring=[ScoringRecord(sample_id=sid, scorer=scorer, deadline=deadline)
                      for sid, (scorer, deadline) in self.scoring.items()],
             unacked_batches=[_batch_record(b) for b in self.unacked_batches.values()],
+            ended={place.value: n for place, n in self.ended.items()},
             queues=Queues(fresh=list(self._fresh), recycle=list(self._recycle), unscored=list(self._unscored),
                           done=list(self._done), ready=list(self._ready), live=list(self._live)),
         )
@@ -1031,19 +1211,32 @@ class BrokerCore:
         core.version = snap.version
         core._next = msgspec.structs.asdict(snap.next_ids)
         core.counters = snap.counters
-        core.prompt_ids = set(snap.prompt_ids)
         core.step_groups = set(snap.step_groups)
         core.awaiting_version = snap.awaiting_version
         for g in snap.groups:
             core.groups[g.group_id] = Group(g.group_id, g.prompt_id, tuple(g.prompt), g.task, g.meta,
-                                            g.sample_ids,
+                                            tuple(g.sample_ids),
                                             g.admitted_at, g.state, g.retire_reason)
         for s in snap.samples:
-            tokens = _token_array(s.tokens) if s.tokens else NO_TOKENS
-            logprobs = _logprob_array(s.logprobs) if s.logprobs else NO_TOKENS
+            try:
+                tokens = bytearray(_token_bytes(s.tokens)) if s.tokens else NO_TOKENS
+                logprobs = bytearray(_logprob_bytes(s.logprobs)) if s.logprobs else NO_TOKENS
+            except OverflowError as e:
+                raise BrokerError(f"snapshot is inconsistent: sample {s.sample_id} holds {e}") from None
             core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, tokens, logprobs,
-                                               s.spans, s.attempts, s.lease_id, s.finish_reason, s.reward,
+                                               _spans(s.spans), s.attempts, s.lease_id, s.finish_reason, s.reward,
                                                s.finished_by)
+        for place, n in snap.ended.items():
+            core.ended[Place(place)] += n
+        # A snapshot written before groups left the ledger on ending holds them: they leave now.
+        for g in [g for g in core.groups.values() if g.state != "open"]:
+            for sid in g.sample_ids:
+                s = core.samples.get(sid)
+                if s is None or s.place not in (Place.DELIVERED, Place.RETIRED):
+                    raise BrokerError(f"snapshot is inconsistent: sample {sid} of {g.state} group {g.group_id}"
+                                      f" is {'missing' if s is None else s.place.value}")
+            core._forget(g)
+        core.prompt_ids = dict.fromkeys(g.prompt_id for g in core.groups.values())
         for x in snap.leases:
             core.leases[x.lease_id] = Lease(x.lease_id, x.sample_id, x.generator, x.deadline, x.aborting)
         for r in snap.scoring:
@@ -1051,8 +1244,8 @@ class BrokerCore:
         for b in snap.unacked_batches:
             core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, [
                 BatchGroupOut(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, [
-                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, _token_array(x.tokens),
-                                   _logprob_array(x.logprobs), x.spans)
+                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, np.array(x.tokens, TOKEN_DTYPE),
+                                   np.array(x.logprobs, LOGPROB_DTYPE), _spans(x.spans))
                     for x in g.samples])
                 for g in b.groups])
         missing = sorted(({x.sample_id for x in snap.leases} | set(core.scoring)) - set(core.samples))
@@ -1200,6 +1393,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     scoring: list[ScoringRecord]
     unacked_batches: list[BatchRecord]
     queues: Queues
+    # Samples of ended groups, no longer on the ledger, by their last place ("delivered", "retired").
+    # Absent in snapshots written while ended groups stayed on it (they are counted on restore).
+    ended: dict[Literal["delivered", "retired"], int] = {}
 
 
 class _FormatProbe(msgspec.Struct):
@@ -1294,16 +1490,9 @@ def _batch_record(b: BatchOut) -> BatchRecord:
         for g in b.groups])
 
 
-def _to_array(typecode: str, values: Sequence) -> array:
-    """``values`` as a new array; from a list through ``fromlist``, twice as fast as the constructor."""
-    out = array(typecode)
-    if type(values) is list:
-        out.fromlist(values)
-    elif isinstance(values, array) and values.typecode == typecode:
-        out.extend(values)
-    else:  # a numpy array, a tuple, an array of another type
-        out.fromlist(_plain(values))
-    return out
+def _spans(pairs: Sequence[Sequence[int]]) -> Spans:
+    """Stored ``[[version, count], ...]`` as the ledger holds them."""
+    return tuple((int(v), int(c)) for v, c in pairs)
 
 
 def _plain(values) -> list:

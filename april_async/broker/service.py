@@ -113,11 +113,9 @@ class BrokerService:
     def ledger(self) -> dict:
         """Where every sample is, and whether that adds up to what was admitted (conservation)."""
         core = self.core
-        places = core.place_counts()
-        expected = core.counters.groups_admitted * self.cfg.rollout.group_size
-        return {"version": core.version, "places": places, "samples": len(core.samples), "expected": expected,
-                "balanced": sum(places.values()) == len(core.samples) == expected,
-                "counters": core.counters.as_dict()}
+        audit = core.audit()
+        return {"version": core.version, "places": audit["places"], "samples": audit["live"],
+                "expected": audit["expected"], "balanced": audit["balanced"], "counters": core.counters.as_dict()}
 
     def handle(self, identity: bytes, msg, now: float) -> None:
         body, sender = msg.body, msg.sender
@@ -344,23 +342,28 @@ def score_error_kind(error: str) -> str:
 
 
 def batch_message(batch: BatchOut, stats: dict | None = None) -> m.Batch:
-    """The wire form of a core batch: token arrays concatenated, slices in the header."""
+    """The wire form of a core batch: token arrays concatenated, slices in the header. The samples'
+    arrays are joined by numpy (no Python object per token) and leave as bulk frames."""
     prompts, responses, logprobs, groups = [], [], [], []
     p_off = r_off = 0
     for g in batch.groups:
         samples = []
         for s in g.samples:
+            n = len(s.tokens)
             samples.append(m.BatchSample(sample_id=s.sample_id, reward=s.reward, finish_reason=s.finish_reason,
-                                         response_offset=r_off, response_len=len(s.tokens),
+                                         response_offset=r_off, response_len=n,
                                          versions=[m.VersionSpan(v, c) for v, c in s.spans]))
-            responses.extend(s.tokens)
-            logprobs.extend(s.logprobs)
-            r_off += len(s.tokens)
+            responses.append(s.tokens)
+            logprobs.append(s.logprobs)
+            r_off += n
         groups.append(m.BatchGroup(group_id=g.group_id, prompt_id=g.prompt_id, prompt_offset=p_off,
                                    prompt_len=len(g.prompt), samples=samples, task=g.task, meta=g.meta))
-        prompts.extend(g.prompt)
+        prompts.append(np.asarray(g.prompt, dtype=np.int32))
         p_off += len(g.prompt)
     return m.Batch(batch_id=batch.batch_id, policy_version=batch.policy_version, groups=groups,
-                   prompt_tokens=np.asarray(prompts, dtype=np.int32),
-                   response_tokens=np.asarray(responses, dtype=np.int32),
-                   logprobs=np.asarray(logprobs, dtype=np.float32), stats=stats or {})
+                   prompt_tokens=_joined(prompts, np.int32), response_tokens=_joined(responses, np.int32),
+                   logprobs=_joined(logprobs, np.float32), stats=stats or {})
+
+
+def _joined(parts: list, dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)

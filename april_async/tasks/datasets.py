@@ -44,8 +44,17 @@ def load_problems(path: Path | str, *, kind: str | None = None, prompt_field: st
     else:
         raise DatasetError(f"dataset {str(path)!r}: cannot tell its format from the suffix "
                            f"{path.suffix!r}; set kind to 'jsonl' or 'parquet'")
-    problems = [_problem(rec, where, path, prompt_field, answer_field, id_field, task, template)
-                for where, rec in records]
+    problems = []
+    first_seen: dict[str, str] = {}  # id -> where it was first
+    for where, rec in records:
+        p = _problem(rec, where, path, prompt_field, answer_field, id_field, task, template)
+        # The broker's ledger forgets a prompt id once its group has ended, so the source must
+        # yield each id once: two records with one id would be two groups the audit cannot tell apart.
+        if p.prompt_id in first_seen:
+            raise DatasetError(f"{path}, {where}: id {p.prompt_id!r} is already the id of the record at "
+                               f"{first_seen[p.prompt_id]}; ids must be unique (id_field={id_field!r})")
+        first_seen[p.prompt_id] = where
+        problems.append(p)
     if not problems:
         raise DatasetError(f"dataset {str(path)!r} holds no records")
     return problems

@@ -112,6 +112,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             self.groups: dict[int, list[int]] = {}
             self.group_state: dict[int, str] = {}
             self.prompts: dict[str, list[int]] = {}
+            self.prompt_group: dict[str, int] = {}  # prompt id -> its group
             self.leases: dict[int, MLease] = {}
             self.issued_leases: list[int] = []
             self.scoring: dict[int, tuple[str, float]] = {}
@@ -237,6 +238,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 sids = [s for s, x in self.core.samples.items() if x.group_id == gid]
                 self.agree(len(sids) == self.cfg.group_size, f"group {gid} has {len(sids)} samples")
                 self.prompts[pid] = prompt
+                self.prompt_group[pid] = gid
                 self.groups[gid] = sids
                 self.group_state[gid] = "open"
                 for sid in sids:
@@ -539,6 +541,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             before = core_state_without_counters(self.core)
             kind, *args = msg
             if kind == "admit":
+                if self.group_state[self.prompt_group[args[0]]] != "open":
+                    return  # the source yields an id once; the ledger guards only an open group's
                 self.core.admit(args[0], args[1], self.now)
             elif kind == "chunk":
                 self.core.chunk(*args, self.now)
@@ -568,10 +572,9 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 return
             self.steps += 1
             core = self.core
-            # 2: exactly-once — a delivered sample never comes back to a deliverable place.
+            # 2: exactly-once — a delivered sample left the ledger and never comes back to it.
             for sid in self.delivered:
-                require(2, core.samples[sid].place is Place.DELIVERED,
-                        f"delivered sample {sid} is {core.samples[sid].place} again")
+                require(2, sid not in core.samples, f"delivered sample {sid} is {core.samples.get(sid)} again")
             # 3: bounded in-flight.
             self.check_bounded()
             # 4: staleness — no held sample breaks η at the current version.
@@ -580,20 +583,27 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                     oldest = min(v for v, _ in s.spans)
                     require(4, core.version - oldest <= self.cfg.staleness_bound,
                             f"sample {sid} in {s.place} holds version {oldest} at {core.version}")
-            # 6: group integrity — a group is delivered whole or not at all.
+            # 6: group integrity — a group is delivered (or retired) whole or not at all: it is on the
+            # ledger with all its samples while open, and leaves it with all of them.
             for gid, sids in self.groups.items():
-                delivered = [core.samples[s].place is Place.DELIVERED for s in sids]
-                require(6, all(delivered) or not any(delivered), f"group {gid} partly delivered")
-            # 1: conservation — samples partitioned into the seven places; tokens accounted for.
-            require(1, set(core.samples) == set(self.samples), "the broker's samples differ from those admitted")
+                on = [s in core.samples for s in sids]
+                require(6, all(on) or not any(on), f"group {gid} partly left the ledger")
+                require(6, all(on) == (gid in core.groups), f"group {gid} and its samples disagree")
+            # 1: conservation — samples partitioned into the seven places: the live ones on the
+            # ledger, the ended ones counted; tokens accounted for.
+            live_ids = {sid for sid, m in self.samples.items() if m.place not in (Place.DELIVERED, Place.RETIRED)}
+            require(1, set(core.samples) == live_ids, "the broker's live samples differ from the model's")
             counts = core.place_counts()
             actual = {p.value: 0 for p in Place}
             for s in core.samples.values():
                 actual[s.place.value] += 1
+            for place, n in core.ended.items():
+                actual[place.value] += n
             require(1, counts == actual, f"place counts {counts} but samples say {actual}")
             require(1, sum(counts.values()) == len(self.samples), "place counts do not add up")
+            require(1, core.audit()["balanced"], f"the core's own audit fails: {core.audit()}")
             c = core.counters
-            live = sum(len(s.tokens) for s in core.samples.values() if s.place not in (Place.DELIVERED, Place.RETIRED))
+            live = sum(len(s.tokens) for s in core.samples.values())
             require(1, c.tokens_generated == live + c.tokens_delivered + c.tokens_discarded + c.tokens_retired,
                     f"tokens: {c.tokens_generated} accepted != {live} held + {c.tokens_delivered} delivered"
                     f" + {c.tokens_discarded} discarded + {c.tokens_retired} retired")
@@ -605,7 +615,9 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                             f" was sent {[t for t, _, _ in m.tokens]}")
             # The model.
             for sid, m in self.samples.items():
-                self.agree(core.samples[sid].place is m.place, f"sample {sid}: core {core.samples[sid].place}, model {m.place}")
+                s = core.samples.get(sid)
+                self.agree((s.place if s else None) is (m.place if sid in live_ids else None),
+                           f"sample {sid}: core {s.place if s else 'ended'}, model {m.place}")
             self.agree(set(core.leases) == set(self.leases), f"leases {sorted(core.leases)} vs {sorted(self.leases)}")
             self.agree(set(core.scoring) == set(self.scoring), "score requests out differ")
             self.agree(core.version == self.V, "versions differ")
@@ -620,7 +632,9 @@ def check_indexes(core: BrokerCore) -> None:
     """Invariant 1, the ledger's derived indexes against a scan of every sample and lease: the live
     samples by the oldest version they hold (what a new version visits), their order of last move,
     and the leases not yet told to abort."""
-    live = [sid for sid, s in core.samples.items() if s.place not in (Place.DELIVERED, Place.RETIRED)]
+    live = list(core.samples)
+    require(1, all(s.place not in (Place.DELIVERED, Place.RETIRED) for s in core.samples.values()),
+            "an ended sample stayed on the ledger")
     require(1, sorted(core._live) == sorted(live), "the live index is not the live samples")
     require(1, sorted(core._live, key=core._moved_at.__getitem__) == list(core._live),
             "the move ranks do not give the live order")
@@ -629,7 +643,7 @@ def check_indexes(core: BrokerCore) -> None:
     by_oldest: dict[int, set[int]] = {}
     for sid, v in oldest.items():
         by_oldest.setdefault(v, set()).add(sid)
-    require(1, core._by_oldest == by_oldest,
+    require(1, {v: set(sids) for v, sids in core._by_oldest.items()} == by_oldest,
             f"samples by oldest version {core._by_oldest}, should be {by_oldest}")
     unaborted = [lid for lid, x in core.leases.items() if not x.aborting]
     require(1, list(core._unaborted) == unaborted,

@@ -19,16 +19,20 @@ class LosesPartialTokens(BrokerCore):
 
     def _move(self, s, place):
         if place is Place.PARTIAL and s.place is Place.LEASED:
-            s.tokens, s.logprobs, s.spans = [], [], []
+            s.token_bytes, s.logprob_bytes, s.spans = b"", b"", ()
         super()._move(s, place)
 
 
 class DeliversTwice(BrokerCore):
-    """2 exactly-once: a delivered group is left in the ready queue."""
+    """2 exactly-once: a delivered group stays on the ledger, in the ready queue."""
 
     def _move(self, s, place):
         if place is not Place.DELIVERED:
             super()._move(s, place)
+
+    def _forget(self, g):
+        if g.state != "delivered":
+            super()._forget(g)
 
 
 class IgnoresInflightBound(BrokerCore):
@@ -60,7 +64,7 @@ class DeliversUnscoredGroups(BrokerCore):
         try:
             return super().pull_batch(now)
         finally:
-            self._ready = {g: None for g in ready if self.groups[g].state == "open"}
+            self._ready = {g: None for g in ready if g in self.groups}
 
 
 class ForgetsPartialsOnRestart(BrokerCore):
@@ -71,7 +75,7 @@ class ForgetsPartialsOnRestart(BrokerCore):
         core = super().from_bytes(data, config)
         for s in core.samples.values():
             if s.place is Place.PARTIAL:
-                s.tokens, s.logprobs, s.spans = [], [], []
+                s.token_bytes, s.logprob_bytes, s.spans = b"", b"", ()
         return core
 
 

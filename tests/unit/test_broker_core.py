@@ -152,7 +152,7 @@ def test_chunks_are_idempotent_by_offset_and_a_gap_is_ignored():
     assert not core.chunk(g.lease_id, 5, [9], [-1.0], [[1, 1]], 0.4)  # gap
     s = core.samples[g.sample_id]
     assert list(s.tokens) == [1, 2, 3] and list(s.logprobs) == [-1.0, -2.0, -3.0]
-    assert s.spans == [[0, 2], [1, 1]]
+    assert s.spans == ((0, 2), (1, 1))
     assert core.counters.tokens_duplicate == 3 and core.counters.chunk_gaps == 1
     # A finish whose start never arrived: the sample is resumed from what the broker holds.
     core.finish(g.lease_id, 7, [1], [-1.0], [[1, 1]], "stop", 0.5)
@@ -167,11 +167,11 @@ def test_a_chunk_with_a_value_that_is_not_a_number_is_refused_and_changes_nothin
     with pytest.raises(BrokerError, match="not a number"):
         core.chunk(g.lease_id, 2, [3, 4], [-3.0, "x"], [[0, 2]], 0.2)
     s = core.samples[g.sample_id]
-    assert list(s.tokens) == [1, 2] and list(s.logprobs) == [-1.0, -2.0] and s.spans == [[0, 2]]
+    assert list(s.tokens) == [1, 2] and list(s.logprobs) == [-1.0, -2.0] and s.spans == ((0, 2),)
 
 
 def test_token_arrays_leave_with_the_batch_and_numpy_chunks_are_taken():
-    """The ledger holds tokens in arrays (the collector does not walk them); a delivered sample holds none."""
+    """The ledger holds tokens in arrays (the collector does not walk them); a delivered sample leaves it."""
     np = pytest.importorskip("numpy")
     core = make(batch_groups=1, group_size=1, over_provision=1.0)
     admit(core, 1)
@@ -181,8 +181,8 @@ def test_token_arrays_leave_with_the_batch_and_numpy_chunks_are_taken():
     score_all(core)
     (sample,) = core.pull_batch(0.2).groups[0].samples
     assert list(sample.tokens) == [5, 6] and list(sample.logprobs) == [-0.5, -0.25]
-    s = core.samples[g.sample_id]
-    assert s.place is Place.DELIVERED and len(s.tokens) == len(s.logprobs) == 0 and s.spans == [[0, 2]]
+    assert sample.spans == ((0, 2),)
+    assert g.sample_id not in core.samples and core.place_counts()["delivered"] == 1 and core.audit()["balanced"]
 
 
 def test_a_new_version_restarts_stale_partials_in_the_order_they_last_moved():
@@ -253,7 +253,7 @@ def test_batch_accounts_staleness_and_off_policy_tokens():
     score_all(core)
     batch = core.pull_batch(0.4)
     (sample,) = batch.groups[0].samples
-    assert list(sample.tokens) == [1, 2, 3] and sample.spans == [[0, 2], [1, 1]]
+    assert list(sample.tokens) == [1, 2, 3] and sample.spans == ((0, 2), (1, 1))
     c = core.counters
     assert c.off_policy_tokens == 2
     assert c.staleness_tokens == {"1": 2, "0": 1} and c.staleness_samples == {"1": 1}  # lags as strings
@@ -331,7 +331,7 @@ def test_score_failure_is_counted_under_the_scorers_reason():
     t = core.score_lease("scorer", 10, 1.0)[0]
     core.score_failed(t.sample_id, t.lease_id, 1.0, "reward_timeout")
     assert core.counters.groups_retired == {"reward_timeout": 1}
-    assert core.samples[t.sample_id].place is Place.RETIRED
+    assert t.sample_id not in core.samples and core.place_counts()["retired"] == 2 and core.audit()["balanced"]
 
 
 def _april_batch(core):
@@ -371,10 +371,10 @@ def test_a_sample_the_engine_refused_retires_its_group_and_is_never_leased_again
     core.chunk(a.lease_id, 0, [5, 5], [-1.0, -1.0], [[0, 2]], 0.5)
     effects = core.finish(a.lease_id, 2, [], [], [], "error", 1.0)
     assert effects == [AbortLease("gen", b.lease_id)]  # the group's other lease is stopped
-    assert core.groups[a.group_id].state == "retired" and core.groups[a.group_id].retire_reason == "engine_refused"
+    assert a.group_id not in core.groups
     assert core.counters.groups_retired == {"engine_refused": 1} and core.counters.tokens_retired == 2
     assert core.lease("gen", 10, 2.0) == []  # nothing of it comes back as a partial
-    assert {core.samples[x.sample_id].place for x in (a, b)} == {Place.RETIRED}
+    assert core.place_counts()["retired"] == 2 and core.audit()["balanced"]
 
 
 def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
@@ -383,8 +383,7 @@ def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
     for attempt in range(3):
         (g,) = core.lease("gen", 1, float(attempt))
         effects = finish(core, g, n_tokens=1, reason="abort")  # a server's own abort, say
-    assert effects == [] and core.samples[g.sample_id].place is Place.RETIRED
-    assert core.groups[g.group_id].retire_reason == "attempts_exhausted"
+    assert effects == [] and g.sample_id not in core.samples and core.place_counts()["retired"] == 1
     assert core.counters.groups_retired == {"attempts_exhausted": 1}
     assert core.lease("gen", 1, 5.0) == []
     # A silent generator's reclaimed lease counts the same.
@@ -393,3 +392,32 @@ def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
     core2.lease("gen", 1, 0.0)
     core2.expire(100.0)
     assert core2.counters.groups_retired == {"attempts_exhausted": 1}
+
+
+def test_fifo_set_keeps_arrival_order_through_removals_re_adds_and_compaction():
+    import gc
+
+    from april_async.broker.core import FifoSet
+
+    q = FifoSet([5, 6, 7])
+    q[5] = None  # already in: stays first, as a dict's key would
+    assert list(q) == [5, 6, 7] and q.first() == 5 and len(q) == 3
+    del q[5]
+    q.pop(6)
+    q[5] = None  # re-added: now at the back, its old entry is dead
+    assert list(q) == [7, 5] and q.first() == 7 and 6 not in q and 5 in q
+    assert q.pop(123, "absent") == "absent"
+    model = [7, 5]
+    for i in range(10_000):  # enough dead entries at the front to compact the order array
+        q[1000 + i] = None
+        model.append(1000 + i)
+        if i % 3 == 0:
+            victim = model.pop(0)
+            del q[victim]
+        if i % 7 == 0:
+            victim = model.pop(len(model) // 2)
+            q.pop(victim)
+        assert q.first() == model[0]
+    assert list(q) == model and len(q) == len(model)
+    assert FifoSet.fromkeys(model) is not q and list(FifoSet.fromkeys(model)) == model
+    assert not gc.is_tracked(q._members)  # the membership dict is not walked by full collections

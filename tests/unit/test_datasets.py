@@ -38,6 +38,15 @@ def test_configurable_fields_plain_answers_and_ids(tmp_path):
     assert no_answers[0].meta == {}
 
 
+def test_two_records_with_one_id_are_refused_naming_both(tmp_path):
+    """The ledger forgets ended prompts, so a source must yield each id once."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "a1", "question": "2+2", "answer": "4"},
+                                              {"id": "b", "question": "3+3", "answer": "6"},
+                                              {"id": "a1", "question": "4+4", "answer": "8"}])
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 3: id 'a1' is already the id of the record at line 1"):
+        load_problems(path, id_field="id")
+
+
 def test_missing_file_bad_line_and_missing_field_are_named(tmp_path):
     with pytest.raises(DatasetError, match="nope.jsonl' does not exist"):
         load_problems(tmp_path / "nope.jsonl")
