@@ -84,6 +84,8 @@ class _Gen:
     leases: dict[int, _Lease] = field(default_factory=dict)
     busy_s: float = 0.0
     slot_s: float = 0.0  # active sequences × seconds
+    fill_s: float = 0.0  # seconds spent leasing and prefilling
+    resumed_tokens: int = 0  # response tokens prefilled again (resumed partials)
 
 
 class Bench:
@@ -154,6 +156,7 @@ class Bench:
             if left <= 0:
                 raise BenchError(f"sample {grant.sample_id} resumed at {len(grant.resume)} tokens, past its length {target}")
             g.leases[grant.lease_id] = _Lease(grant.sample_id, len(grant.resume), target)
+            g.resumed_tokens += len(grant.resume)
             g.engine.submit(EngineRequest(grant.lease_id, grant.sample_id, grant.prompt, grant.resume,
                                           max_new_tokens=min(left, grant.max_new_tokens), seed=grant.lease_id))
         return time.perf_counter() - t0
@@ -183,6 +186,7 @@ class Bench:
             t0 = time.perf_counter()
             outs = g.engine.step()
             dt = time.perf_counter() - t0 + spent
+            g.fill_s += spent
             g.busy_s += dt
             g.slot_s += dt * active
             self.now = g.clock = t + dt
@@ -217,6 +221,11 @@ class Bench:
             "off_policy": d["off_policy_tokens"] / max(1, d["tokens_delivered"]),
             "discarded": d["tokens_discarded"] / max(1, d["tokens_generated"]),
             "recycled": d["partials_recycled"], "restarts": d["restarts"],
+            "boundary": self.cfg.boundary,
+            # where generator time goes: decode steps, and leasing + prefill (of which re-prefill of
+            # resumed partials is a part), over the whole run
+            "fill_share": sum(g.fill_s for g in self.gens) / max(1e-9, sum(g.busy_s for g in self.gens)),
+            "resumed_per_generated": sum(g.resumed_tokens for g in self.gens) / max(1, c1["tokens_generated"]),
             "ledger_ok": self.core.audit()["balanced"],
         }
 
@@ -243,6 +252,11 @@ def no_tail_limit(model: CausalLM, args, budget: int, mean_group_tokens: float) 
             "busy": 1.0, "occupancy": 1.0, "off_policy": 0.0, "discarded": 0.0, "steps": steps}
 
 
+def label(row: dict) -> str:
+    """A row's mode as printed: april's step-boundary policy is part of its name."""
+    return "april+cont" if row.get("boundary") == "continue" and row["mode"] == "april" else row["mode"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="5M", choices=sorted(MODELS))
@@ -256,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eta", type=int, default=4, help="η for april and async")
     p.add_argument("--rs", default="1.5,2", help="the r values of april")
     p.add_argument("--async-r", type=float, default=2.0, help="r of async")
+    p.add_argument("--boundaries", default="abort,continue",
+                   help="april's step-boundary policies to run at each r (RolloutConfig.boundary)")
     p.add_argument("--batches", type=int, default=8, help="batches measured per mode (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--train-s", type=float, default=0.0, help="learner seconds per batch")
@@ -306,7 +322,11 @@ def _run(args) -> int:
     knobs = dict(batch_groups=args.batch_groups, group_size=args.group_size, max_response_tokens=args.budget,
                  lease_timeout_s=1e9, score_timeout_s=1e9)
     plans = [RolloutConfig(mode="sync", over_provision=1.0, staleness_bound=0, **knobs)]
-    plans += [RolloutConfig(mode="april", over_provision=r, staleness_bound=args.eta, **knobs) for r in rs]
+    boundaries = [b for b in args.boundaries.split(",") if b]
+    if not boundaries or set(boundaries) - {"abort", "continue"}:
+        raise BenchError(f"--boundaries {args.boundaries!r}: a comma-separated list of abort, continue")
+    plans += [RolloutConfig(mode="april", over_provision=r, staleness_bound=args.eta, boundary=b, **knobs)
+              for r in rs for b in boundaries]
     plans.append(RolloutConfig(mode="async", over_provision=args.async_r, staleness_bound=args.eta, **knobs))
 
     rows = []
@@ -315,26 +335,29 @@ def _run(args) -> int:
         row = Bench(cfg, model, args).run(args.warmup + args.batches)
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
-        print(f"  {cfg.mode} r={cfg.over_provision:g}: done in {row['wall_s']:.0f} s", flush=True)
+        print(f"  {label(row)} r={cfg.over_provision:g}: done in {row['wall_s']:.0f} s", flush=True)
     mean_group_tokens = workload.stats()["mean"] * args.group_size
     limit = no_tail_limit(model, args, args.budget, mean_group_tokens)
     sync = rows[0]
 
-    print(f"\n{'mode':<6} {'r':>4} {'η':>3} {'groups/s':>9} {'tokens/s':>9} {'busy':>6} {'occup.':>7} "
-          f"{'off-pol.':>8} {'discard':>8} {'vs sync':>8} {'vs limit':>9}")
+    print(f"\n{'mode':<10} {'r':>4} {'η':>3} {'groups/s':>9} {'tokens/s':>9} {'busy':>6} {'occup.':>7} "
+          f"{'off-pol.':>8} {'discard':>8} {'prefill':>8} {'re-pref.':>8} {'vs sync':>8} {'vs limit':>9}")
     for row in [*rows, limit]:
         row["vs_sync"] = row["tokens_per_s"] / sync["tokens_per_s"]
         row["vs_limit"] = row["tokens_per_s"] / limit["tokens_per_s"]
         r = f"{row['r']:g}" if "r" in row else "-"
         eta = str(row["eta"]) if "eta" in row else "-"
-        print(f"{row['mode']:<6} {r:>4} {eta:>3} {row['groups_per_s']:9.3f} {row['tokens_per_s']:9.0f} "
+        print(f"{label(row):<10} {r:>4} {eta:>3} {row['groups_per_s']:9.3f} {row['tokens_per_s']:9.0f} "
               f"{row['busy']:6.1%} {row['occupancy']:7.1%} {row['off_policy']:8.1%} {row['discarded']:8.1%} "
+              f"{row.get('fill_share', 0):8.1%} {row.get('resumed_per_generated', 0):8.1%} "
               f"{row['vs_sync']:7.2f}x {row['vs_limit']:8.2f}")
     gap = limit["tokens_per_s"] - sync["tokens_per_s"]
     for row in rows[1:]:
         row["gap_closed"] = (row["tokens_per_s"] - sync["tokens_per_s"]) / gap if gap > 0 else float("nan")
     best = max(rows[1:-1], key=lambda x: x["tokens_per_s"])
-    print(f"\nsync runs at {sync['vs_limit']:.2f} of the no-tail limit; april (r={best['r']:g}) at "
+    print("\nprefill: share of generator busy time spent leasing and prefilling; re-pref.: response tokens "
+          "prefilled again (resumed partials) per token generated")
+    print(f"sync runs at {sync['vs_limit']:.2f} of the no-tail limit; {label(best)} (r={best['r']:g}) at "
           f"{best['vs_limit']:.2f}, closing {best['gap_closed']:.0%} of the gap "
           f"(goals: >= 0.90 of the limit, >= 80 % of the gap)")
     if not all(r["ledger_ok"] for r in rows):

@@ -71,6 +71,13 @@ class RolloutConfig(BaseModel):
     """A lease whose generator is silent this long is reclaimed as a partial."""
     score_timeout_s: float = Field(60.0, gt=0.0)
     """A score request unanswered this long is offered to another scorer."""
+    boundary: Literal["abort", "continue"] = "abort"
+    """``april`` only: what becomes of the leases still in flight once ``B`` groups are complete.
+    ``abort`` (APRIL as published): they are aborted and come back as partials, resumed in the next
+    rollout step with their tokens re-prefilled. ``continue``: they keep decoding where they are,
+    through the learner's step and the weight update, each token tagged with the version that made
+    it and η enforced as always (a lease whose oldest token breaks η is aborted, as in ``async``):
+    no re-prefill, no decode step lost at the boundary. New groups still wait for the next step."""
     async_max_ready_batches: int = Field(2, ge=1)
     """``async`` only: stop starting new groups while this many batches are ready and unpulled."""
     sampling: SamplingConfig = SamplingConfig()
@@ -83,6 +90,8 @@ class RolloutConfig(BaseModel):
                 raise ValueError(f"mode 'sync' needs over_provision = 1, got {self.over_provision}")
             if self.staleness_bound != 0:
                 raise ValueError(f"mode 'sync' needs staleness_bound = 0, got {self.staleness_bound}")
+        if self.boundary != "abort" and self.mode != "april":
+            raise ValueError(f"boundary {self.boundary!r} is a choice of mode 'april' only, not {self.mode!r}")
         return self
 
     @property

@@ -1005,8 +1005,9 @@ class BrokerCore:
         return effects
 
     def _maybe_terminate_early(self) -> list[AbortLease]:
-        """``april``: once B groups are complete, abort everything still in flight."""
-        if self.config.mode != "april" or len(self._done) < self.config.batch_groups:
+        """``april``: once B groups are complete, abort everything still in flight (unless the
+        boundary is ``continue``: then it goes on decoding, see ``RolloutConfig.boundary``)."""
+        if self.config.mode != "april" or self.config.boundary == "continue" or len(self._done) < self.config.batch_groups:
             return []
         effects = [AbortLease(self.leases[lid].generator, lid) for lid in self._unaborted]
         if effects:

@@ -66,12 +66,15 @@ def configs(modes: tuple[str, ...]):
     over_bound=st.sampled_from(["restart", "drop"]),
     max_response_tokens=st.integers(2, 6),
     max_attempts=st.sampled_from([1, 2, 3, 64]),
+    boundary=st.sampled_from(["abort", "continue"]),
     )
 
 
 def make_config(raw: dict) -> RolloutConfig:
     if raw["mode"] == "sync":
         raw = {**raw, "over_provision": 1.0, "staleness_bound": 0}
+    if raw["mode"] != "april":
+        raw = {**raw, "boundary": "abort"}
     return RolloutConfig(lease_timeout_s=10.0, score_timeout_s=10.0, **raw)
 
 
@@ -191,7 +194,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             return take
 
         def m_early_termination(self) -> set[int]:
-            if self.cfg.mode != "april" or len(self.done_groups()) < self.cfg.batch_groups:
+            if self.cfg.mode != "april" or self.cfg.boundary == "continue" \
+                    or len(self.done_groups()) < self.cfg.batch_groups:
                 return set()
             out = {lid for lid, x in self.leases.items() if not x.aborting}
             for lid in out:

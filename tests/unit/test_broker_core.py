@@ -394,6 +394,38 @@ def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
     assert core2.counters.groups_retired == {"attempts_exhausted": 1}
 
 
+def test_april_with_a_continue_boundary_keeps_leases_decoding_across_steps_within_eta():
+    core = make(boundary="continue", staleness_bound=1)
+    admit(core, 6)
+    grants = core.lease("gen", 100, 0.0)
+    by_group = {}
+    for g in grants:
+        by_group.setdefault(g.group_id, []).append(g)
+    g0, g1, g2, g3 = (by_group[k] for k in sorted(by_group))
+    core.chunk(g2[0].lease_id, 0, [5, 5, 5], [-1.0] * 3, [[0, 3]], 1.0)
+    for g in g0 + g1[:1]:
+        assert finish(core, g) == []
+    # B = 2 groups complete: nothing is aborted, the other leases keep decoding...
+    assert finish(core, g1[1]) == [] and core.counters.early_terminations == 0
+    assert core.lease("gen", 10, 1.0) == []  # ...but no new group starts before the next step
+    score_all(core)
+    assert len(core.pull_batch(2.0).groups) == 2
+    assert core.publish_version(1, 3.0) == []  # version 0 is within η = 1 of version 1
+    # The lease goes on where it was: its next chunk, made by version 1, lands after the first three.
+    assert core.chunk(g2[0].lease_id, 3, [6, 6], [-1.0] * 2, [[1, 2]], 3.5)
+    s = core.samples[g2[0].sample_id]
+    assert list(s.tokens) == [5, 5, 5, 6, 6] and s.spans == ((0, 3), (1, 2)) and s.attempts == 1
+    assert core.counters.partials_recycled == 0 and core.counters.tokens_resumed == 0  # nothing re-prefilled
+    # Version 2 puts its version-0 tokens past η: that lease alone is aborted, as in async.
+    effects = core.publish_version(2, 4.0)
+    assert effects == [AbortLease("gen", g2[0].lease_id)]
+
+
+def test_a_continue_boundary_is_refused_outside_april():
+    with pytest.raises(ValidationError, match="boundary 'continue' is a choice of mode 'april' only"):
+        RolloutConfig(mode="async", boundary="continue")
+
+
 def test_fifo_set_keeps_arrival_order_through_removals_re_adds_and_compaction():
     import gc
 
