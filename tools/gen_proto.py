@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout: april_async is not installed
     sys.path.insert(0, str(ROOT))
 
+import blake3
 import msgpack
 import msgspec
 import numpy as np
@@ -91,6 +92,8 @@ FIELD_CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
 
 CROSS_FIELD_RULES: dict[str, str] = {
     "TokenChunk": "tokens.len == logprobs.len == sum of the counts in versions",
+    "Progress": "entries is not empty; tokens.len == logprobs.len == sum of the entries' counts",
+    "ProgressEntry": "the counts in versions sum to count",
     "Finished": "tokens.len == logprobs.len == sum of the counts in versions",
     "Batch": (
         "response_tokens.len == logprobs.len; every group's prompt slice lies inside prompt_tokens; "
@@ -116,6 +119,26 @@ def _version_span_schema() -> dict[str, Any]:
     }
 
 
+def _progress_entry_schema(description: str) -> dict[str, Any]:
+    """``[lease_id, sample_id, offset, count, versions]``, with the ranges its decoder checks."""
+    return {
+        "title": "ProgressEntry",
+        "description": description,
+        "type": "array",
+        "prefixItems": [
+            {"type": "integer", "description": "lease_id"},
+            {"type": "integer", "description": "sample_id"},
+            {"type": "integer", "minimum": 0,
+             "description": "offset: the response position of the entry's first token"},
+            {"type": "integer", "minimum": 1,
+             "description": "count: the entry's tokens, the next count of the arrays"},
+            {"type": "array", "items": {"$ref": "#/$defs/VersionSpan"},
+             "description": "versions of those tokens"},
+        ],
+        "minItems": 5,
+    }
+
+
 STRING_KEYS = ("Every key, at every depth, is a string (SPEC envelope rule 6); "
                "JSON cannot show a MessagePack key's type.")
 
@@ -133,6 +156,8 @@ def _patch_defs(defs: dict[str, Any]) -> None:
     for (struct, name), extra in FIELD_CONSTRAINTS.items():
         if struct in defs:
             defs[struct]["properties"][name].update(extra)
+    if "ProgressEntry" in defs:
+        defs["ProgressEntry"] = _progress_entry_schema(defs["ProgressEntry"]["description"])
     for struct, rule in CROSS_FIELD_RULES.items():
         if struct in defs:
             defs[struct]["$comment"] = f"Also checked by decoders: {rule}."
@@ -200,10 +225,12 @@ def schemas() -> dict[str, dict[str, Any]]:
 _V5_BYTES = np.asarray([1.0, 1.0, 0.5, -0.5, 0.25, 2.0], dtype="<f4").tobytes()  # version 5 of the vectors
 
 
-def _bucket_digests(data: bytes, bucket_bytes: int) -> list[str]:
-    """``weights_announce.digests`` of ``data``, written out here (``weights.flat`` needs torch)."""
-    return [hashlib.blake2b(data[i : i + bucket_bytes], digest_size=m.DIGEST_BYTES).hexdigest()
-            for i in range(0, len(data), bucket_bytes)]
+def _bucket_digests(data: bytes, bucket_bytes: int, alg: str = m.BLAKE2B_128) -> list[str]:
+    """``weights_announce.digests`` of ``data`` under ``alg``, written out here (``weights.flat``
+    needs torch)."""
+    hash_ = {m.BLAKE2B_128: lambda b: hashlib.blake2b(b, digest_size=m.DIGEST_BYTES).hexdigest(),
+             m.BLAKE3_128: lambda b: blake3.blake3(b).hexdigest(m.DIGEST_BYTES)}[alg]
+    return [hash_(data[i : i + bucket_bytes]) for i in range(0, len(data), bucket_bytes)]
 
 
 SENT_AT = 1767225600.25  # 2026-01-01T00:00:00.25Z: exact in binary
@@ -323,6 +350,15 @@ VECTORS: list[Vector] = [
                                 tokens=_i4([450, 29871, 29946, 29906]),
                                 logprobs=_f4([-0.5, -0.25, -1.5, -0.125])),
            msg_id="a000000000000004"),
+    Vector("progress", "since 1.7: one flush of a generator holding two leases: 4 tokens of lease 12 after "
+           "its 3 resumed ones (weights went from v3 to v4 mid-entry), then the first 2 tokens of lease 14",
+           "gen-0", 8,
+           lambda: m.Progress(entries=[m.ProgressEntry(12, 102, 3, 4,
+                                                       [m.VersionSpan(3, 2), m.VersionSpan(4, 2)]),
+                                       m.ProgressEntry(14, 104, 0, 2, [m.VersionSpan(4, 2)])],
+                              tokens=_i4([450, 29871, 29946, 29906, 319, 1234]),
+                              logprobs=_f4([-0.5, -0.25, -1.5, -0.125, -2.0, -0.0625])),
+           msg_id="a000000000000008"),
     Vector("finished", "the last chunk of a lease, ended by a stop token", "gen-0", 4,
            lambda: m.Finished(lease_id=12, sample_id=102, offset=7, versions=[m.VersionSpan(4, 2)],
                               tokens=_i4([13, 2]), logprobs=_f4([-0.75, -0.0078125]), reason="stop"),
@@ -398,6 +434,18 @@ VECTORS: list[Vector] = [
                         m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
                num_bytes=24, bucket_bytes=16, digests=_bucket_digests(_V5_BYTES, 16)),
            msg_id="e000000000000004"),
+    Vector("weights_announce_blake3", "since 1.7: the verified announce to a group whose members all speak 1.7: "
+           "digest_alg blake3-128, the first 16 bytes of the BLAKE3 hash of each of the 2 buckets of version 5's "
+           "bytes",
+           "broadcaster", 5, lambda: m.WeightsAnnounce(
+               version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo",
+                                            key_prefix="5f1c0a9e2b7d4c3e8a6f0b1d2c3e4f50",
+                                            rendezvous="tcp://127.0.0.1:29601"),
+               tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0),
+                        m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
+               num_bytes=24, bucket_bytes=16, digests=_bucket_digests(_V5_BYTES, 16, m.BLAKE3_128),
+               digest_alg=m.BLAKE3_128),
+           msg_id="e000000000000005"),
     Vector("weights_published", "the broadcaster has fanned out version 4", "broadcaster", 3,
            lambda: m.WeightsPublished(version=4, num_bytes=988_160_000, source="runs/demo/weights/v4"),
            msg_id="e000000000000003"),

@@ -8,6 +8,8 @@ message it causes is sent, with the ``now`` it was called with; the core is dete
 replaying the records after the newest snapshot rebuilds the exact state. Expiry decisions are
 journaled as ``reclaim``/``requeue_score`` records (heartbeats move deadlines and are not
 journaled), and calls that changed nothing (an empty lease, no batch) are not written at all.
+A ``progress`` message (many leases' tokens) is one record, ``["progress", [entries, token
+bytes, log-prob bytes, now]]``, applied live and on replay by the same ``apply_progress``.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from __future__ import annotations
 import json
 import os
 import time
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgpack
+import msgspec
 import numpy as np
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
-from april_async.broker.core import AbortLease, BatchOut, BrokerCore, BrokerError
+from april_async.broker.core import (LOGPROB_TYPECODE, TOKEN_TYPECODE, AbortLease, BatchOut, BrokerCore,
+                                     BrokerError)
 from april_async.logs import get_logger
 from april_async.tasks.source import PromptSource, encode_prompt
 from april_async.transport.hub import Hub
@@ -128,7 +134,9 @@ class BrokerService:
                           parent_id=msg.msg_id)
             return
         self.core.touch(sender, now)
-        if isinstance(body, m.Finished):
+        if isinstance(body, m.Progress):
+            self._progress(body, now)
+        elif isinstance(body, m.Finished):
             if body.reason == "error":
                 self.log.warning("engine_refused", lease_id=body.lease_id, sample_id=body.sample_id, generator=sender,
                                  error=body.error)
@@ -170,6 +178,20 @@ class BrokerService:
             self.hub.send(identity, m.Error(code="refused", message=f"the broker does not take {msg.msg_type}"),
                           parent_id=msg.msg_id)
         self._note_ack(peer, msg.seq)
+
+    def _progress(self, body: m.Progress, now: float) -> None:
+        """Apply every entry of a ``progress`` as its own chunk, and journal the message as one
+        record (``apply_progress`` replays it). The decoder has checked that the entries and the
+        arrays add up, so no entry can fail here: either the whole message was refused at the
+        border or each entry is applied, or counted as a no-op by the core (stale, gap, duplicate)."""
+        entries = msgspec.to_builtins(body.entries)  # [[lease, sample, offset, count, [[v, c], ...]], ...]
+        apply_progress(self.core, entries, *ledger_arrays(body.tokens, body.logprobs), now)
+        if self.journal is not None:
+            record = ["progress", [entries, body.tokens.tobytes(), body.logprobs.tobytes(), now]]
+            self.journal.append(msgpack.packb(record, use_bin_type=True))
+            # Counted as its entries toward ``snapshot_every_records``: snapshots come as often per
+            # token as with one chunk a record, so a recovery replays no more than it did.
+            self.records_since_snapshot += len(entries)
 
     def _note_ack(self, peer: PeerState, seq: int) -> None:
         needed = self.journal.records_appended if self.journal is not None else 0
@@ -327,9 +349,37 @@ def replay(journal: Journal, rollout: RolloutConfig) -> tuple[BrokerCore, int, b
     replayed = 0
     for rec in records:
         method, args = msgpack.unpackb(rec, raw=False, strict_map_key=False)
-        getattr(core, method)(*args)
+        if method == "progress":  # one record per message: [entries, token bytes, log-prob bytes, now]
+            entries, tokens, logprobs, now = args
+            apply_progress(core, entries, *ledger_arrays(np.frombuffer(tokens, dtype=m.TOKEN_DTYPE),
+                                                         np.frombuffer(logprobs, dtype=m.LOGPROB_DTYPE)), now)
+        else:
+            getattr(core, method)(*args)
         replayed += 1
     return core, replayed, snapshot is not None
+
+
+def ledger_arrays(tokens: np.ndarray, logprobs: np.ndarray) -> tuple[array, array]:
+    """A message's token and log-prob arrays as ``array``s of the types the ledger holds: the core
+    appends a slice of one of those as packed bytes, where a list slice is converted value by value
+    and a numpy slice widened per call (the core's ``chunk`` of a 16-token entry, measured: 2.1 us
+    from these, 2.3 from numpy slices, 2.9 from list slices)."""
+    out_tokens, out_logprobs = array(TOKEN_TYPECODE), array(LOGPROB_TYPECODE)
+    out_tokens.frombytes(tokens.astype(out_tokens.typecode, copy=False).tobytes())
+    out_logprobs.frombytes(logprobs.astype(out_logprobs.typecode).tobytes())
+    return out_tokens, out_logprobs
+
+
+def apply_progress(core: BrokerCore, entries: list, tokens: Sequence[int], logprobs: Sequence[float],
+                   now: float) -> None:
+    """Apply the entries of a ``progress`` (as plain lists, ``[lease, sample, offset, count,
+    [[version, count], ...]]``) to the core in order, each as a ``chunk`` of its slice of
+    ``tokens`` and ``logprobs``; the live message and its journal record both go through here."""
+    chunk, pos = core.chunk, 0
+    for lease_id, _, offset, count, spans in entries:
+        end = pos + count
+        chunk(lease_id, offset, tokens[pos:end], logprobs[pos:end], spans, now)
+        pos = end
 
 
 SCORE_ERROR_KINDS = frozenset({"reward_error", "reward_timeout", "bad_reward"})

@@ -9,10 +9,16 @@ A lease the engine refused for good (``finish = "error"``: a prompt longer than 
 context, say) is reported as ``finished`` with ``reason = "error"`` and the engine's message
 (protocol 1.5); the broker retires the sample's group. A broker older than 1.5 cannot take that
 reason: the generator stops with ``ActorFailed`` rather than send it (upgrade the broker).
+
+Tokens go to the broker in flushes: every ``progress_interval_s`` (or once ``progress_max_tokens``
+wait) one ``progress`` message carries the new tokens of every lease (protocol 1.7), so the
+broker's cost per message is paid once per flush, not once per lease. A broker older than 1.7
+gets one ``token_chunk`` per lease every ``chunk_tokens`` tokens instead, as before.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,6 +32,7 @@ from april_async.wire import messages as m
 from april_async.wire.version import parse
 
 ERROR_REASON_SINCE = (1, 5)  # the protocol version that added finished.reason "error"
+PROGRESS_SINCE = (1, 7)  # the protocol version that added the progress message
 
 
 @dataclass
@@ -58,6 +65,8 @@ class GeneratorActor:
         self.aborting: set[int] = set()  # leases whose abort a server engine will report through step()
         self.capacity = engine.slots  # what the broker was told (a server engine's shrinks while one is down)
         self.broker_proto: str | None = None  # the broker's proto_version, from its last message
+        self.flush_due: float | None = None  # progress: when the oldest unsent token must go out
+        self.resend = False  # a new session: send every lease's tokens again, at once
         self.holds_weights = getattr(engine, "load_weights", None) is not None
         self.server_engine = getattr(engine, "servers", None) is not None  # its servers hold the weights
         self.weights = None
@@ -81,6 +90,8 @@ class GeneratorActor:
         self._hello(peer)
         for w in self.work.values():
             w.sent = 0  # the broker may have lost chunks: send the lease's tokens again from its start
+        self.resend = bool(self.work)
+        self.broker_proto = None  # a new session may be with another broker: known again from its welcome
         resend, self.unacked, self.unacked_seq = self.unacked, [], []
         for fin in resend:
             self._send_finished(fin, peer)
@@ -238,9 +249,59 @@ class GeneratorActor:
             self._finish(w, out.finish, out.error)
 
     def _flush_chunks(self) -> None:
+        """Report new tokens: in ``progress`` messages to a broker of 1.7 or later, else as
+        ``token_chunk``s. With ``progress`` on, tokens wait until the broker of this session has
+        spoken (its version decides the message)."""
+        if self.cfg.progress:
+            if self.broker_proto is None:
+                return
+            if parse(self.broker_proto) >= PROGRESS_SINCE:
+                self._flush_progress()
+                return
         for w in self.work.values():
             if len(w.tokens) - w.sent >= self.cfg.chunk_tokens or (w.sent == 0 and w.tokens and self.sessions > 1):
                 self._send_chunk(w)
+        self.resend = False
+
+    def _flush_progress(self) -> None:
+        """Send every lease's new tokens, in ``progress`` messages of at most ``progress_max_tokens``
+        tokens, once the oldest has waited ``progress_interval_s``, once that many wait, or at once
+        after a reconnect."""
+        waiting = 0
+        for w in self.work.values():
+            waiting += len(w.tokens) - w.sent
+        now = time.monotonic()
+        if not waiting:
+            self.flush_due = None
+            return
+        if self.flush_due is None:
+            self.flush_due = now + self.cfg.progress_interval_s
+        if now < self.flush_due and waiting < self.cfg.progress_max_tokens and not self.resend:
+            return
+        limit = self.cfg.progress_max_tokens
+        entries: list[m.ProgressEntry] = []
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for w in self.work.values():
+            while w.sent < len(w.tokens):
+                a = w.sent
+                b = min(len(w.tokens), a + limit - len(tokens))
+                entries.append(m.ProgressEntry(w.lease_id, w.sample_id, w.start + a, b - a,
+                                               spans_of(w.versions[a:b])))
+                tokens += w.tokens[a:b]
+                logprobs += w.logprobs[a:b]
+                w.sent = b
+                if len(tokens) == limit:
+                    self._send_progress(entries, tokens, logprobs)
+                    entries, tokens, logprobs = [], [], []
+        if entries:
+            self._send_progress(entries, tokens, logprobs)
+        self.flush_due, self.resend = None, False
+
+    def _send_progress(self, entries: list[m.ProgressEntry], tokens: list[int], logprobs: list[float]
+                       ) -> None:
+        self.peer.send(m.Progress(entries=entries, tokens=np.asarray(tokens, dtype=np.int32),
+                                  logprobs=np.asarray(logprobs, dtype=np.float32)))
 
     def _pending(self, w: LeaseWork):
         s = slice(w.sent, None)

@@ -84,5 +84,17 @@ class GeneratorConfig(BaseModel):
     None: found: the local end of the route to the broadcaster's store (``weights.routes``), so it
     is rarely set by hand; ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` still override it."""
     chunk_tokens: int = Field(16, ge=1)
-    """Send a token chunk every this many new tokens of a lease (and always at its end)."""
+    """``token_chunk`` reports (a broker older than protocol 1.7, or ``progress = false``): send a
+    lease's tokens every this many new ones (and always at its end)."""
+    progress: bool = True
+    """Report the new tokens of all leases in one ``progress`` message per flush (protocol 1.7);
+    false, or a broker older than 1.7: one ``token_chunk`` per lease every ``chunk_tokens``."""
+    progress_interval_s: float = Field(0.5, gt=0)
+    """A flush sends every lease's new tokens once the oldest of them has waited this long (a
+    lease's end is sent at once, in its ``finished``). The broker's cost is mostly per entry, so
+    the interval sets its load: at 25 ms decode steps, 0.5 s makes entries of 20 tokens; a
+    generator that dies loses at most this much decoding (its leases resume from what was sent)."""
+    progress_max_tokens: int = Field(4096, ge=1)
+    """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
+    split over several messages."""
     log: LogConfig = LogConfig()

@@ -24,7 +24,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 BYTES_DTYPE = np.dtype("|u1")  # raw tensor bytes (weights), laid out by a list of ``TensorSpec``
 
-DIGEST_BYTES = 16  # a bucket's BLAKE2b digest (``weights_announce.digests``): 32 hex digits
+DIGEST_BYTES = 16  # a bucket's digest (``weights_announce.digests``): 32 hex digits
 HEX_DIGITS = "0123456789abcdef"
 
 Role = Literal["broker", "generator", "scorer", "learner", "broadcaster"]
@@ -128,6 +128,10 @@ class Welcome(Body):
     heartbeat_interval_s: float
     peer_timeout_s: float
     max_message_bytes: int
+    # since 1.7, broadcaster → learner: this host's identity (``weights.shm.host_id``), sent when the
+    # broadcaster takes ``weights_update`` in shared memory; a learner on the same host (the same
+    # id) may hand its versions over in a region (``WeightsUpdate.region``)
+    host_id: str | None = None
 
 
 class Heartbeat(Body):
@@ -137,6 +141,10 @@ class Heartbeat(Body):
     free_slots: int | None = None
     policy_version: int | None = None
     ack_seq: int | None = None  # broker → actor: your highest seq the broker has journaled
+    # since 1.7, broadcaster → learner: the shared-memory regions of its hand-offs it still reads
+    # (the held version's, a broadcast's); the learner writes into no other until one is absent
+    # from a heartbeat whose ``policy_version`` is at least that region's version
+    regions: list[SharedRegion] | None = None
 
 
 class Bye(Body):
@@ -151,6 +159,7 @@ class Error(Body):
 
     msg_type: ClassVar[str] = "error"
     code: str  # malformed | unknown_type | version_mismatch | too_large | bad_bulk | refused
+    #            | region_unavailable (since 1.7)
     message: str
     field: str | None = None
 
@@ -211,6 +220,47 @@ class Finished(TokenChunk):
         super().__post_init__()
         if (self.reason == "error") != (self.error is not None):
             raise ValueError("error is set with reason 'error' and only then")
+
+
+class ProgressEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One lease's new tokens in a ``progress``; on the wire ``[lease_id, sample_id, offset, count,
+    versions]``. Its tokens are the next ``count`` of the message's arrays."""
+
+    lease_id: int
+    sample_id: int
+    offset: int  # index in the whole response (resumed tokens included) of the entry's first token
+    count: int  # tokens of this entry, >= 1
+    versions: list[VersionSpan]  # their versions; the counts sum to ``count``
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.count < 1:
+            raise ValueError(f"lease {self.lease_id}: needs offset >= 0 and count >= 1, "
+                             f"got offset {self.offset}, count {self.count}")
+        spans = self.versions
+        covered = spans[0].count if len(spans) == 1 else sum(s.count for s in spans)
+        if covered != self.count:
+            raise ValueError(f"lease {self.lease_id}: version spans cover {covered} tokens "
+                             f"but count is {self.count}")
+
+
+class Progress(Body):
+    """generator → broker (since 1.7): the new tokens of several leases in one message, entry by
+    entry; each entry applies exactly as a ``token_chunk`` of its own would."""
+
+    msg_type: ClassVar[str] = "progress"
+    bulk_fields: ClassVar[dict[str, np.dtype]] = {"tokens": TOKEN_DTYPE, "logprobs": LOGPROB_DTYPE}
+    entries: list[ProgressEntry]
+    tokens: np.ndarray  # every entry's tokens, concatenated in entry order
+    logprobs: np.ndarray  # behaviour log-prob of each token
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.entries:
+            raise ValueError("a progress needs at least one entry")
+        _check_same_length(self, "tokens", "logprobs")
+        counted = sum(e.count for e in self.entries)
+        if counted != len(self.tokens):
+            raise ValueError(f"entry counts sum to {counted} but the message has {len(self.tokens)} tokens")
 
 
 class Abort(Body):
@@ -343,6 +393,22 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError(f"tensor {self.name!r}: offset and shape must be >= 0, got {self.offset}, {self.shape}")
 
 
+class SharedRegion(msgspec.Struct, kw_only=True, frozen=True):
+    """Since 1.7: a byte range of a memory region that two processes on one host map, where a
+    ``weights_update`` names its bytes instead of carrying them (``weights.shm``)."""
+
+    kind: str  # "posix_shm": the file /dev/shm/<name>; a receiver refuses a kind it does not know
+    name: str
+    offset: int  # where the bytes start in the region
+    nbytes: int
+    generation: int  # +1 at every write of the region; its header says the same while the bytes hold
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.nbytes < 0 or self.generation < 1:
+            raise ValueError(f"region {self.name!r}: offset {self.offset} and nbytes {self.nbytes} must be >= 0, "
+                             f"generation {self.generation} >= 1")
+
+
 class WeightsUpdate(Body):
     """learner → broadcaster: every weight of policy ``version``, flattened into one byte buffer,
     in one message or (since 1.4) in ``parts`` messages sent in order, each the next byte range."""
@@ -356,11 +422,17 @@ class WeightsUpdate(Body):
     parts: int = 1  # since 1.4: how many messages carry the version
     offset: int = 0  # since 1.4: where ``data`` starts in the version's buffer
     total_bytes: int = 0  # since 1.4, part 0: the buffer's size; 0 means len(data) (one part)
+    # since 1.7: the bytes lie in this shared-memory region, not in ``data`` (which is empty); one part
+    region: SharedRegion | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.parts < 1 or not 0 <= self.part < self.parts:
             raise ValueError(f"part {self.part} of {self.parts}: parts must be >= 1 and 0 <= part < parts")
+        if self.region is not None and (self.parts != 1 or len(self.data) or self.offset
+                                        or self.total_bytes not in (0, self.region.nbytes)):
+            raise ValueError(f"an update in region {self.region.name!r} is one part with empty data, offset 0 and "
+                             f"total_bytes 0 or {self.region.nbytes}")
         if self.offset < 0 or self.total_bytes < 0:
             raise ValueError(f"offset and total_bytes must be >= 0, got {self.offset}, {self.total_bytes}")
 
@@ -387,6 +459,15 @@ class GroupSpec(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
+BLAKE2B_128 = "blake2b-128"
+"""BLAKE2b (RFC 7693, no key) with a 16-byte digest: ``weights_announce.digests`` since 1.6."""
+BLAKE3_128 = "blake3-128"
+"""BLAKE3 (its hash mode, no key), the first 16 bytes of its output: since 1.7, to members of 1.7 on."""
+DIGEST_ALGS = (BLAKE2B_128, BLAKE3_128)
+"""The ``weights_announce.digest_alg`` values this implementation knows; a member refuses the
+bytes of an announce naming any other (``flat.UnknownDigestAlg``), after receiving them."""
+
+
 class WeightsAnnounce(Body):
     """broadcaster → generator: join ``group`` (if not already in it) and receive ``version``.
 
@@ -401,8 +482,12 @@ class WeightsAnnounce(Body):
     num_bytes: int
     bucket_bytes: int
     # since 1.6: a digest of each bucket of the buffer, in order (``flat.buckets(num_bytes,
-    # bucket_bytes)``), hex BLAKE2b with a 16-byte digest; [] from a 1.5 broadcaster
+    # bucket_bytes)``), 16 bytes as 32 hex digits; [] from a 1.5 broadcaster
     digests: list[str] = []
+    # since 1.7: the hash of ``digests``, one of ``DIGEST_ALGS``; absent (a 1.6 broadcaster, or a
+    # member older than 1.7 in the group): BLAKE2b-128. Not checked here: a member must still
+    # take part in the broadcast of an announce whose algorithm it does not know, then refuse it
+    digest_alg: str = BLAKE2B_128
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
@@ -458,6 +543,7 @@ MESSAGE_TYPES: dict[str, type[Body]] = {
         Generate,
         TokenChunk,
         Finished,
+        Progress,
         Abort,
         ScoreRequest,
         Scored,

@@ -42,7 +42,7 @@ ROLE_SENDS = {
     "broker": {"welcome", "heartbeat", "error", "generate", "abort", "score_request", "batch",
                "weights_published"},
     "broadcaster": {"welcome", "heartbeat", "hello", "weights_announce", "weights_published"},
-    "generator": {"hello", "heartbeat", "bye", "token_chunk", "finished"},
+    "generator": {"hello", "heartbeat", "bye", "token_chunk", "progress", "finished"},
     "scorer": {"hello", "heartbeat", "bye", "scored"},
     "learner": {"hello", "bye", "batch_request", "batch_report", "weights_update", "weights_published"},
 }
@@ -176,7 +176,12 @@ def drive(cluster: Cluster, broker_bind: str, weights_relay: Relay, weights_bind
     cluster.start("broadcaster", "broadcaster", {
         "name": "broadcaster", "bind": weights_bind, "link.broker": cluster.endpoint, **FAST_LINK,
         "store_port": free_port(), "backend": "gloo", "bucket_mb": 0.25, "timeout_s": 20.0})
-    cluster.generator("gen-0", slots=4, lengths=[4, 4, 200, 200], step_s_fixed=0.01)
+    cluster.generator("gen-0", slots=2, lengths=[4, 4, 200, 200], step_s_fixed=0.01)
+    # A generator of the kind before 1.7 (a token_chunk per lease), beside gen-0 (progress messages).
+    cluster.start("gen-1", "generator", {"name": "gen-1", "link.broker": cluster.endpoint, **FAST_LINK,
+                                         "engine": "scripted", "chunk_tokens": 4, "progress": False,
+                                         "scripted.slots": 2, "scripted.lengths": [4, 4, 200, 200],
+                                         "scripted.step_s_fixed": 0.01})
     cluster.scorer("scorer-0")
     member = tmp / "gen-w.log"
     from april_async.testing.procs import spawn

@@ -70,6 +70,15 @@ def chunks(draw, cls: type[m.TokenChunk]) -> m.TokenChunk:
     )
 
 
+@st.composite
+def progresses(draw) -> m.Progress:
+    counts = draw(st.lists(st.integers(1, 8), min_size=1, max_size=4))
+    entries = [m.ProgressEntry(draw(ids), draw(ids), draw(small), c, draw(version_spans(c))) for c in counts]
+    n = sum(counts)
+    tokens = draw(hnp.arrays(m.TOKEN_DTYPE, n, elements=st.integers(-(2**31), 2**31 - 1)))
+    return m.Progress(entries=entries, tokens=tokens, logprobs=draw(logprob_arrays(n)))
+
+
 sampling_params = st.builds(
     m.SamplingParams,
     temperature=st.floats(0, 10),
@@ -147,6 +156,7 @@ BODIES: dict[str, st.SearchStrategy[m.Body]] = {
     "generate": st.composite(_generate)(),
     "token_chunk": chunks(m.TokenChunk),
     "finished": chunks(m.Finished),
+    "progress": progresses(),
     "abort": st.builds(m.Abort, lease_ids=st.lists(ids, max_size=5), all=st.booleans()),
     "score_request": st.builds(
         m.ScoreRequest, sample_id=ids, lease_id=ids, group_id=ids, prompt=token_arrays(),
