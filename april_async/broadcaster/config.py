@@ -87,6 +87,12 @@ class BroadcasterConfig(BaseModel):
     """Where to keep a JSON status: held version, published version, epoch, each member's version."""
     sglang: SGLangFanoutConfig = SGLangFanoutConfig()
     """How versions reach the SGLang servers of generators on the ``sglang`` engine."""
+    handoff: Literal["auto", "zmq"] = "auto"
+    """How a learner on this host may hand versions over (protocol 1.7). ``auto``: this process
+    offers shared memory (its ``welcome`` to a learner names this host, ``host_id``), and a learner
+    that finds its own host id there writes each version into a ``/dev/shm`` region and sends only
+    the region's name (``weights.shm``); a learner elsewhere, or an older one, sends the bytes over
+    ZeroMQ. ``zmq``: no shared memory; every version comes as bytes."""
     log: LogConfig = LogConfig()
 
     @property

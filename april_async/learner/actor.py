@@ -332,9 +332,14 @@ def hand_off(policy: ShardedPolicy, handoff: WeightHandoff | None, version: int,
         buffer = None
         for start, stop, idx in cuts:
             if handoff is not None:
-                if buffer is None or len(buffer) < stop - start:
-                    buffer = np.empty(stop - start, dtype=np.uint8)
-                view = buffer[:stop - start]
+                # Into the broadcaster's shared-memory region when the hand-off goes there (no copy
+                # after the gather), else into a buffer of our own that ZeroMQ sends. (A stand-in
+                # hand-off without ``part_target`` offers no region.)
+                view = target(start, stop) if (target := getattr(handoff, "part_target", None)) else None
+                if view is None:
+                    if buffer is None or len(buffer) < stop - start:
+                        buffer = np.empty(stop - start, dtype=np.uint8)
+                    view = buffer[:stop - start]
                 view[:] = 0  # the alignment padding between tensors
             for i, (_, t) in zip(idx, policy.full_weights([names[i] for i in idx]), strict=True):
                 if t is None:  # not rank 0: this rank only took part in the gather

@@ -49,6 +49,29 @@ version or a newer one, whichever way it is made. ``pump`` keeps the session ali
 errors are logged. (An ``error`` ``refused``, the broadcaster's answer to a part sequence it could
 not assemble, re-opens the session inside the ``Peer``, which hands the current version over again.)
 
+Same host: shared memory (protocol 1.7). A broadcaster that takes hand-offs in shared memory says
+so in its ``welcome`` (``host_id``, its host's identity, ``weights.shm.host_id``). With ``mode``
+``auto`` (the default) a learner whose own host id is the same writes each version into a region
+of ``/dev/shm`` (``weights.shm.ShmRegion``) instead of a ZeroMQ frame, and sends a
+``weights_update`` that names the region (``region``; ``data`` empty): the one copy is the copy
+into the region, and nothing crosses a socket. ``shm`` uses shared memory whenever the broadcaster
+offers it, whatever the ids say; ``zmq`` never does. A version in parts goes into the region too:
+each part is copied in at its offset, or produced there in place (``part_target``).
+
+The regions are double-buffered (``slots``, default 2): the broadcaster reads one (the version it
+holds, which it keeps for generators that join later, and one it still broadcasts) while the
+learner writes the next into another. A region is written again only once the broadcaster has
+said it no longer reads it: its heartbeats to the learner list the regions it reads (``regions``),
+and a region absent from one whose ``policy_version`` is at least the region's version is free.
+With no region free the version goes as bytes (``shm_fallbacks``): the learner never waits for the
+broadcaster. Once a region is listed (mapped by the broadcaster) the learner unlinks its name: both
+mappings stay valid, and a process killed later leaks no ``/dev/shm`` file. A broadcaster that
+cannot open a region, or finds it overwritten, answers ``error`` ``region_unavailable``: the learner
+turns shared memory off until its next session, drops its regions and hands the current version
+over again as bytes (or sets ``resend_due``). A new broadcaster process (a new ``broker_epoch`` in
+its welcome) reads no region: they are all free. Regions are unlinked by ``close`` and, after a
+SIGKILL, by the next learner of the same instance name (``shm.remove_stale``).
+
 Used by the learner and by ``tools/bench_broadcast.py``, which measures exactly this hand-off.
 """
 
@@ -56,6 +79,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -63,7 +88,8 @@ import zmq
 
 from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
-from april_async.weights.flat import flatten
+from april_async.weights import shm
+from april_async.weights.flat import flatten, layout
 from april_async.wire import messages as m
 from april_async.wire.version import parse
 
@@ -74,6 +100,19 @@ PartsFactory = Callable[[], tuple[list[m.TensorSpec], int, Iterable[Part], int]]
 Weights = Mapping[str, torch.Tensor] | PartsFactory | None
 
 PARTS_SINCE = (1, 4)  # the protocol version that added hand-offs in parts
+HandoffMode = Literal["auto", "shm", "zmq"]
+SHM_SLOTS = 2
+"""Shared-memory regions per learner: one the broadcaster reads, one the next version goes into."""
+EMPTY = np.empty(0, dtype=np.uint8)
+
+
+@dataclass
+class _Slot:
+    """One shared-memory region of the learner, and whether the broadcaster may read it."""
+
+    region: shm.ShmRegion
+    version: int = -1  # the version last exported from it
+    busy: bool = False
 
 
 class BroadcastRefused(ActorFailed):
@@ -82,11 +121,32 @@ class BroadcastRefused(ActorFailed):
 
 
 class WeightHandoff:
-    def __init__(self, name: str, peer_factory, current: Callable[[], tuple[int, Weights]]):
+    def __init__(self, name: str, peer_factory, current: Callable[[], tuple[int, Weights]], *,
+                 mode: HandoffMode = "auto", slots: int = SHM_SLOTS):
         """``peer_factory(on_connect)`` returns a connected transport ``Peer`` to the broadcaster;
         ``current()`` gives the version held and its weights (read again after a reconnect; see the
-        module docstring for what ``weights`` may be)."""
+        module docstring for what ``weights`` may be). ``mode``, ``slots``: shared memory, see there."""
+        if mode not in ("auto", "shm", "zmq"):
+            raise ValueError(f"mode must be auto, shm or zmq, got {mode!r}")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
         self.name = name
+        self.mode = mode
+        self.max_slots = slots
+        self.host_id = shm.host_id() if mode != "zmq" else None
+        self.shm_host: str | None = None
+        """The broadcaster's ``welcome.host_id`` in this session (None: no shared memory offered)."""
+        self.shm_off: str | None = None
+        """Why shared memory is off until the next session (a region the broadcaster could not use)."""
+        self.shm_sends = 0
+        """Versions handed over in shared memory."""
+        self.shm_fallbacks = 0
+        """Versions sent as bytes although shared memory was on: no region was free."""
+        self.last_mode = "zmq"
+        """How the last version went: ``shm`` or ``zmq``."""
+        self._slots: list[_Slot] = []
+        self._parts_slot: _Slot | None = None  # the region a hand-off in parts is being written into
+        self._broadcaster_epoch: str | None = None
         self.current = current
         self.sessions = 0
         self.resend_due: int | None = None
@@ -101,15 +161,25 @@ class WeightHandoff:
         self._flat: tuple[torch.Tensor, zmq.MessageTracker | None] | None = None
         """The buffer of the last one-message hand-off and its send's tracker (``_reusable``)."""
         self.log = get_logger(actor="learner", instance=name)
+        if mode != "zmq" and (stale := shm.remove_stale(name)):
+            self.log.info("shm_stale_removed", regions=stale)
         self.peer = peer_factory(self._on_connect)
 
     def _on_connect(self, peer) -> None:
         version, weights = self.current()
         peer.send(m.Hello(role="learner", instance=self.name, policy_version=version))
         self.sessions += 1
+        self.shm_host, self.shm_off = None, None  # until this session's welcome says otherwise
         if self.sessions <= 1 or version <= 0:
             return
-        self.resend_due = version  # a restarted broadcaster holds nothing: hand it over again
+        self._resend(peer)  # a restarted broadcaster holds nothing: hand it over again
+
+    def _resend(self, peer) -> None:
+        """Hand the current version over again (or name it in ``resend_due``)."""
+        version, weights = self.current()
+        if version <= 0:
+            return
+        self.resend_due = version
         if weights is None:
             self.log.info("resend_due", version=version)
         elif isinstance(weights, Mapping):
@@ -124,6 +194,17 @@ class WeightHandoff:
 
     def _send(self, peer, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         t0 = time.monotonic()
+        if self._use_shm():
+            specs, num_bytes = layout((name, t.dtype, t.shape) for name, t in weights.items())
+            slot = self._slot(num_bytes)
+            if slot is not None:
+                slot.region.begin_write()
+                flatten(weights, out=slot.region.tensor)  # the one copy, into the region
+                self._send_region(peer, version, specs, slot)
+                self.last_send_s = time.monotonic() - t0
+                self._handed_over(version)
+                return
+        self.last_mode = "zmq"
         # The one copy: the caller may change its weights at once.
         specs, buf = flatten(weights, out=self._reusable())
         self._flat = None
@@ -157,40 +238,118 @@ class WeightHandoff:
             num_parts = len(parts)
         if num_parts < 1:
             raise ValueError(f"version {version}: a hand-off has at least one part, got num_parts={num_parts}")
+        slot = self._slot(total_bytes) if self._use_shm() else None
+        if slot is not None:
+            slot.region.begin_write()
+            self._parts_slot = slot
+            try:
+                self._parts_into(peer, slot, version, specs, total_bytes, parts, num_parts)
+            finally:
+                self._parts_slot = None
+            return
         if num_parts > 1 and self.peer_proto is not None and parse(self.peer_proto) < PARTS_SINCE:
             raise BroadcastRefused(f"the broadcaster speaks protocol {self.peer_proto}: a hand-off in {num_parts} "
                                    f"parts needs 1.4 or newer; upgrade it, or raise learner.gather_bucket_mb above "
                                    f"{total_bytes / (1 << 20):.0f} MiB so that a version goes in one part")
         t0 = time.monotonic()
-        it = iter(parts)
-        tell = getattr(it, "send", None)  # a generator learns whether it may reuse what it yielded
-        released = True
-        end = 0
-        for k in range(num_parts):
-            try:
-                offset, data = next(it) if k == 0 or tell is None else tell(released)
-            except StopIteration:
-                raise ValueError(f"version {version}: the parts ended after {k} of {num_parts}") from None
-            if offset != end:
-                raise ValueError(f"version {version} part {k}: offset {offset}, expected {end} (where part {k - 1} "
-                                 f"ended)" if k else f"version {version} part 0: offset {offset}, expected 0")
-            end = offset + data.nbytes
-            if end > total_bytes or (k == num_parts - 1 and end != total_bytes):
-                raise ValueError(f"version {version} part {k} of {num_parts}: bytes [{offset}, {end}) of a "
-                                 f"{total_bytes}-byte buffer")
+        self.last_mode = "zmq"
+
+        def emit(k: int, offset: int, data: np.ndarray) -> bool:
             peer.send(m.WeightsUpdate(version=version, tensors=list(specs) if k == 0 else [], data=data, part=k,
                                       parts=num_parts, offset=offset, total_bytes=total_bytes if k == 0 else 0),
                       track=True)
             del data  # ours is not the reference that matters: ZeroMQ's is, which the tracker follows
-            released = self._released(peer, version, k)
-        try:
-            next(it) if tell is None else tell(released)
-        except StopIteration:
-            pass
-        else:
-            raise ValueError(f"version {version}: the parts go on past num_parts={num_parts}")
+            return self._released(peer, version, k)
+
+        _each_part(version, total_bytes, parts, num_parts, emit)
         self.last_send_s = time.monotonic() - t0
         self._handed_over(version)
+
+    def _parts_into(self, peer, slot: _Slot, version: int, specs: list[m.TensorSpec], total_bytes: int,
+                    parts: Iterable[Part], num_parts: int) -> None:
+        """A hand-off in parts through shared memory: each part copied into the region at its
+        offset (not at all when it was produced there, ``part_target``), then one update."""
+        t0 = time.monotonic()
+        region = slot.region.data
+        base = region.ctypes.data
+
+        def emit(k: int, offset: int, data: np.ndarray) -> bool:
+            if data.nbytes and not (data.ctypes.data == base + offset and data.flags.c_contiguous):
+                region[offset:offset + data.nbytes] = data.reshape(-1).view(np.uint8)
+            return True  # copied (or already in place): the producer may write into its array again
+
+        _each_part(version, total_bytes, parts, num_parts, emit)
+        self._send_region(peer, version, specs, slot)
+        self.last_send_s = time.monotonic() - t0
+        self._handed_over(version)
+
+    def part_target(self, start: int, stop: int) -> np.ndarray | None:
+        """Where a producer of ``send_parts`` may write bytes ``[start, stop)`` of the version being
+        handed over so that they need no copy: a view of the shared-memory region, or None (then
+        it yields arrays of its own). Valid only while that ``send_parts`` runs."""
+        slot = self._parts_slot
+        return None if slot is None else slot.region.data[start:stop]
+
+    # ------------------------------------------------------------------ shared memory
+
+    def _use_shm(self) -> bool:
+        """Whether this version may go through shared memory (see the module docstring)."""
+        if self.mode == "zmq" or self.shm_host is None or self.shm_off is not None:
+            return False
+        return self.mode == "shm" or self.shm_host == self.host_id
+
+    def _slot(self, num_bytes: int) -> _Slot | None:
+        """A region of ``num_bytes`` the broadcaster does not read: a free one, else a new one
+        while there are fewer than ``max_slots``, else None (the version goes as bytes). A free
+        region of another size (the layout changed) is dropped. A region that cannot be made
+        turns shared memory off for the session."""
+        for slot in self._slots:
+            if not slot.busy and slot.region.nbytes == num_bytes:
+                return slot
+        for slot in [s for s in self._slots if not s.busy]:
+            slot.region.close()
+            self._slots.remove(slot)
+        if len(self._slots) >= self.max_slots:
+            self.shm_fallbacks += 1
+            self.log.info("shm_no_free_region", regions=len(self._slots), hint="the version goes as bytes")
+            return None
+        try:
+            slot = _Slot(shm.ShmRegion.create(self.name, num_bytes))
+        except shm.RegionError as e:
+            self._shm_failed(str(e))
+            return None
+        self._slots.append(slot)
+        return slot
+
+    def _send_region(self, peer, version: int, specs: list[m.TensorSpec], slot: _Slot) -> None:
+        handle = slot.region.export(version)
+        slot.busy, slot.version = True, version
+        peer.send(m.WeightsUpdate(version=version, tensors=list(specs), data=EMPTY, region=handle))
+        self.shm_sends += 1
+        self.last_mode = "shm"
+
+    def _regions_heard(self, hb: m.Heartbeat) -> None:
+        """A broadcaster heartbeat listing the regions it reads: unlink the names it has mapped,
+        free the regions it has let go of."""
+        held = {(r.name, r.generation) for r in hb.regions or ()}
+        for slot in self._slots:
+            key = (slot.region.name, slot.region.generation)
+            if key in held:
+                slot.region.unlink()  # mapped there: the name is no longer needed, and cannot leak
+            elif slot.busy and hb.policy_version is not None and hb.policy_version >= slot.version:
+                slot.busy = False
+
+    def _shm_failed(self, why: str) -> None:
+        """Shared memory failed: off until the next session; the regions are dropped (a mapping the
+        broadcaster still reads stays valid), so nothing is written into a region it reads."""
+        self.shm_off = why
+        self.log.warning("shm_fallback", error=why, hint="versions go as bytes until the next session")
+        self._drop_slots()
+
+    def _drop_slots(self) -> None:
+        for slot in self._slots:
+            slot.region.close()
+        self._slots = []
 
     def _released(self, peer, version: int, part: int) -> bool:
         """Wait (at most ``peer_timeout_s``) until ZeroMQ no longer references the part just sent."""
@@ -211,10 +370,24 @@ class WeightHandoff:
             self.resend_due = None
 
     def pump(self) -> None:
-        """Serve the session (heartbeats, reconnects) and hear the broadcaster's errors."""
+        """Serve the session (heartbeats, reconnects), hear which shared-memory regions the
+        broadcaster reads, and its errors."""
         while (msg := self.peer.poll(0.0)) is not None:
             self.peer_proto = msg.proto_version
-            if not isinstance(msg.body, m.Error):
+            body = msg.body
+            if isinstance(body, m.Welcome):
+                if self._broadcaster_epoch not in (None, body.broker_epoch):
+                    self._drop_slots()  # a new broadcaster process: it reads none of them
+                self._broadcaster_epoch = body.broker_epoch
+                self.shm_host = body.host_id
+                continue
+            if isinstance(body, m.Heartbeat) and body.regions is not None:
+                self._regions_heard(body)
+            if not isinstance(body, m.Error):
+                continue
+            if body.code == "region_unavailable":
+                self._shm_failed(body.message)
+                self._resend(self.peer)
                 continue
             if msg.body.code == "too_large":  # every later version would be refused too: stop loudly
                 raise BroadcastRefused(f"the broadcaster refused version {self.current()[0]}: {msg.body.message}; "
@@ -222,5 +395,39 @@ class WeightHandoff:
             self.log.error("broadcaster_error", code=msg.body.code, error=msg.body.message, field=msg.body.field)
 
     def close(self) -> None:
-        self.peer.send(m.Bye(reason="shutdown"))
-        self.peer.close()
+        try:
+            self.peer.send(m.Bye(reason="shutdown"))
+            self.peer.close()
+        finally:
+            self._drop_slots()  # unlinks every name this process made
+
+
+def _each_part(version: int, total_bytes: int, parts: Iterable[Part], num_parts: int,
+               emit: Callable[[int, int, np.ndarray], bool]) -> None:
+    """Walk the producer's parts, checking that they are consecutive and cover ``total_bytes`` in
+    ``num_parts``; ``emit(k, offset, data)`` hands each on and says whether its array is released
+    (told to a generator producer as the value of its ``yield``)."""
+    it = iter(parts)
+    tell = getattr(it, "send", None)  # a generator learns whether it may reuse what it yielded
+    released = True
+    end = 0
+    for k in range(num_parts):
+        try:
+            offset, data = next(it) if k == 0 or tell is None else tell(released)
+        except StopIteration:
+            raise ValueError(f"version {version}: the parts ended after {k} of {num_parts}") from None
+        if offset != end:
+            raise ValueError(f"version {version} part {k}: offset {offset}, expected {end} (where part {k - 1} "
+                             f"ended)" if k else f"version {version} part 0: offset {offset}, expected 0")
+        end = offset + data.nbytes
+        if end > total_bytes or (k == num_parts - 1 and end != total_bytes):
+            raise ValueError(f"version {version} part {k} of {num_parts}: bytes [{offset}, {end}) of a "
+                             f"{total_bytes}-byte buffer")
+        released = emit(k, offset, data)
+        del data
+    try:
+        next(it) if tell is None else tell(released)
+    except StopIteration:
+        pass
+    else:
+        raise ValueError(f"version {version}: the parts go on past num_parts={num_parts}")
