@@ -12,7 +12,12 @@ Every piece is the real one, each in its own process:
   tensors of a model of the same shape) and reports the moment it holds it;
 - the learner: this process, handing each version over with the learner's own ``WeightHandoff``
   (``april_async/weights/handoff.py``) over a real ``Peer``; a stand-in broker (``FakeBroker``, a
-  ``Hub``) notes when the broadcaster publishes.
+  ``Hub``) notes when the broadcaster publishes. ``--handoff`` picks how: ``auto`` (the default)
+  through a ``/dev/shm`` region that the ``weights_update`` names (protocol 1.7, ``weights/shm.py``:
+  learner and broadcaster share this host), ``zmq`` as the bytes of a ZeroMQ message over loopback
+  TCP (the only way before 1.7). ``--parts-mb`` hands each version over in parts, as the sharded
+  learner does (gathered straight into the region; or, as bytes, one message per part, which the
+  broadcaster hashes while the later parts arrive).
 
 The weights are the state dict of a Qwen2-shaped ``CausalLM`` (``SIZES``), random, float32 or
 bfloat16. Each version is handed over once the one before is everywhere; the first ``--warmup``
@@ -24,7 +29,9 @@ are reported:
   (its ``load_weights`` returned; members poll every ``MEMBER_POLL_S``, as a generator between decode
   steps); effective bandwidth = bytes / that time, per member, and × k in total. Also the moment the
   broker hears ``weights_published``, and from the broadcaster's log the hand-off (until it held the
-  version) and its collective's time (``fan-out``).
+  version), the digests (from then until its round started: hashing the buckets), its collective's
+  time (``fan-out``) and what follows it (``members``: until the last member holds the version,
+  i.e. its digest check, its load and its polling).
 - **raw**: in the same run, before the pipeline, 1 + k plain processes in a ``torch.distributed``
   gloo group broadcast the same number of bytes from rank 0: one flat tensor, then in ``--bucket-mb``
   pieces like the broadcaster; barrier, broadcast, barrier, timed on rank 0. ``eff/raw`` is the
@@ -39,12 +46,13 @@ This process and every member run with their share of the CPUs as torch threads 
 ``--member-threads``; ``threads_per_process``), as if each had cores of its own.
 
 What to expect (the 2-core development machine, shared; defaults, one torch thread per process;
-2026-11-25, docs/benchmarks.md has the before/after): 30M (123.5 MB) end to end 0.45 s against
-0.09 s raw, eff/raw 0.21; 100M 0.96 s against 0.29 s, 0.30; 300M (1.21 GB) 2.6 s against 0.49 s,
-0.19. The stall is a copy into the warm buffer of the version before (stall/copy 0.1-0.2). The
-hand-off (0.68 s at 300M, loopback TCP) and the fan-out (0.55 s, the raw bucketed rate) are
-about half of it; hashing the digests, once on the broadcaster and again on every member, the
-rest. Each size ends with a pass/FAIL line against issue 18's goals (eff/raw >= 0.8, stall/copy
+2026-11-25, docs/benchmarks.md has the before/after): with the shared-memory hand-off and
+BLAKE3-128 digests (protocol 1.7), 30M (123.5 MB) end to end 0.12-0.19 s against 0.06-0.10 s
+raw, eff/raw 0.51-0.64; 300M (1.21 GB) 1.0-1.65 s against 0.56-1.06 s, 0.40-0.69 (with BLAKE2b,
+0.27-0.36 and 0.22-0.33). The stall is a copy into a warm region (stall/copy 0.05-0.2). At 300M
+the hand-off takes 0.075 s, the broadcaster's hashing before its announce 0.09-0.18 s, the
+fan-out the raw bucketed time (0.6-0.9 s), and each member's hash and load after it 0.26-0.49 s.
+Each size ends with a pass/FAIL line against issue 18's goals (eff/raw >= 0.8, stall/copy
 <= 1). About 60 s and 12 GB of memory at the peak for 300M.
 
 Every member checks that what it loaded is the version handed over (the final norm's weight is
@@ -66,6 +74,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +84,8 @@ from april_async.config import LinkConfig  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.testing.fake_broker import FakeBroker  # noqa: E402
 from april_async.testing.procs import ChildFailed, Children, free_port  # noqa: E402
-from april_async.weights.flat import buckets  # noqa: E402
+from april_async.weights.flat import buckets, tensor_buckets  # noqa: E402
+from april_async.weights.flat import layout as flat_layout  # noqa: E402
 from april_async.weights.handoff import WeightHandoff  # noqa: E402
 
 SIZES = {  # Qwen2-shaped (QKV bias, untied head), Llama's 32k vocabulary; name -> shapes
@@ -262,17 +272,43 @@ def raw_main(argv: list[str]) -> int:
 class Learner:
     """The learner's hand-off, as the learner runs it: a ``WeightHandoff`` on the broadcaster's hub."""
 
-    def __init__(self, model: CausalLM, name: str, endpoint: str):
+    def __init__(self, model: CausalLM, name: str, endpoint: str, mode: str = "auto", parts_bytes: int = 0):
         from april_async.transport.peer import Peer
 
         self.model = model
         self.version = 0
+        self.parts_bytes = parts_bytes
         self.handoff = WeightHandoff(name, lambda on_connect: Peer(endpoint, name, link=LINK, on_connect=on_connect),
-                                     lambda: (self.version, self.model.state_dict()))
+                                     lambda: (self.version, self.model.state_dict()), mode=mode)
 
     def publish(self, version: int) -> None:
         self.version = version
-        self.handoff.send(version, self.model.state_dict())
+        if not self.parts_bytes:
+            self.handoff.send(version, self.model.state_dict())
+            return
+        # As the sharded learner does (``learner.actor.hand_off``): range by range, each gathered
+        # into the shared-memory region when the hand-off goes there, else into an array of ours.
+        state = self.model.state_dict()
+        specs, total = flat_layout((name, t.dtype, t.shape) for name, t in state.items())
+        cuts = tensor_buckets(specs, self.parts_bytes)
+        tensors = list(state.values())
+
+        def parts():
+            buffer = None
+            for start, stop, indices in cuts:
+                view = self.handoff.part_target(start, stop)
+                if view is None:
+                    if buffer is None or buffer.nbytes < stop - start:
+                        buffer = np.empty(stop - start, dtype=np.uint8)
+                    view = buffer[: stop - start]
+                view.fill(0)
+                for i in indices:
+                    raw = tensors[i].detach().reshape(-1).view(torch.uint8).numpy()
+                    view[specs[i].offset - start: specs[i].offset - start + raw.nbytes] = raw
+                if not (yield start, view):
+                    buffer = None
+
+        self.handoff.send_parts(version, specs, total, parts(), len(cuts))
 
     @property
     def send_s(self) -> float:
@@ -345,7 +381,8 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
             "link.heartbeat_interval_s": LINK.heartbeat_interval_s, "link.peer_timeout_s": LINK.peer_timeout_s,
             "max_update_bytes": max(1 << 30, num_bytes + (1 << 20)), "store_port": free_port(),
             "backend": args.backend, "bucket_mb": args.bucket_mb, "timeout_s": hang_limit_s(num_bytes),
-            "status_file": str(status_file), "log.json_lines": True, "log.level": "info"}
+            "status_file": str(status_file), "log.json_lines": True, "log.level": "info",
+            "handoff": "zmq" if args.handoff == "zmq" else "auto"}
     cmd = [sys.executable, "-m", "april_async.cli", "broadcaster"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={json.dumps(v)}"]  # JSON strings, numbers and booleans are TOML values
@@ -368,7 +405,14 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
                                 f"{children.tails(names)}")
             broker.pump(0.05)
             children.check_alive(names)
-        learner = Learner(model, "learner-bench", endpoint)
+        learner = Learner(model, "learner-bench", endpoint, mode=args.handoff,
+                          parts_bytes=int(args.parts_mb * (1 << 20)) if args.parts_mb else 0)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while args.handoff != "zmq" and learner.handoff.shm_host is None:  # the welcome offers shared memory
+            if time.monotonic() > deadline:
+                raise RunFailed(f"the broadcaster's welcome offered no shared memory\n{children.tails(names)}")
+            learner.pump()
+            time.sleep(0.01)
         for version in range(1, args.warmup + args.versions + 1):
             copy_s = copy_once(model)
             mark(model, version)
@@ -391,7 +435,7 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
                         ok &= bool(rep["ok"])
                 children.check_alive(names)
             rows.append({"version": version, "warmup": version <= args.warmup, "copy_s": copy_s,
-                         "stall_s": stall_s, "send_s": learner.send_s,
+                         "stall_s": stall_s, "send_s": learner.send_s, "mode": learner.handoff.last_mode,
                          "end_to_end_s": max(loaded.values()) - t0,
                          "member_s": {n: t - t0 for n, t in sorted(loaded.items())},
                          "published_s": broker.published_at[version] - t0, "verified": ok, "_wall0": wall0})
@@ -430,6 +474,12 @@ def _add_broadcaster_timings(rows: list[dict], log: Path) -> None:
         held_at = datetime.datetime.fromisoformat(update["timestamp"]).timestamp() if update else None
         row["handoff_s"] = held_at - wall0 if held_at is not None else None
         row["fanout_s"] = rnd.get("bcast_s") if rnd else None
+        # The round started once the digests were known: its log line's time less its length ``s``.
+        started = (datetime.datetime.fromisoformat(rnd["timestamp"]).timestamp() - rnd["s"]
+                   if rnd and "s" in rnd else None)
+        row["hash_s"] = started - held_at if started is not None and held_at is not None else None
+        row["after_s"] = (row["end_to_end_s"] - (started - wall0) - row["fanout_s"]
+                          if started is not None and row["fanout_s"] is not None else None)
         row["join_s"] = rnd.get("join_s") if rnd else None
 
 
@@ -458,6 +508,7 @@ def summarize(size: str, params: int, tensors: int, num_bytes: int, raw: dict, r
         "size": size, "params": params, "tensors": tensors, "bytes": num_bytes, "k": k,
         "end_to_end_s": e2e, "published_s": _median(r["published_s"] for r in measured),
         "handoff_s": _median(r["handoff_s"] for r in measured), "fanout_s": fanout,
+        "hash_s": _median(r["hash_s"] for r in measured), "after_s": _median(r["after_s"] for r in measured),
         "effective_gb_s": _ratio(gb, e2e), "effective_total_gb_s": _ratio(k * gb, e2e),
         "raw_flat_s": raw_flat, "raw_flat_gb_s": _ratio(gb, raw_flat),
         "raw_flat_total_gb_s": _ratio(k * gb, raw_flat),
@@ -465,6 +516,7 @@ def summarize(size: str, params: int, tensors: int, num_bytes: int, raw: dict, r
         "fanout_gb_s": _ratio(gb, fanout),
         "effective_over_raw": _ratio(raw_flat, e2e), "fanout_over_raw_bucketed": _ratio(raw_bucketed, fanout),
         "stall_s": stall, "send_s": _median(r["send_s"] for r in measured), "copy_s": copy,
+        "handoff_modes": sorted({r["mode"] for r in measured}),
         "stall_over_copy": _ratio(stall, copy),
         "stall_over_copy_of_minima": _ratio(min(r["stall_s"] for r in measured),
                                             min(r["copy_s"] for r in measured)),
@@ -488,14 +540,19 @@ def print_tables(results: list[dict], args) -> None:
               f"{_f(r['effective_gb_s'], '.3f', 8)} {_f(r['effective_total_gb_s'], '.3f', 8)} | "
               f"{_f(r['raw_flat_s'], '.3f', 7)} {_f(r['raw_flat_gb_s'], '.3f', 8)} "
               f"{_f(r['raw_flat_total_gb_s'], '.3f', 8)} | {_f(r['effective_over_raw'], '.2f', 7)}")
-    print(f"\nwhere the time goes: hand-off = until the broadcaster holds it; fan-out = its "
-          f"{args.bucket_mb:g} MiB bucketed collective, against the raw bucketed broadcast")
-    print(f"{'size':<6} | {'hand-off s':>10} {'fan-out s':>9} {'GB/s/mem':>8} {'raw bkt s':>9} "
-          f"{'fan/raw':>7} | {'published s':>11}")
+    print(f"\nwhere the time goes: hand-off = until the broadcaster holds it (--handoff {args.handoff}: "
+          f"{', '.join(sorted({m for r in results for m in r['handoff_modes']}))}); digests = from then until "
+          f"its round starts (hashing the buckets); fan-out = its {args.bucket_mb:g} MiB bucketed collective, "
+          f"against the raw bucketed broadcast; members = from its end until the last member holds the "
+          f"version (their digest check, load, polling)")
+    print(f"{'size':<6} | {'hand-off s':>10} {'digests s':>9} {'fan-out s':>9} {'GB/s/mem':>8} {'raw bkt s':>9} "
+          f"{'fan/raw':>7} {'members s':>9} | {'published s':>11}")
     for r in results:
-        print(f"{r['size']:<6} | {_f(r['handoff_s'], '.3f', 10)} {_f(r['fanout_s'], '.3f', 9)} "
+        print(f"{r['size']:<6} | {_f(r['handoff_s'], '.3f', 10)} {_f(r['hash_s'], '.3f', 9)} "
+              f"{_f(r['fanout_s'], '.3f', 9)} "
               f"{_f(r['fanout_gb_s'], '.3f', 8)} {_f(r['raw_bucketed_s'], '.3f', 9)} "
-              f"{_f(r['fanout_over_raw_bucketed'], '.2f', 7)} | {_f(r['published_s'], '.3f', 11)}")
+              f"{_f(r['fanout_over_raw_bucketed'], '.2f', 7)} {_f(r['after_s'], '.3f', 9)} | "
+              f"{_f(r['published_s'], '.3f', 11)}")
     print("\nlearner stall: WeightHandoff.send blocking the loop, against one in-memory copy of the weights")
     print(f"{'size':<6} | {'stall ms':>9} {'of it send':>10} {'copy ms':>9} {'stall/copy':>10} "
           f"{'of minima':>9} | verified")
@@ -548,6 +605,12 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--warmup", type=int, help="versions handed over first, not measured (default 2)")
     p.add_argument("--bucket-mb", type=float, help="the broadcaster's bucket_mb (default 32, as it ships)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--handoff", default="auto", choices=["auto", "shm", "zmq"],
+                   help="the learner's hand-off: shared memory on this host (auto, shm; protocol 1.7) or a ZeroMQ "
+                        "message (zmq, as before 1.7); default auto")
+    p.add_argument("--parts-mb", type=float, default=0.0,
+                   help="hand each version over in parts of about this many MiB, cut at tensor boundaries, as the "
+                        "sharded learner does (learner.gather_bucket_mb); default 0: in one piece")
     p.add_argument("--threads", type=int,
                    help="torch threads in this process, the learner (default: the CPUs shared out among the "
                         "broadcaster and the k members, at least 1)")
@@ -580,6 +643,8 @@ def parse_args(argv: list[str] | None):
     for name in ("threads", "member_threads"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.parts_mb < 0:
+        raise BenchError(f"--parts-mb must be >= 0, got {args.parts_mb}")
     if args.bucket_mb <= 0:
         raise BenchError(f"--bucket-mb must be positive, got {args.bucket_mb}")
     if args.backend == "nccl":
@@ -634,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {"k": args.k, "dtype": args.dtype, "versions": args.versions, "warmup": args.warmup,
+                    "handoff": args.handoff, "parts_mb": args.parts_mb,
                     "bucket_mb": args.bucket_mb, "threads": args.threads,
                     "member_threads": args.member_threads,
                     "backend": args.backend, "cpus": os.cpu_count(), "torch": torch.__version__}

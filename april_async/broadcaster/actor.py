@@ -12,7 +12,9 @@ ZeroMQ's own message (``Hub._recv_frames``), which lives until a newer version r
 Parts (protocol 1.4). A version may come as ``parts`` messages, consecutive byte ranges of its
 buffer. Part 0 (layout, ``total_bytes``) starts an assembly in a receive buffer, abandoning any
 unfinished one; each later part is copied in at its offset; the last one hands the whole buffer
-to the planner exactly as a one-part update. A part that does not fit the sequence (another
+to the planner exactly as a one-part update; each bucket (``bucket_mb``) is hashed for the
+announce's digests as soon as its last byte is in, while later parts still arrive, so the digests
+are ready almost with the last part. A part that does not fit the sequence (another
 version or part count, no part 0 before it, out of turn, a gap or an overlap, bytes past
 ``total_bytes`` or a last part ending short of it, a layout in a later part) drops the assembly
 and is answered with ``error`` ``refused`` naming the field, once per version: that version's later
@@ -49,9 +51,13 @@ others still get the version: the next round re-forms without the lost member.
 
 Protocol 1.6. Every announce carries a digest of each bucket of the version
 (``flat.bucket_digests``), and members check the bytes they receive against them before loading:
-bytes from anyone but this process fail. The digests are computed once per version, on a thread
-of their own right after the version is kept (hashing a large version takes seconds, which the
-hub must not stall for); a round of that version starts once they are known. The group's store
+bytes from anyone but this process fail. The digests are computed once per version, off the loop:
+those of a version in parts while its parts arrive (above), the others on a thread of their own
+right after the version is kept (hashing a large version takes seconds, which the
+hub must not stall for); a round of that version starts once they are known. Since 1.7 they are
+BLAKE3-128 (about 5x faster than BLAKE2b here) when every member of the round said hello with
+protocol 1.7 or later, else BLAKE2b-128 (``weights_announce.digest_alg``; the planner decides, and
+has a held version hashed again when its round's members need the other one). The group's store
 keys live under a secret drawn once per process (``secrets.token_hex(16)``) and sent only inside
 announces: nobody guesses them or meets them by accident. They do not live in the TCPStore,
 which lists its keys to anyone who reaches its port (``list_keys``): the group meets on the
@@ -59,6 +65,18 @@ rendezvous store this process hosts on ``store_host:rendezvous_port`` (``weights
 ZeroMQ service secured like the hub, that lists nothing, and whose endpoint every ``GroupSpec``
 names (``rendezvous``). The TCPStore stays up for SGLang's weight-update group only, whose
 servers cannot speak ZeroMQ (SPEC, known weaknesses 1).
+
+Shared memory (protocol 1.7). With ``handoff = "auto"`` the welcome to a learner names this host
+(``host_id``); a learner on the same host then writes its versions into a ``/dev/shm`` region and
+its ``weights_update`` names the region (``region``) instead of carrying the bytes. The region is
+mapped (once per name, ``shm.RegionCache``), its header checked against the handle, and the
+version is held and broadcast straight from the mapping, with no copy. The learner may write into
+a region again only once this process no longer reads it: every heartbeat to that learner lists
+the regions of the held version and of a broadcast in progress (``regions``), and one is sent at
+once whenever that list changes. A region that cannot be opened, or that no longer holds the
+generation its handle names, is answered with ``error`` ``region_unavailable``, and the learner
+sends the bytes instead; a region found overwritten once its digests are computed is not
+broadcast (``region_overwritten``).
 
 The round logic (sessions, epochs, acks, benching, publishing) is ``rounds.RoundPlanner``, pure
 and tested on its own; this module carries out what it decides. The broker link runs on its own
@@ -75,10 +93,12 @@ import secrets
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import msgspec
 import numpy as np
 import torch
 
@@ -86,6 +106,7 @@ from april_async.broadcaster.config import BroadcasterConfig
 from april_async.broadcaster.rounds import (
     CollectiveResult,
     Forget,
+    Hash,
     Keep,
     Log,
     Open,
@@ -98,7 +119,8 @@ from april_async.broadcaster.rounds import (
 )
 from april_async.broadcaster.sglang import SGLangFanout
 from april_async.logs import get_logger
-from april_async.weights.flat import bucket_digests, check_layout
+from april_async.weights import shm
+from april_async.weights.flat import HASH_THREADS_MAX, bucket_digests, check_layout, digest
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
 from april_async.wire.version import parse
@@ -148,6 +170,10 @@ class Buffer:
     data: torch.Tensor
     owned: np.ndarray | None = None
     """The receive buffer that ``data`` views, when it was assembled here (to be reused)."""
+    region: shm.MappedRegion | None = None
+    """The learner's shared-memory region that ``data`` views, when the version came in one."""
+    prehashed: tuple[str, list[Future]] | None = None
+    """``(digest_alg, one future per bucket)``: the digests of an assembly, hashed as its parts came."""
 
 
 @dataclass
@@ -161,6 +187,10 @@ class Assembly:
     data: np.ndarray  # total_bytes long; [0, filled) has arrived
     filled: int = 0
     next_part: int = 1
+    digest_alg: str = m.BLAKE2B_128
+    """What ``digests`` are hashed with: the planner's choice for a round starting at part 0."""
+    digests: list[Future] = field(default_factory=list)
+    """The digests of the buckets already complete, being hashed while later parts arrive."""
 
 
 class PartRefused(Exception):
@@ -257,10 +287,16 @@ class BroadcasterActor:
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
         self._job_buffer: Buffer | None = None  # what the job reads
-        self._digest_job: tuple[int, _Job] | None = None  # the held version's digests, being computed
+        self._digest_job: tuple[int, str, _Job] | None = None  # (version, digest_alg, job): being hashed
         self._assembly: Assembly | None = None  # a version arriving in parts
         self._refused_parts: tuple[str, int] | None = None  # (sender, version) whose later parts are dropped
         self._spare: np.ndarray | None = None  # a receive buffer free for the next assembly
+        self._pending_spare: np.ndarray | None = None  # free once the held version's digests are in (nccl)
+        self._hasher: ThreadPoolExecutor | None = None  # hashes an assembly's buckets as its parts arrive
+        self.host_id = shm.host_id() if cfg.handoff == "auto" else None  # offered to learners in welcome
+        self.regions = shm.RegionCache()
+        self._region_learner: str | None = None  # the learner whose regions this process reads
+        self._regions_told: tuple = ()  # the regions last listed to it
         self._status_dirty = True
         self.broker = BrokerLink(cfg.name, broker_peer_factory, cfg.link.heartbeat_interval_s / 4)
         self.fanout: SGLangFanout | None = None  # made when the first SGLang generator says hello
@@ -296,6 +332,10 @@ class BroadcasterActor:
         self.group.close()
         self.broker.close()
         self.hub.close()
+        self.held = self._job_buffer = None
+        self.regions.clear()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
         self._write_status()
         p = self.planner
         self.log.info("stopped", held=p.held_version, published=p.published, rounds=p.rounds,
@@ -310,7 +350,11 @@ class BroadcasterActor:
             self.hub.send(identity, m.Error(code="refused", message=why), parent_id=msg.msg_id)
             return
         if isinstance(body, m.Hello):
-            effects = p.hello(sender, body.role, body.policy_version, body.servers, now)
+            proto = parse(msg.proto_version) if body.role == "generator" else None  # picks the digests' hash
+            effects = p.hello(sender, body.role, body.policy_version, body.servers, now, proto=proto)
+            if body.role == "learner" and self.host_id is not None:  # offer shared memory (1.7)
+                effects = [Send(e.name, msgspec.structs.replace(e.body, host_id=self.host_id), e.reply)
+                           if isinstance(e, Send) and isinstance(e.body, m.Welcome) else e for e in effects]
             if body.servers and self.fanout is None and any(isinstance(e, Open) for e in effects):
                 host, _, port = self.group.store_address.rpartition(":")
                 self.fanout = SGLangFanout(self.cfg.sglang, store=self.group.store, store_host=host,
@@ -344,6 +388,9 @@ class BroadcasterActor:
 
     def _update(self, sender: str, identity: bytes, msg, now: float) -> None:
         body: m.WeightsUpdate = msg.body
+        if body.region is not None:
+            self._update_region(sender, identity, msg, now)
+            return
         try:
             if body.part == 0:
                 self._drop_assembly("superseded", by=body.version)
@@ -356,14 +403,15 @@ class BroadcasterActor:
                                                          f"has {len(body.data)} bytes")
                     self._complete(sender, body.version, body.tensors, body.data, False, identity, msg, now)
                     return
-                self._start_assembly(sender, body)
+                self._start_assembly(sender, body, now)
             elif self._refused_parts == (sender, body.version):  # refused once: the rest goes unanswered
                 self.log.debug("update_part_dropped", version=body.version, part=body.part, learner=sender)
             else:
                 a = self._continue_assembly(sender, body)
                 if a is not None:
                     self._assembly = None
-                    self._complete(sender, a.version, a.tensors, a.data, True, identity, msg, now)
+                    self._complete(sender, a.version, a.tensors, a.data, True, identity, msg, now,
+                                   prehashed=(a.digest_alg, a.digests))
         except PartRefused as e:
             if self._assembly is not None and self._assembly.sender == sender:
                 self._drop_assembly("refused")
@@ -373,7 +421,53 @@ class BroadcasterActor:
             why = f"weights_update {body.version} part {body.part} of {body.parts}: {e.why}"[:500]
             self._send(sender, m.Error(code=e.code, message=why, field=f"$.body.{e.field}"), parent_id=msg.msg_id)
 
-    def _start_assembly(self, sender: str, body: m.WeightsUpdate) -> None:
+    def _update_region(self, sender: str, identity: bytes, msg, now: float) -> None:
+        """A version in the learner's shared-memory region: mapped, checked and held in place."""
+        body: m.WeightsUpdate = msg.body
+        region = body.region
+        self._drop_assembly("superseded", by=body.version)
+        self._refused_parts = None
+        if region.nbytes > self.cfg.max_update_bytes:
+            why = f"region of {region.nbytes} bytes is over the broadcaster's max_update_bytes {self.cfg.max_update_bytes}"
+            self._send(sender, m.Error(code="too_large", message=why, field="$.body.region.nbytes"),
+                       parent_id=msg.msg_id)
+            return
+        if self.host_id is None:
+            why = "this broadcaster takes no hand-off in shared memory (handoff = zmq)"
+        else:
+            try:
+                mapped = self.regions.open(region)
+                why = None
+            except shm.RegionError as e:
+                why = str(e)
+        if why is not None:
+            self.log.warning("region_unavailable", version=body.version, region=region.name,
+                             generation=region.generation, error=why, learner=sender)
+            self._send(sender, m.Error(code="region_unavailable", message=why[:500], field="$.body.region"),
+                       parent_id=msg.msg_id)
+            return
+        self._region_learner = sender
+        self._complete(sender, body.version, body.tensors, mapped.array, False, identity, msg, now, region=mapped)
+
+    def _regions_in_use(self) -> tuple[m.SharedRegion, ...]:
+        """The learner's regions this process still reads: the held version's, a broadcast's."""
+        out: dict[str, m.SharedRegion] = {}
+        for buf in (self.held, self._job_buffer):
+            if buf is not None and buf.region is not None:
+                out[buf.region.handle.name] = buf.region.handle
+        return tuple(out.values())
+
+    def _tell_regions(self) -> None:
+        """Tell the learner at once when the regions read change (it writes into a freed one)."""
+        if self._region_learner is None:
+            return
+        regions = self._regions_in_use()
+        if regions != self._regions_told:
+            self._regions_told = regions
+            self._send(self._region_learner, m.Heartbeat(policy_version=self.planner.held_version,
+                                                         regions=list(regions)))
+
+    def _start_assembly(self, sender: str, body: m.WeightsUpdate, now: float) -> None:
         total = body.total_bytes or len(body.data)
         if body.offset != 0:
             raise PartRefused("offset", f"part 0 starts at offset {body.offset}, not 0")
@@ -382,10 +476,27 @@ class BroadcasterActor:
                                              f"{self.cfg.max_update_bytes}", code="too_large")
         if len(body.data) > total:
             raise PartRefused("data", f"bytes [0, {len(body.data)}) run past total_bytes {total}")
-        a = Assembly(sender, body.version, body.parts, list(body.tensors), self._buffer(total))
+        a = Assembly(sender, body.version, body.parts, list(body.tensors), self._buffer(total),
+                     digest_alg=self.planner.digest_alg(now))
         a.data[: len(body.data)] = body.data
         a.filled = len(body.data)
         self._assembly = a
+        self._hash_complete_buckets(a)
+
+    def _hash_complete_buckets(self, a: Assembly) -> None:
+        """Start hashing every bucket of ``a`` that has fully arrived (on a small thread pool), so
+        that the digests are in hand almost as soon as the last part is: the hashing overlaps the
+        receiving of the later parts instead of following it. They are hashed with the algorithm a
+        round starting at part 0 would use; should the round need the other one, they are hashed
+        again (``_hash``)."""
+        bucket, total = self.cfg.bucket_bytes, len(a.data)
+        while (start := len(a.digests) * bucket) < total and min(start + bucket, total) <= a.filled:
+            if self._hasher is None:
+                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+                self._hasher = ThreadPoolExecutor(max(1, min(HASH_THREADS_MAX, cpus)),
+                                                  thread_name_prefix="bcast-digest")
+            a.digests.append(self._hasher.submit(digest, memoryview(a.data[start:min(start + bucket, total)]),
+                                                 a.digest_alg))
 
     def _continue_assembly(self, sender: str, body: m.WeightsUpdate) -> Assembly | None:
         """Copy a later part in; the assembly when it is complete."""
@@ -414,10 +525,12 @@ class BroadcasterActor:
             raise PartRefused("data", f"the last part ends at byte {end}, short of total_bytes {total}")
         a.data[body.offset:end] = body.data
         a.filled, a.next_part = end, a.next_part + 1
+        self._hash_complete_buckets(a)
         return a if body.part == a.parts - 1 else None
 
     def _complete(self, sender: str, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool,
-                  identity: bytes, msg, now: float) -> None:
+                  identity: bytes, msg, now: float, region: shm.MappedRegion | None = None,
+                  prehashed: tuple[str, list[Future]] | None = None) -> None:
         """A whole version is in hand: the planner decides, as for any update."""
         try:
             check_layout(tensors, len(data))
@@ -425,14 +538,18 @@ class BroadcasterActor:
         except ValueError as e:
             layout_error = str(e)
         effects = self.planner.update(sender, version, tensors, len(data), layout_error, now, digests=None)
-        self._apply(effects, identity, msg, update=(tensors, data, owned))
+        self._apply(effects, identity, msg, update=(tensors, data, owned, region, prehashed))
         if owned and not any(isinstance(e, Keep) for e in effects):
-            self._spare = data  # ignored or refused: the buffer is free again
+            for job in prehashed[1] if prehashed else ():
+                job.cancel()
+            self._spare = data  # ignored or refused: the buffer is free again (a hash running on it is unused)
 
     def _drop_assembly(self, reason: str, **fields) -> None:
         a, self._assembly = self._assembly, None
         if a is None:
             return
+        for job in a.digests:  # a hash already running ends, its result unused
+            job.cancel()
         self._spare = a.data
         if reason != "refused":  # a refusal logs itself
             self.log.warning("assembly_abandoned", version=a.version, parts_received=a.next_part, parts=a.parts,
@@ -448,21 +565,43 @@ class BroadcasterActor:
             self._spare = spare  # still broadcast from: kept for later
         return np.empty(num_bytes, dtype=np.uint8)
 
-    def _keep(self, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool) -> None:
-        """The update in hand is held: its bytes as a tensor (on the GPU for nccl)."""
+    def _keep(self, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool,
+              region: shm.MappedRegion | None = None,
+              prehashed: tuple[str, list[Future]] | None = None) -> None:
+        """The update in hand is held: its bytes as a tensor (on the GPU for nccl). Its digests
+        are computed when the planner says under which algorithm (``Hash``, next)."""
         with warnings.catch_warnings():  # a read-only view of the received frame; rank 0 only reads it
             warnings.simplefilter("ignore", UserWarning)
             held = torch.from_numpy(data)
         replaced = self.held
         if self.backend == "nccl":
             held = held.to(self.group.device or torch.device("cuda", torch.cuda.current_device()))
-            if owned:
+            if owned and prehashed:  # copied to the GPU; free again once its buckets are hashed
+                self._pending_spare, owned = data, False
+            elif owned:
                 self._spare, owned = data, False  # copied to the GPU: the receive buffer is free again
-        self.held = Buffer(version, list(tensors), held, data if owned else None)
+            region = None  # copied to the GPU: the learner's region is free again
+        self.held = Buffer(version, list(tensors), held, data if owned else None, region, prehashed)
         if replaced is not None and replaced.owned is not None:
             self._spare = replaced.owned  # reused once no collective reads it (``_buffer``)
-        # Once per version; a job still hashing a replaced version is left to end, its result unused.
-        self._digest_job = (version, _Job(bucket_digests, held, self.cfg.bucket_bytes, name="bcast-digests"))
+
+    def _hash(self, version: int, alg: str) -> None:
+        """Compute the held version's digests under ``alg`` on a thread of their own: those hashed
+        as its parts arrived when they are of ``alg``, else all of them now. A job still hashing
+        for a replaced version or algorithm is left to end, its result unused."""
+        held = self.held
+        if held is None or held.version != version:
+            raise RuntimeError(f"the planner asked for the digests of version {version}; the bytes held are "
+                               f"of {held.version if held else None}")
+        prehashed, held.prehashed = held.prehashed, None
+        if prehashed is not None and prehashed[0] == alg:
+            futures = prehashed[1]
+            job = _Job(lambda: [f.result() for f in futures], name="bcast-digests")
+        else:
+            for future in prehashed[1] if prehashed else ():
+                future.cancel()
+            job = _Job(bucket_digests, held.data, self.cfg.bucket_bytes, alg, name="bcast-digests")
+        self._digest_job = (version, alg, job)
 
     def _send(self, name: str, body: m.Body, parent_id: str | None = None) -> None:
         link = self.links.get(name)
@@ -473,7 +612,8 @@ class BroadcasterActor:
 
     def _apply(self, effects, identity: bytes | None = None, msg=None, update=None) -> None:
         """Carry out the planner's effects in order; ``identity``/``msg``: the message in hand;
-        ``update``: ``(tensors, data, owned)`` of the whole version in hand, for ``Keep``."""
+        ``update``: ``(tensors, data, owned, region, prehashed)`` of the whole version in hand, for
+        ``Keep``."""
         for e in effects:
             if isinstance(e, Send):
                 self._send(e.name, e.body, parent_id=msg.msg_id if e.reply and msg is not None else None)
@@ -489,6 +629,8 @@ class BroadcasterActor:
                 self.hub.send(identity, e.body, parent_id=msg.msg_id)
             elif isinstance(e, Keep):
                 self._keep(e.version, *update)
+            elif isinstance(e, Hash):
+                self._hash(e.version, e.digest_alg)
             elif isinstance(e, StartCollective):
                 self._start(e)
             elif isinstance(e, Publish):
@@ -532,7 +674,8 @@ class BroadcasterActor:
             self._apply(p.expired(name, now))
         for name, link in list(self.links.items()):
             if now - link.last_sent >= self.cfg.link.heartbeat_interval_s:
-                self._send(name, m.Heartbeat(policy_version=p.held_version))
+                regions = list(self._regions_in_use()) if name == self._region_learner else None
+                self._send(name, m.Heartbeat(policy_version=p.held_version, regions=regions))
         if self.job is not None and self.job.done:
             job, self.job, self._job_buffer = self.job, None, None
             if job.error is not None:  # a bug, not a failed collective: every member counts as failed
@@ -541,18 +684,27 @@ class BroadcasterActor:
                 self._apply(p.collective_finished(now, result=job.result))
         self._take_digests(now)
         self._apply(p.tick(now))
+        self._tell_regions()
         if self._status_dirty:
             self._write_status()
 
     def _take_digests(self, now: float) -> None:
         """Hand the held version's digests to the planner once they are computed. Hashing
         failing is a bug, not a peer's fault: it propagates."""
-        if self._digest_job is None or not self._digest_job[1].done:
+        if self._digest_job is None or not self._digest_job[2].done:
             return
-        (version, job), self._digest_job = self._digest_job, None
+        (version, alg, job), self._digest_job = self._digest_job, None
+        if self._pending_spare is not None:  # nothing hashes it any more
+            self._spare, self._pending_spare = self._pending_spare, None
         if job.error is not None:
             raise RuntimeError(f"hashing the buckets of version {version} failed") from job.error
-        self._apply(self.planner.digested(version, job.result, now))
+        held = self.held
+        if held is not None and held.version == version and held.region is not None \
+                and not held.region.still_valid():  # the learner wrote into it meanwhile: not that version
+            self.log.error("region_overwritten", version=version, region=held.region.handle.name,
+                           header=str(held.region.header()[1:]), hint="not broadcast; the next version will be")
+            return
+        self._apply(self.planner.digested(version, job.result, now, alg))
 
     # ------------------------------------------------------------------ status
 

@@ -6,15 +6,18 @@ next. It does no I/O, starts no thread, imports no torch and reads no clock: eve
 ``now`` (seconds on the caller's clock) and returns a list of effects, small dataclasses that
 the actor carries out in order (send a message, start the collective, tell the broker, log).
 The weights' bytes stay with the actor; the planner knows only a version's size, layout and
-bucket digests (protocol 1.6), which the actor computes off its loop and hands over with
-``digested``: a round of a version starts only once its digests are known, so that every
-announce carries them.
+bucket digests (protocol 1.6), which the actor computes off its loop when told to (``Hash``)
+and hands over with ``digested``: a round of a version starts only once its digests are known,
+so that every announce carries them. The hash is BLAKE3-128 when every generator the round sends
+the bytes to said hello with protocol 1.7 or later, else BLAKE2b-128, which every member since
+1.6 checks (``digest_alg``); a held version hashed with the other one is hashed again before its
+round starts (a 1.6 generator joined, or the last one left).
 
 The inputs, one method each: ``hello``, ``touch`` (any message from a session), ``update`` (a
 learner's ``weights_update``), ``heartbeat`` (a generator's ack or nack, its ``policy_version``),
 ``bye``, ``expired`` (the hub heard nothing from a peer for ``peer_timeout_s``),
-``digested`` (the held version's bucket digests), ``collective_finished`` (the worker thread's
-result or error) and ``tick``.
+``digested`` (the held version's bucket digests, under the algorithm asked for),
+``collective_finished`` (the worker thread's result or error) and ``tick``.
 
 The rules, as the actor's docstring describes them: a round starts when some generator heard
 from in the last ``peer_timeout_s / 2`` holds an older version than the one held; it re-forms
@@ -34,6 +37,8 @@ from april_async.broadcaster.config import BroadcasterConfig
 from april_async.wire import messages as m
 
 ROLES = ("learner", "generator")
+BLAKE3_SINCE = (1, 7)
+"""The protocol version since which a member checks digests of ``digest_alg`` ``blake3-128``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +84,15 @@ class Keep:
 
 
 @dataclass(frozen=True)
+class Hash:
+    """Compute the bucket digests of the held ``version`` under ``digest_alg``, off the loop, then
+    feed ``digested``; a digest job still running for an older request is no longer wanted."""
+
+    version: int
+    digest_alg: str
+
+
+@dataclass(frozen=True)
 class StartCollective:
     """Run the round's collective on the worker thread, then feed ``collective_finished``.
 
@@ -117,7 +131,7 @@ class StatusChanged:
     """Something the status file shows has changed."""
 
 
-Effect = Send | Reply | Open | Forget | Keep | StartCollective | Publish | Log | StatusChanged
+Effect = Send | Reply | Open | Forget | Keep | Hash | StartCollective | Publish | Log | StatusChanged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +157,7 @@ class Session:
     joined: float = 0.0
     heard: float = 0.0  # last message from it
     servers: tuple[str, ...] = ()  # a generator on SGLang servers: their URLs (it receives nothing itself)
+    proto: tuple[int, int] | None = None  # the protocol version of its hello (None: not stated)
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,7 @@ class HeldVersion:
     num_bytes: int
     learner: str
     digests: tuple[str, ...] | None = ()  # one per bucket, in order; None: being computed
+    digest_alg: str = m.BLAKE2B_128  # what ``digests`` are (or are being computed) under
 
 
 @dataclass
@@ -221,16 +237,17 @@ class RoundPlanner:
     # ------------------------------------------------------------------ messages
 
     def hello(self, name: str, role: str, version: int | None, servers: list[str] | tuple[str, ...],
-              now: float) -> list[Effect]:
+              now: float, proto: tuple[int, int] | None = None) -> list[Effect]:
         """A learner or generator opens (or re-opens) its session; a generator's ``version`` is
-        the one it holds."""
+        the one it holds, ``proto`` the protocol version its hello's envelope states
+        (``wire.version.parse``; None: unknown, taken as too old for anything since 1.6)."""
         if role not in ROLES:
             return [Reply(m.Error(code="refused",
                                   message=f"the broadcaster takes learners and generators, not {role!r}"))]
         held = -1 if version is None else version
         old = self.sessions.get(name)
         self.sessions[name] = Session(role, held, joined=old.joined if old else now, heard=now,
-                                      servers=tuple(servers) if role == "generator" else ())
+                                      servers=tuple(servers) if role == "generator" else (), proto=proto)
         link = self.cfg.link
         welcome = m.Welcome(broker_epoch=self.epoch_id,
                             policy_version=self.held.version if self.held else max(self.published, 0),
@@ -265,12 +282,13 @@ class RoundPlanner:
         return True
 
     def update(self, name: str, version: int, tensors: list[m.TensorSpec], num_bytes: int,
-               layout_error: str | None, now: float,
-               digests: list[str] | tuple[str, ...] | None = ()) -> list[Effect]:
+               layout_error: str | None, now: float, digests: list[str] | tuple[str, ...] | None = (),
+               digest_alg: str = m.BLAKE2B_128) -> list[Effect]:
         """A ``weights_update`` from the session ``name``: held when it comes from a learner, is
         newer than the held version and its layout fits (``layout_error`` says why not).
-        ``digests``: its bucket digests, or None when the actor computes them after ``Keep``
-        (then rounds of it wait for ``digested``)."""
+        ``digests``: its bucket digests under ``digest_alg``, or None when the actor is to compute
+        them (``Hash`` follows ``Keep``, under the algorithm a round starting now would use, and
+        rounds of the version wait for ``digested``)."""
         s = self.sessions.get(name)
         if s is None:
             return []
@@ -283,24 +301,43 @@ class RoundPlanner:
             why = f"weights_update {version}: {layout_error}"[:500]
             return [_log("warning", "update_refused", version=version, error=layout_error),
                     Send(name, m.Error(code="refused", message=why, field="tensors"), reply=True)]
+        if digests is None:
+            digest_alg = self.digest_alg(now)
         self.held = HeldVersion(version, list(tensors), num_bytes, name,
-                                None if digests is None else tuple(digests))
-        return [Keep(version), StatusChanged(),
+                                None if digests is None else tuple(digests), digest_alg)
+        return [Keep(version), *([Hash(version, digest_alg)] if digests is None else []), StatusChanged(),
                 _log("info", "update", version=version, tensors=len(tensors), bytes=num_bytes, learner=name)]
 
-    def digested(self, version: int, digests: list[str], now: float) -> list[Effect]:
-        """The bucket digests of ``version``, computed by the actor. Ignored unless ``version``
-        is still the one held (a newer one may have replaced it meanwhile); one per bucket of
-        the configured ``bucket_bytes``, else a ``ValueError`` naming both counts (a bug)."""
+    def digested(self, version: int, digests: list[str], now: float,
+                 digest_alg: str = m.BLAKE2B_128) -> list[Effect]:
+        """The bucket digests of ``version`` under ``digest_alg``, computed by the actor. Ignored
+        unless ``version`` is still the one held (a newer one may have replaced it meanwhile) and
+        still wants digests under that algorithm (the round's members may have changed it); one
+        per bucket of the configured ``bucket_bytes``, else a ``ValueError`` naming both counts (a
+        bug)."""
         held = self.held
-        if held is None or held.version != version or held.digests is not None:
+        if (held is None or held.version != version or held.digests is not None
+                or held.digest_alg != digest_alg):
             return []
         count = -(-held.num_bytes // self.cfg.bucket_bytes)
         if len(digests) != count:
             raise ValueError(f"{len(digests)} digests for version {version}, which has {count} buckets of "
                              f"{self.cfg.bucket_bytes} bytes")
         self.held = replace(held, digests=tuple(digests))
-        return [_log("debug", "digested", version=version, buckets=count)]
+        return [_log("debug", "digested", version=version, buckets=count, digest_alg=digest_alg)]
+
+    def digest_alg(self, now: float) -> str:
+        """The hash of the digests a round starting now would announce (``_digest_alg``)."""
+        return self._digest_alg(tuple(g for g in self._members(now) if not self.sessions[g].servers))
+
+    def _digest_alg(self, receivers: tuple[str, ...]) -> str:
+        """BLAKE3-128 when there are ``receivers`` (generators receiving over the group) and every
+        one said hello with protocol ``BLAKE3_SINCE`` or later, else BLAKE2b-128, which every
+        member since 1.6 checks."""
+        protos = [self.sessions[g].proto for g in receivers]
+        if protos and all(p is not None and p >= BLAKE3_SINCE for p in protos):
+            return m.BLAKE3_128
+        return m.BLAKE2B_128
 
     def heartbeat(self, name: str, policy_version: int | None, now: float) -> list[Effect]:
         """A heartbeat from a session; a generator's ``policy_version`` acks (or fails) a round."""
@@ -369,18 +406,21 @@ class RoundPlanner:
         held = self.held
         if held is None:
             return []
-        gens = [name for name, s in sorted(self.sessions.items(), key=lambda kv: kv[1].joined)
-                if s.role == "generator" and self.benched.get(name, 0.0) <= now]
+        gens = self._generators(now)
         if not any(self.sessions[g].version < held.version for g in gens):
             if held.version > self.published:  # no generator, or all hold it already
                 return self._publish(held.version, held.num_bytes, members=len(gens))
             return []
-        # Members: the generators heard from lately (a dead one is not waited for in a rendezvous).
-        members = tuple(g for g in gens if now - self.sessions[g].heard <= self.fresh_s)
+        members = self._members(now)
         if not any(self.sessions[g].version < held.version for g in members):
             return []  # those that need it are quiet: wait until they speak again or expire
         servers = {g: list(self.sessions[g].servers) for g in members if self.sessions[g].servers}
         receivers = tuple(g for g in members if g not in servers)  # members of the torch.distributed group
+        if receivers and (alg := self._digest_alg(receivers)) != held.digest_alg:
+            self.held = replace(held, digests=None, digest_alg=alg)
+            return [Hash(held.version, alg),
+                    _log("info", "rehash", version=held.version, digest_alg=alg, was=held.digest_alg,
+                         members=list(receivers))]
         if receivers and held.digests is None:
             return []  # the actor is still hashing it: every announce carries the digests
         rejoin = bool(receivers) and (receivers != self.group_members or not self.group_ok)
@@ -393,7 +433,8 @@ class RoundPlanner:
         for rank, name in enumerate(receivers, start=1):
             announces[name] = m.WeightsAnnounce(
                 version=held.version, tensors=held.tensors, num_bytes=held.num_bytes,
-                bucket_bytes=self.cfg.bucket_bytes, group=self._spec(rank, world), digests=list(held.digests))
+                bucket_bytes=self.cfg.bucket_bytes, group=self._spec(rank, world), digests=list(held.digests),
+                digest_alg=held.digest_alg)
             out.append(Send(name, announces[name]))
         root = self._spec(0, world) if receivers else None
         out.append(StartCollective(held.version, root, rejoin, servers, self.cfg.bucket_bytes))
@@ -402,6 +443,16 @@ class RoundPlanner:
         out.append(_log("debug", "round_started", version=held.version, epoch=self.epoch,
                         members=list(members), rejoin=rejoin, sglang=sorted(servers)))
         return out
+
+    def _generators(self, now: float) -> list[str]:
+        """The generators with a session, not benched, in order of arrival."""
+        return [name for name, s in sorted(self.sessions.items(), key=lambda kv: kv[1].joined)
+                if s.role == "generator" and self.benched.get(name, 0.0) <= now]
+
+    def _members(self, now: float) -> tuple[str, ...]:
+        """The members of a round starting now: the generators heard from lately (a dead one is
+        not waited for in a rendezvous)."""
+        return tuple(g for g in self._generators(now) if now - self.sessions[g].heard <= self.fresh_s)
 
     def _spec(self, rank: int, world: int) -> m.GroupSpec:
         return m.GroupSpec(epoch=self.epoch, rank=rank, world_size=world, store=self.store,

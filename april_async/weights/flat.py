@@ -19,7 +19,10 @@ tensor's bytes, in native little-endian order, at the byte ``offset`` its ``Tens
   parts of a ``weights_update`` that a sharded learner gathers and sends one at a time.
 - ``bucket_digests`` hashes each of those ``buckets`` (``weights_announce.digests``, protocol 1.6),
   and ``check_digests`` compares a received buffer with them: a member refuses bytes that do not
-  match what the broadcaster announced over the authenticated channel (``DigestMismatch``).
+  match what the broadcaster announced over the authenticated channel (``DigestMismatch``). Both
+  take the announce's ``digest_alg`` (protocol 1.7): BLAKE2b-128, the default, or BLAKE3-128;
+  ``digest`` is the one place either is computed, and a name it does not know is refused
+  (``UnknownDigestAlg``).
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import blake3
 import torch
 
-from april_async.wire.messages import DIGEST_BYTES, TensorSpec
+from april_async.wire.messages import BLAKE2B_128, BLAKE3_128, DIGEST_ALGS, DIGEST_BYTES, TensorSpec
 
 if sys.byteorder != "little":  # the wire layout is little-endian and we view tensors in place
     raise ImportError("april_async.weights.flat needs a little-endian host")
@@ -164,7 +168,7 @@ def tensor_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[tuple
 
 
 # ---------------------------------------------------------------------------------------------
-# Digests of buckets (protocol 1.6)
+# Digests of buckets (protocol 1.6; the algorithm named since 1.7)
 
 
 class DigestMismatch(ValueError):
@@ -178,11 +182,44 @@ class DigestMismatch(ValueError):
         self.bucket, self.expected, self.got = bucket, expected, got
 
 
-def digest(data) -> str:
-    """Hex BLAKE2b of ``data`` (any buffer of bytes) with a ``DIGEST_BYTES`` digest: the hash of
-    ``weights_announce.digests``. BLAKE2b because it is in every Python and faster than SHA-256
-    per byte on 64-bit CPUs; 16 bytes leave no practical room for a second preimage."""
+class UnknownDigestAlg(DigestMismatch):
+    """An announce whose ``digest_alg`` this process cannot compute (``alg``, the name
+    announced): its bytes cannot be checked, so they are refused as bytes that do not match are."""
+
+    def __init__(self, alg: str):
+        super().__init__(f"digest_alg {alg!r} is not one this process knows ({', '.join(DIGEST_ALGS)}); "
+                         f"the bytes cannot be checked")
+        self.alg = alg
+
+
+def _blake2b_128(data) -> str:
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).hexdigest()
+
+
+def _blake3_128(data) -> str:
+    return blake3.blake3(data).hexdigest(DIGEST_BYTES)
+
+
+_HASHES: dict[str, Callable[..., str]] = {BLAKE2B_128: _blake2b_128, BLAKE3_128: _blake3_128}
+
+
+def hasher(alg: str) -> Callable[..., str]:
+    """The function from a buffer of bytes to its hex digest under ``alg`` (a
+    ``weights_announce.digest_alg``); ``UnknownDigestAlg`` for a name this process does not know."""
+    try:
+        return _HASHES[alg]
+    except KeyError:
+        raise UnknownDigestAlg(alg) from None
+
+
+def digest(data, alg: str = BLAKE2B_128) -> str:
+    """Hex digest of ``data`` (any buffer of bytes), ``DIGEST_BYTES`` long, under ``alg``: the hash
+    of ``weights_announce.digests``; 16 bytes leave no practical room for a second preimage.
+
+    ``blake2b-128`` (protocol 1.6, the default) is in every Python and runs about 1.4 GB/s per core
+    here; ``blake3-128`` (1.7, the ``blake3`` package) about 7 GB/s, so a broadcaster uses it when
+    every member of the group can check it. Both release the GIL while they hash."""
+    return hasher(alg)(data)
 
 
 def _host_pieces(buffer: torch.Tensor, bucket_bytes: int) -> Iterator[memoryview]:
@@ -219,18 +256,19 @@ def _hash_threads(buffer: torch.Tensor, bucket_bytes: int) -> int:
     return max(1, min(HASH_THREADS_MAX, cpus, -(-buffer.numel() // bucket_bytes)))
 
 
-def _digests(buffer: torch.Tensor, bucket_bytes: int) -> Iterator[tuple[str, int]]:
-    """``(digest, length)`` of each bucket of ``buffer``, in order. The buckets of a host buffer
-    are hashed on several threads at once (BLAKE2b releases the GIL): at about 1.5 GB/s per core,
-    one thread hashing a version takes as long as a gloo broadcast of it. Closing the iterator
-    early (a mismatch) cancels the buckets not yet started."""
+def _digests(buffer: torch.Tensor, bucket_bytes: int, alg: str) -> Iterator[tuple[str, int]]:
+    """``(digest, length)`` of each bucket of ``buffer`` under ``alg``, in order. The buckets of a
+    host buffer are hashed on several threads at once (both hashes release the GIL): at about
+    1.5 GB/s per core, one thread hashing a version with BLAKE2b takes as long as a gloo broadcast
+    of it. Closing the iterator early (a mismatch) cancels the buckets not yet started."""
+    fn = hasher(alg)
     threads = _hash_threads(buffer, bucket_bytes)
     if threads == 1:
         for piece in _host_pieces(buffer, bucket_bytes):
-            yield digest(piece), len(piece)
+            yield fn(piece), len(piece)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="digest") as pool:
-        jobs = [(pool.submit(digest, piece), len(piece)) for piece in _host_pieces(buffer, bucket_bytes)]
+        jobs = [(pool.submit(fn, piece), len(piece)) for piece in _host_pieces(buffer, bucket_bytes)]
         try:
             for job, length in jobs:
                 yield job.result(), length
@@ -239,31 +277,35 @@ def _digests(buffer: torch.Tensor, bucket_bytes: int) -> Iterator[tuple[str, int
                 job.cancel()
 
 
-def bucket_digests(buffer: torch.Tensor, bucket_bytes: int) -> list[str]:
-    """The ``digest`` of each of ``buckets(len(buffer), bucket_bytes)``, in order.
+def bucket_digests(buffer: torch.Tensor, bucket_bytes: int, alg: str = BLAKE2B_128) -> list[str]:
+    """The ``digest`` under ``alg`` of each of ``buckets(len(buffer), bucket_bytes)``, in order.
 
-    Hashing runs on the host at about 1.5 GB/s per core (BLAKE2b; it releases the GIL), on up to
-    ``HASH_THREADS_MAX`` threads (``_digests``), so a caller with a large buffer runs it off any
-    loop that must keep serving; a device buffer also pays its copy to the host, bucket by
-    bucket, on one thread (``_host_pieces``)."""
-    return [d for d, _ in _digests(buffer, bucket_bytes)]
+    Hashing runs on the host (per core about 1.4 GB/s with BLAKE2b, 7 GB/s with BLAKE3; both
+    release the GIL), on up to ``HASH_THREADS_MAX`` threads (``_digests``), so a caller with a
+    large buffer runs it off any loop that must keep serving; a device buffer also pays its copy
+    to the host, bucket by bucket, on one thread (``_host_pieces``)."""
+    return [d for d, _ in _digests(buffer, bucket_bytes, alg)]
 
 
-def check_digests(buffer: torch.Tensor, bucket_bytes: int, digests: Sequence[str]) -> None:
-    """Raise ``DigestMismatch`` at the first bucket of ``buffer`` whose digest is not the one
-    ``digests`` gives, or when ``digests`` has not one digest per bucket. Stops at the first bad
-    bucket: a buffer that is refused need not be hashed to its end (buckets already being hashed
-    on other threads finish). Costs as ``bucket_digests``."""
+def check_digests(buffer: torch.Tensor, bucket_bytes: int, digests: Sequence[str],
+                  alg: str = BLAKE2B_128) -> None:
+    """Raise ``DigestMismatch`` at the first bucket of ``buffer`` whose digest under ``alg`` is not
+    the one ``digests`` gives, or when ``digests`` has not one digest per bucket; and
+    ``UnknownDigestAlg`` (a ``DigestMismatch``) before hashing anything when ``alg`` is not one
+    this process knows. Stops at the first bad bucket: a buffer that is refused need not be hashed
+    to its end (buckets already being hashed on other threads finish). Costs as ``bucket_digests``."""
+    hasher(alg)
     count = -(-buffer.numel() // bucket_bytes) if bucket_bytes >= 1 else 0
     if len(digests) != count:
         raise DigestMismatch(f"{len(digests)} digests announced for the {count} buckets of {bucket_bytes} bytes in "
                              f"a {buffer.numel()}-byte buffer")
-    got_all = _digests(buffer, bucket_bytes)
+    got_all = _digests(buffer, bucket_bytes, alg)
     try:
         for i, (got, length) in enumerate(got_all):
             if got != digests[i]:
                 start = i * bucket_bytes
-                raise DigestMismatch(f"bucket {i} (bytes {start}:{start + length}) has digest {got}, "
+                raise DigestMismatch(f"bucket {i} (bytes {start}:{start + length}) has {alg} digest {got}, "
                                      f"announced {digests[i]}", bucket=i, expected=digests[i], got=got)
     finally:
         got_all.close()  # a refused buffer need not be hashed to its end
+

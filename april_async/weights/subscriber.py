@@ -6,10 +6,12 @@ version the engine holds) and, for each ``weights_announce``:
     join      leave the current group and join the announced one when its epoch is new;
     receive   every bucket of the buffer, from rank 0 (a member that holds the version already
               receives too: a collective needs every rank);
-    verify    each bucket against the announce's ``digests`` (protocol 1.6): the group's bytes come
+    verify    each bucket against the announce's ``digests`` (protocol 1.6), hashed with its
+              ``digest_alg`` (1.7: BLAKE3-128, or BLAKE2b-128 when absent): the group's bytes come
               over gloo/NCCL, unauthenticated, while the announce came over the authenticated
-              ZeroMQ channel, so a buffer that does not match is refused (``weights_refused``) and
-              never loaded; an announce without digests (a 1.5 broadcaster) loads unverified;
+              ZeroMQ channel, so a buffer that does not match, or whose algorithm this process does
+              not know, is refused (``weights_refused``) and never loaded; an announce without
+              digests (a 1.5 broadcaster) loads unverified;
     load      ``engine.load_weights(views into the buffer, version)`` when the version is newer;
     ack       ``heartbeat`` with the ``policy_version`` the engine now holds. After a failure, the
               same with the version it still holds: the broadcaster then re-forms the group.
@@ -164,7 +166,8 @@ class WeightSubscriber:
                 self.refused += 1
                 e = r.error
                 self.log.warning("weights_refused", version=ann.version, epoch=ann.group.epoch, bucket=e.bucket,
-                                 expected=e.expected, got=e.got, reported=current, error=str(e))
+                                 expected=e.expected, got=e.got, digest_alg=ann.digest_alg, reported=current,
+                                 error=str(e))
             else:
                 self.log.warning("weights_not_received", version=ann.version, epoch=ann.group.epoch,
                                  reported=current, error=str(r.error))
@@ -234,13 +237,18 @@ class WeightSubscriber:
                 self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0, buffer))
 
     def _verify(self, ann: m.WeightsAnnounce, buffer: torch.Tensor) -> None:
-        """Raise ``DigestMismatch`` unless every received bucket has its announced digest.
+        """Raise ``DigestMismatch`` unless every received bucket has its announced digest under
+        the announced ``digest_alg`` (``UnknownDigestAlg``, one, for an algorithm this process
+        does not know: the bytes were received all the same, as the collective needs every rank).
 
-        Runs on this worker thread, so decoding goes on meanwhile; it hashes on the host (about
-        1.5 GB/s per core), and a buffer on the GPU (nccl) is first copied to the host one bucket
-        at a time. Without digests (a 1.5 broadcaster) nothing can be checked: said once per version."""
+        Runs on this worker thread, so decoding goes on meanwhile; it hashes on the host (per core
+        about 1.4 GB/s with BLAKE2b, 7 GB/s with BLAKE3), and a buffer on the GPU (nccl) is first
+        copied to the host one bucket at a time. It follows the whole receive rather than hashing
+        each bucket while the next arrives: on the 2-core development machine that overlap made
+        the fan-out slower by more than it saved (docs/benchmarks.md). Without digests (a 1.5
+        broadcaster) nothing can be checked: said once per version."""
         if ann.digests or not ann.num_bytes:
-            check_digests(buffer, ann.bucket_bytes, ann.digests)
+            check_digests(buffer, ann.bucket_bytes, ann.digests, ann.digest_alg)
         elif self._unverified != ann.version:
             self._unverified = ann.version
             self.log.info("weights_unverified", version=ann.version, epoch=ann.group.epoch,

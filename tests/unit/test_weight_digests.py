@@ -1,6 +1,8 @@
 """Bucket digests of a weights buffer (protocol 1.6): the hash, its bucket boundaries, the check a
 member makes before loading, the announce's own checks, and what the broadcaster's planner
-puts in every announce (the run's key prefix, one digest per bucket)."""
+puts in every announce (the run's key prefix, one digest per bucket); and since 1.7 the hash
+named by the announce (``digest_alg``: BLAKE2b-128 or BLAKE3-128), which the planner picks from
+its members' protocol versions."""
 
 from __future__ import annotations
 
@@ -9,14 +11,23 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import blake3
 import msgspec
 import pytest
 import torch
 
 from april_async.broadcaster.actor import _cannot_join
 from april_async.broadcaster.config import BroadcasterConfig
-from april_async.broadcaster.rounds import RoundPlanner, Send, StartCollective
-from april_async.weights.flat import DigestMismatch, bucket_digests, buckets, check_digests, digest, flatten
+from april_async.broadcaster.rounds import Hash, Keep, RoundPlanner, Send, StartCollective
+from april_async.weights.flat import (
+    DigestMismatch,
+    UnknownDigestAlg,
+    bucket_digests,
+    buckets,
+    check_digests,
+    digest,
+    flatten,
+)
 from april_async.wire import messages as m
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,3 +275,189 @@ def test_one_version_flattened_twice_has_the_same_digests(monkeypatch):
     specs, first = flatten(state)
     assert specs[1].offset == 8 and first[6:8].tolist() == [0, 0]
     assert bucket_digests(first, 4) == bucket_digests(flatten(state)[1], 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithm (protocol 1.7): BLAKE3-128 beside BLAKE2b-128
+
+B2, B3 = m.BLAKE2B_128, m.BLAKE3_128
+
+
+def _hash(data: bytes, alg: str) -> str:
+    return _blake(data) if alg == B2 else blake3.blake3(data).hexdigest(16)
+
+
+def test_blake3_128_is_the_first_16_bytes_of_blake3():
+    """Known answers from the BLAKE3 reference (the empty input, ``abc``), cut to 16 bytes."""
+    assert digest(b"", B3) == "af1349b9f5f9a1a6a0404dea36dcc949"
+    assert digest(b"abc", B3) == "6437b3ac38465133ffb63b75273a8db5"
+    assert digest(b"abc") == digest(b"abc", B2) == _blake(b"abc") != digest(b"abc", B3)
+
+
+@pytest.mark.parametrize("alg", [B2, B3])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_digests_round_trip_under_either_algorithm(monkeypatch, alg, threads):
+    from april_async.weights import flat
+
+    monkeypatch.setattr(flat, "_hash_threads", lambda buffer, bucket_bytes: threads)
+    sent = _bytes(5000, seed=11)
+    raw = sent.numpy().tobytes()
+    digests = bucket_digests(sent, 1024, alg)
+    assert digests == [_hash(raw[a:b], alg) for a, b in buckets(5000, 1024)]
+    check_digests(sent.clone(), 1024, digests, alg)
+    other = B3 if alg == B2 else B2
+    with pytest.raises(DigestMismatch) as info:  # the right bytes, checked under the other hash
+        check_digests(sent, 1024, digests, other)
+    assert info.value.bucket == 0
+
+
+@pytest.mark.parametrize("flip,bucket", [(0, 0), (16, 1), (39, 2)])
+def test_a_tampered_bucket_is_refused_under_blake3_too(flip, bucket):
+    sent = _bytes(40)
+    digests = bucket_digests(sent, 16, B3)
+    received = sent.clone()
+    received[flip] ^= 0x80
+    with pytest.raises(DigestMismatch) as info:
+        check_digests(received, 16, digests, B3)
+    e = info.value
+    assert (e.bucket, e.expected) == (bucket, digests[bucket])
+    assert e.got == _hash(received.numpy().tobytes()[16 * bucket : 16 * bucket + 16], B3)
+    assert B3 in str(e)
+
+
+@pytest.mark.parametrize("alg", ["sha256-128", "BLAKE3-128", ""])
+def test_an_unknown_algorithm_is_refused_with_its_name(alg):
+    sent = _bytes(40)
+    with pytest.raises(UnknownDigestAlg) as info:
+        check_digests(sent, 16, bucket_digests(sent, 16), alg)
+    assert info.value.alg == alg and repr(alg) in str(info.value) and B3 in str(info.value)
+    assert isinstance(info.value, DigestMismatch) and info.value.bucket is None  # refused as a mismatch is
+    with pytest.raises(UnknownDigestAlg):
+        bucket_digests(sent, 16, alg)
+    with pytest.raises(UnknownDigestAlg):
+        digest(b"", alg)
+
+
+def test_an_unknown_algorithm_is_refused_before_anything_is_hashed(monkeypatch):
+    from april_async.weights import flat
+
+    monkeypatch.setattr(flat, "_digests", lambda *a: pytest.fail("hashed bytes it cannot check"))
+    with pytest.raises(UnknownDigestAlg):
+        check_digests(_bytes(40), 16, ["0" * 32] * 3, "md5")
+
+
+def test_a_1_6_announce_reads_as_blake2b_and_a_blake3_one_round_trips():
+    from april_async.wire import codec
+
+    old = _announce(digests=bucket_digests(_bytes(40), 16))
+    frames = codec.encode(old, sender="broadcaster", seq=1)
+    body = msgspec.msgpack.decode(frames[0])["body"]
+    assert "digest_alg" not in body, "the default is left out, as 1.6 sent it"
+    assert codec.decode(frames).body.digest_alg == B2
+    new = _announce(digests=bucket_digests(_bytes(40), 16, B3), digest_alg=B3)
+    frames = codec.encode(new, sender="broadcaster", seq=2)
+    assert msgspec.msgpack.decode(frames[0])["body"]["digest_alg"] == B3
+    assert codec.decode(frames).body == new
+
+
+def test_the_decoder_lets_an_unknown_algorithm_through_for_the_member_to_refuse():
+    """A member must take part in the broadcast of an announce it cannot check (every rank must),
+    so the border does not drop it: the member refuses the bytes (``UnknownDigestAlg``)."""
+    from april_async.wire import codec
+
+    frames = codec.encode(_announce(digests=bucket_digests(_bytes(40), 16), digest_alg="sha3-128"),
+                          sender="broadcaster", seq=1)
+    assert codec.decode(frames).body.digest_alg == "sha3-128"
+
+
+def test_the_blake3_golden_vector_states_the_digests_of_its_bytes():
+    vectors = ROOT / "proto" / "vectors"
+    update = json.loads((vectors / "weights_update.json").read_text())
+    announce = json.loads((vectors / "weights_announce_blake3.json").read_text())["envelope"]["body"]
+    data = torch.tensor(update["bulk"]["$.body.data"], dtype=torch.uint8)
+    assert announce["digest_alg"] == B3
+    assert announce["digests"] == bucket_digests(data, announce["bucket_bytes"], B3)
+    verified = json.loads((vectors / "weights_announce_verified.json").read_text())["envelope"]["body"]
+    assert "digest_alg" not in verified and verified["digests"] != announce["digests"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner picks the algorithm from its members' protocol versions
+
+V16, V17 = (1, 6), (1, 7)
+
+
+def _hashes(effects) -> list[Hash]:
+    return [e for e in effects if isinstance(e, Hash)]
+
+
+def _round(p: RoundPlanner, members: dict[str, tuple[int, int] | None], now: float = 0.0):
+    """Hello from a learner and ``members`` (name -> protocol version), version 1 held, hashed as
+    the planner asks; the announces of the round it starts."""
+    p.hello("learner-0", "learner", 0, [], now)
+    for g, proto in members.items():
+        p.hello(g, "generator", 0, [], now, proto=proto)
+    specs, buf = flatten({"w": torch.arange(50, dtype=torch.float32)})
+    effects = p.update("learner-0", 1, specs, buf.numel(), None, now, digests=None)
+    assert [type(e) for e in effects[:2]] == [Keep, Hash], "the bytes are kept, then hashed"
+    (h,) = _hashes(effects)
+    assert _announces(p.tick(now)) == {}, "a round waits for its digests"
+    p.digested(1, bucket_digests(buf, BUCKET, h.digest_alg), now, h.digest_alg)
+    return h.digest_alg, _announces(p.tick(now + 0.1)), buf
+
+
+def test_members_all_of_1_7_get_blake3():
+    alg, anns, buf = _round(_planner(), {"gen-0": V17, "gen-1": (1, 12)})
+    assert alg == B3 and set(anns) == {"gen-0", "gen-1"}
+    for ann in anns.values():
+        assert ann.digest_alg == B3 and ann.digests == bucket_digests(buf, BUCKET, B3)
+
+
+@pytest.mark.parametrize("protos", [{"gen-0": V16}, {"gen-0": V17, "gen-1": V16},
+                                    {"gen-0": V17, "gen-1": None}])
+def test_a_member_of_1_6_gets_blake2b_and_so_does_the_whole_round(protos):
+    """An announce of one round names one algorithm: a single 1.6 member (or one whose version
+    is not known) makes it BLAKE2b-128 for all."""
+    alg, anns, buf = _round(_planner(), protos)
+    assert alg == B2 and set(anns) == set(protos)
+    for ann in anns.values():
+        assert ann.digest_alg == B2 and ann.digests == bucket_digests(buf, BUCKET)
+
+
+def test_a_member_on_sglang_servers_does_not_hold_the_group_back():
+    """A generator on SGLang servers receives nothing over the group: its version does not count."""
+    p = _planner()
+    p.hello("gen-s", "generator", 0, ["http://s:1"], 0.0, proto=V16)
+    alg, anns, _ = _round(p, {"gen-0": V17})
+    assert alg == B3 and set(anns) == {"gen-0"}
+
+
+def test_a_held_version_is_hashed_again_when_a_1_6_member_joins():
+    p = _planner()
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    p.hello("gen-0", "generator", 0, [], 0.0, proto=V17)
+    specs, buf = flatten({"w": torch.arange(50, dtype=torch.float32)})
+    (h,) = _hashes(p.update("learner-0", 1, specs, buf.numel(), None, 0.0, digests=None))
+    assert h.digest_alg == B3
+    p.hello("gen-old", "generator", 0, [], 0.0, proto=V16)  # joins while version 1 is being hashed
+    effects = p.tick(0.1)
+    assert _hashes(effects) == [Hash(1, B2)] and _announces(effects) == {}
+    stale = bucket_digests(buf, BUCKET, B3)
+    assert p.digested(1, stale, 0.1, B3) == [], "digests no longer wanted are ignored"
+    assert _announces(p.tick(0.2)) == {} and _hashes(p.tick(0.2)) == [], "asked once; still waiting"
+    p.digested(1, bucket_digests(buf, BUCKET, B2), 0.2, B2)
+    anns = _announces(p.tick(0.3))
+    assert {n: a.digest_alg for n, a in anns.items()} == {"gen-0": B2, "gen-old": B2}
+
+
+def test_a_version_kept_with_no_member_is_hashed_with_blake2b_then_again_for_a_group_of_1_7():
+    p = _planner()
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    specs, buf = flatten({"w": torch.arange(50, dtype=torch.float32)})
+    assert _hashes(p.update("learner-0", 1, specs, buf.numel(), None, 0.0, digests=None)) == [Hash(1, B2)]
+    p.digested(1, bucket_digests(buf, BUCKET), 0.0)
+    p.hello("gen-0", "generator", 0, [], 0.1, proto=V17)
+    assert _hashes(p.tick(0.1)) == [Hash(1, B3)]
+    p.digested(1, bucket_digests(buf, BUCKET, B3), 0.1, B3)
+    (ann,) = _announces(p.tick(0.2)).values()
+    assert ann.digest_alg == B3 and ann.digests == bucket_digests(buf, BUCKET, B3)
