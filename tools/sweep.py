@@ -168,20 +168,27 @@ def _toml(value) -> str:
 
 def initial_policy(sweep: SweepConfig, out: Path) -> Path:
     """The base's ``learner.checkpoint``, or one warm start made once into ``<out>/init``."""
+    return warm_start(sweep.base, sweep.set, out, "sweep")
+
+
+def warm_start(base: Path, sets: list[str], out: Path, who: str = "sweep", where: str = "[sweep] base",
+               init: Path | None = None) -> Path:
+    """The initial policy of every cell: ``base``'s ``learner.checkpoint`` (after ``sets``), else
+    one warm start made once into ``init`` (default ``<out>/init``) and reused by later invocations."""
     from april_async.config import ConfigError
     from april_async.up import load_document, plan
 
     try:
-        doc = load_document(sweep.base, sweep.set)
+        doc = load_document(base, sets)
         plan(doc, None)  # every section of the base is valid before anything runs
     except ConfigError as e:
-        raise SweepError(f"[sweep] base {str(sweep.base)!r}: {e}") from None
+        raise SweepError(f"{where} {str(base)!r}: {e}") from None
     given = doc.get("learner", {}).get("checkpoint")
     if given:
         return Path(given).resolve()
-    init = (out / "init").resolve()
+    init = (init or out / "init").resolve()
     if (init / "model.safetensors").is_file():
-        print(f"sweep: reusing the initial policy {init}", flush=True)
+        print(f"{who}: reusing the initial policy {init}", flush=True)
         return init
     from april_async.warmstart.config import WarmStartConfig
     from april_async.warmstart.sft import write_initial_policy
@@ -190,10 +197,10 @@ def initial_policy(sweep: SweepConfig, out: Path) -> Path:
         cfg = validate(WarmStartConfig, doc.get("warmstart", {}), "warmstart")
     except ConfigError as e:
         raise SweepError(str(e)) from None
-    print(f"sweep: warm start -> {init} (once for every cell)", flush=True)
+    print(f"{who}: warm start -> {init} (once for every cell)", flush=True)
     t0 = time.monotonic()
     stats = write_initial_policy(init, cfg)
-    print(f"sweep: warm start done in {time.monotonic() - t0:.0f} s (reward {stats.get('reward')})", flush=True)
+    print(f"{who}: warm start done in {time.monotonic() - t0:.0f} s (reward {stats.get('reward')})", flush=True)
     return init
 
 
@@ -212,33 +219,11 @@ def run_engine_cell(sweep: SweepConfig, cell: Cell, out: Path, init: Path) -> Ro
     cell_dir = (out / "cells" / cell.name).resolve()
     shutil.rmtree(cell_dir, ignore_errors=True)
     cell_dir.mkdir(parents=True)
-    argv = up_command(sweep, cell, cell_dir, init)
-    log = cell_dir / "up.log"
     t0 = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=Path.cwd(),
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            code = proc.wait(timeout=sweep.timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)  # april up stops its actors in order
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            code = f"timeout after {sweep.timeout_s:g} s"
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            proc.wait()
-            raise
+    code = run_up(up_command(sweep, cell, cell_dir, init), cell_dir, sweep.timeout_s, who=f"sweep: cell {cell.name}")
     row = Row(cell, "engine")
-    if code != 0:
-        row.status = f"failed ({code if isinstance(code, str) else f'exit {code}'})"
-        tail = log.read_text(errors="replace").splitlines()[-8:]
-        print(f"sweep: cell {cell.name} {row.status}; the end of {log}:", file=sys.stderr)
-        for line in tail:
-            print(f"    {line}", file=sys.stderr)
+    if code != "ok":
+        row.status = code
     try:
         row.values, row.staleness, row.rewards = engine_numbers(cell_dir)
     except (OSError, ValueError, KeyError) as e:
@@ -246,6 +231,60 @@ def run_engine_cell(sweep: SweepConfig, cell: Cell, out: Path, init: Path) -> Ro
             row.status = f"failed (no results: {e})"
     row.values.setdefault("wall_s", round(time.monotonic() - t0, 1))
     return row
+
+
+def run_up(argv: list[str], cell_dir: Path, timeout_s: float, *, window_s: float | None = None,
+           who: str = "sweep") -> str:
+    """Run one ``april up`` (``argv``) with its console in ``<cell_dir>/up.log``; ``"ok"``, or
+    ``"failed (...)"`` with the log's tail printed to stderr.
+
+    With ``window_s``, the run is stopped as Ctrl-C would stop it (the learner first, then the
+    rest in order) once ``window_s`` seconds have passed since its first learner step ended (the
+    first line of ``metrics.jsonl``): every cell then gets the same training time, whatever its
+    start-up took. A run stopped so, or by its own limits, exits 0."""
+    log = cell_dir / "up.log"
+    metrics = cell_dir / "metrics.jsonl"
+    first: float | None = None
+    deadline = time.monotonic() + timeout_s
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=Path.cwd(),
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            code: int | str | None = None
+            stopping = False
+            while code is None:
+                try:
+                    code = proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if window_s is not None and first is None and metrics.is_file():
+                    with open(metrics) as m:
+                        line = m.readline()
+                    if line.endswith("\n"):
+                        first = json.loads(line)["time"]
+                if not stopping and first is not None and time.time() - first >= window_s:
+                    proc.send_signal(signal.SIGINT)  # april up stops its actors in order
+                    stopping = True
+                if time.monotonic() > deadline:
+                    proc.send_signal(signal.SIGINT)
+                    try:
+                        proc.wait(timeout=90)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                    code = f"timeout after {timeout_s:g} s"
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
+            raise
+    if code == 0:
+        return "ok"
+    status = f"failed ({code if isinstance(code, str) else f'exit {code}'})"
+    print(f"{who} {status}; the end of {log}:", file=sys.stderr)
+    for line in log.read_text(errors="replace").splitlines()[-8:]:
+        print(f"    {line}", file=sys.stderr)
+    return status
 
 
 def engine_numbers(run_dir: Path) -> tuple[dict, dict[int, int], list[float]]:
