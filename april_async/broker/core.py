@@ -235,9 +235,19 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     sample_id: int
     reward: float
     finish_reason: str
-    tokens: np.ndarray  # TOKEN_DTYPE, over the sample's own buffer, handed over (the sample keeps none)
-    logprobs: np.ndarray  # LOGPROB_DTYPE, likewise
+    token_bytes: bytearray | bytes  # packed TOKEN_DTYPE: the sample's own buffer, handed over (it keeps none)
+    logprob_bytes: bytearray | bytes  # packed LOGPROB_DTYPE, likewise
     spans: Spans
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The token ids, a numpy view of the buffer (the batch's assembly joins the buffers
+        themselves: a numpy array per sample cost 1 µs, 13 ms a batch of 6,400 samples)."""
+        return _token_view(self.token_bytes)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return _logprob_view(self.logprob_bytes)
 
 
 class BatchGroupOut(msgspec.Struct, frozen=True, gc=False):
@@ -1098,8 +1108,8 @@ class BrokerCore:
                     dict(g.meta),
                     # The token arrays leave with the batch (the sample gets empty ones below); the
                     # spans are shared: a delivered sample's never change again.
-                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, _token_view(s.token_bytes),
-                                    _logprob_view(s.logprob_bytes), s.spans)
+                    [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.token_bytes, s.logprob_bytes,
+                                    s.spans)
                      for s in samples],
                 )
             )
@@ -1245,8 +1255,8 @@ class BrokerCore:
         for b in snap.unacked_batches:
             core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, [
                 BatchGroupOut(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, [
-                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, np.array(x.tokens, TOKEN_DTYPE),
-                                   np.array(x.logprobs, LOGPROB_DTYPE), _spans(x.spans))
+                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, bytes(_token_bytes(x.tokens)),
+                                   bytes(_logprob_bytes(x.logprobs)), _spans(x.spans))
                     for x in g.samples])
                 for g in b.groups])
         missing = sorted(({x.sample_id for x in snap.leases} | set(core.scoring)) - set(core.samples))

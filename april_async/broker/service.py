@@ -28,8 +28,8 @@ import msgpack
 import msgspec
 import numpy as np
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
-from april_async.broker.core import (LOGPROB_TYPECODE, TOKEN_TYPECODE, AbortLease, BatchOut, BrokerCore,
-                                     BrokerError)
+from april_async.broker.core import (LOGPROB_DTYPE, LOGPROB_TYPECODE, TOKEN_DTYPE, TOKEN_TYPECODE, AbortLease,
+                                     BatchOut, BrokerCore, BrokerError)
 from april_async.logs import get_logger
 from april_async.tasks.source import PromptSource, encode_prompt
 from april_async.transport.hub import Hub
@@ -393,27 +393,27 @@ def score_error_kind(error: str) -> str:
 
 def batch_message(batch: BatchOut, stats: dict | None = None) -> m.Batch:
     """The wire form of a core batch: token arrays concatenated, slices in the header. The samples'
-    arrays are joined by numpy (no Python object per token) and leave as bulk frames."""
+    packed buffers are joined as bytes and viewed by numpy once (no Python object per token, none
+    per sample's array), and leave as bulk frames."""
     prompts, responses, logprobs, groups = [], [], [], []
     p_off = r_off = 0
+    token_size = TOKEN_DTYPE.itemsize
     for g in batch.groups:
         samples = []
         for s in g.samples:
-            n = len(s.tokens)
+            n = len(s.token_bytes) // token_size
             samples.append(m.BatchSample(sample_id=s.sample_id, reward=s.reward, finish_reason=s.finish_reason,
                                          response_offset=r_off, response_len=n,
                                          versions=[m.VersionSpan(v, c) for v, c in s.spans]))
-            responses.append(s.tokens)
-            logprobs.append(s.logprobs)
+            responses.append(s.token_bytes)
+            logprobs.append(s.logprob_bytes)
             r_off += n
         groups.append(m.BatchGroup(group_id=g.group_id, prompt_id=g.prompt_id, prompt_offset=p_off,
                                    prompt_len=len(g.prompt), samples=samples, task=g.task, meta=g.meta))
-        prompts.append(np.asarray(g.prompt, dtype=np.int32))
+        prompts.extend(g.prompt)
         p_off += len(g.prompt)
     return m.Batch(batch_id=batch.batch_id, policy_version=batch.policy_version, groups=groups,
-                   prompt_tokens=_joined(prompts, np.int32), response_tokens=_joined(responses, np.int32),
-                   logprobs=_joined(logprobs, np.float32), stats=stats or {})
-
-
-def _joined(parts: list, dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+                   prompt_tokens=np.asarray(prompts, dtype=np.int32),
+                   response_tokens=np.frombuffer(b"".join(responses), TOKEN_DTYPE).astype(np.int32, copy=False),
+                   logprobs=np.frombuffer(b"".join(logprobs), LOGPROB_DTYPE).astype(np.float32),
+                   stats=stats or {})
