@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.core import AbortLease, BrokerCore, LeaseGrant
+from april_async.broker.core import AbortLease, BrokerCore
 from april_async.engines.base import version_runs
 from april_async.sim.config import SimError, SimSettings
 from april_async.sim.workload import parse_workload
@@ -126,6 +126,15 @@ class SimResult:
         return out
 
 
+class _Grant(msgspec.Struct, gc=False):
+    """What a simulated generator keeps of a ``LeaseGrant``: ids and lengths."""
+
+    lease_id: int
+    sample_id: int
+    prompt_len: int
+    held: int  # tokens resumed
+
+
 class _Slot(msgspec.Struct, gc=False):
     """One sequence decoding on a simulated generator. Not tracked by the garbage collector (it
     holds ints and, in step-by-step mode, one list): the simulated cluster's tens of thousands of
@@ -145,7 +154,7 @@ class _Gen:
     name: str
     slots: dict[int, _Slot] = field(default_factory=dict)  # decoding now
     ends: list[tuple[int, int]] = field(default_factory=list)  # heap of (end step, lease id); stale ones skipped
-    incoming: list[LeaseGrant] = field(default_factory=list)  # leased, start at the next boundary
+    incoming: list[_Grant] = field(default_factory=list)  # leased, start at the next boundary
     aborts: set[int] = field(default_factory=set)  # to stop at the next boundary
     steps: int = 0  # decode steps done as of ``at``
     at: float = 0.0  # the time of its last event: always a step boundary
@@ -287,7 +296,11 @@ class Simulation:
             if free <= 0:
                 del self.hungry[i]
                 continue
-            grants = self._call("lease", self.core.lease, g.name, free, self.now)
+            # Only the lengths are kept: a grant's prompt and resume lists (thousands of ints for a
+            # long partial) held until a boundary would be walked by every full collection, which
+            # this run charges to the broker (a service turns them into a message at once).
+            grants = [_Grant(x.lease_id, x.sample_id, len(x.prompt), len(x.resume))
+                      for x in self._call("lease", self.core.lease, g.name, free, self.now)]
             if not grants:
                 break  # the core's answer does not depend on who asks: nobody else gets one now
             if len(grants) == free:
@@ -303,10 +316,10 @@ class Simulation:
                     self._schedule(g)
             self._admit()  # the service keeps the queue topped up the same way
 
-    def _start(self, g: _Gen, grants: list[LeaseGrant]) -> None:
+    def _start(self, g: _Gen, grants: list[_Grant]) -> None:
         exact = self.spec.step_by_step
         for grant in grants:
-            held = len(grant.resume)
+            held = grant.held
             left = min(self._length(grant.sample_id), self.cfg.max_response_tokens) - held
             if left <= 0:
                 raise SimError(f"sample {grant.sample_id} resumed at {held} tokens, past its length "
@@ -314,7 +327,7 @@ class Simulation:
             g.slots[grant.lease_id] = _Slot(grant.lease_id, grant.sample_id, held, g.steps, g.steps + left,
                                             [] if exact else None)
             heapq.heappush(g.ends, (g.steps + left, grant.lease_id))
-            g.prefill += len(grant.prompt) + held
+            g.prefill += grant.prompt_len + held
 
     def _load_version(self, g: _Gen) -> None:
         """``g`` is at a step boundary: it takes the newest version (weights load instantly)."""
@@ -404,7 +417,7 @@ class Simulation:
             for grant in g.incoming:
                 if grant.lease_id == lid:  # aborted before it started: nothing to report but that
                     g.incoming.remove(grant)
-                    effects = self._call("finish", self.core.finish, lid, len(grant.resume), [], [], [], "abort",
+                    effects = self._call("finish", self.core.finish, lid, grant.held, [], [], [], "abort",
                                          self.now)
                     self._effects(effects)
                     changed = True
