@@ -61,6 +61,15 @@ def test_bench_rollout_compares_every_mode_with_sync_and_the_limit(tmp_path):
     assert data["limit"]["tokens_per_s"] > 0 and all(r["vs_limit"] > 0 for r in rows)
 
 
+def test_bench_ledger_keeps_the_snapshot_flat_as_the_run_grows():
+    out = run("tools/bench_ledger.py", "--smoke", "--check")
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [10, 40]
+    on_ledger = [int(r[2].replace(",", "")) for r in rows]
+    admitted = [int(r[1].replace(",", "")) for r in rows]
+    assert admitted[1] > 2 * admitted[0] and on_ledger[1] < admitted[0]  # ended groups left the ledger
+
+
 def test_bench_rollout_refuses_a_bad_setting_naming_it():
     out = subprocess.run([sys.executable, "tools/bench_rollout.py", "--smoke", "--workload", "zipf:a=2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
