@@ -225,6 +225,15 @@ def schemas() -> dict[str, dict[str, Any]]:
 _V5_BYTES = np.asarray([1.0, 1.0, 0.5, -0.5, 0.25, 2.0], dtype="<f4").tobytes()  # version 5 of the vectors
 
 
+def _verified_announce(**digest_fields) -> m.WeightsAnnounce:
+    """Version 5's announce to a group met on the rendezvous store, with its digests (1.6 on)."""
+    return m.WeightsAnnounce(
+        version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo",
+                                     key_prefix="5f1c0a9e2b7d4c3e8a6f0b1d2c3e4f50", rendezvous="tcp://127.0.0.1:29601"),
+        tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0), m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
+        num_bytes=24, bucket_bytes=16, **digest_fields)
+
+
 def _bucket_digests(data: bytes, bucket_bytes: int, alg: str = m.BLAKE2B_128) -> list[str]:
     """``weights_announce.digests`` of ``data`` under ``alg``, written out here (``weights.flat``
     needs torch)."""
@@ -426,25 +435,13 @@ VECTORS: list[Vector] = [
     Vector("weights_announce_verified", "since 1.6: the same announce with the run's store key prefix, the "
            "endpoint of the broadcaster's rendezvous store, and the BLAKE2b-128 digest of each of the 2 buckets "
            "of version 5's bytes (those of the weights_update vector)",
-           "broadcaster", 4, lambda: m.WeightsAnnounce(
-               version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo",
-                                            key_prefix="5f1c0a9e2b7d4c3e8a6f0b1d2c3e4f50",
-                                            rendezvous="tcp://127.0.0.1:29601"),
-               tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0),
-                        m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
-               num_bytes=24, bucket_bytes=16, digests=_bucket_digests(_V5_BYTES, 16)),
+           "broadcaster", 4, lambda: _verified_announce(digests=_bucket_digests(_V5_BYTES, 16)),
            msg_id="e000000000000004"),
     Vector("weights_announce_blake3", "since 1.7: the verified announce to a group whose members all speak 1.7: "
            "digest_alg blake3-128, the first 16 bytes of the BLAKE3 hash of each of the 2 buckets of version 5's "
            "bytes",
-           "broadcaster", 5, lambda: m.WeightsAnnounce(
-               version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo",
-                                            key_prefix="5f1c0a9e2b7d4c3e8a6f0b1d2c3e4f50",
-                                            rendezvous="tcp://127.0.0.1:29601"),
-               tensors=[m.TensorSpec("model.norm.weight", "float32", [2], 0),
-                        m.TensorSpec("lm_head.weight", "float32", [2, 2], 8)],
-               num_bytes=24, bucket_bytes=16, digests=_bucket_digests(_V5_BYTES, 16, m.BLAKE3_128),
-               digest_alg=m.BLAKE3_128),
+           "broadcaster", 5, lambda: _verified_announce(digests=_bucket_digests(_V5_BYTES, 16, m.BLAKE3_128),
+                                                        digest_alg=m.BLAKE3_128),
            msg_id="e000000000000005"),
     Vector("weights_published", "the broadcaster has fanned out version 4", "broadcaster", 3,
            lambda: m.WeightsPublished(version=4, num_bytes=988_160_000, source="runs/demo/weights/v4"),
