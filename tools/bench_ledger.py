@@ -84,7 +84,7 @@ class Driver:
             self.prompts += 1
         for gen in ("gen-0", "gen-1"):
             for grant in self.apply("lease", gen, 16, self.now):
-                held = len(grant.resume)
+                held = grant.held
                 total = min(cfg.max_response_tokens, held + rng.randint(8, cfg.max_response_tokens))
                 offset = held
                 while offset < total:

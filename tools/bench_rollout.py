@@ -152,11 +152,11 @@ class Bench:
         t0 = time.perf_counter()
         for grant in self.core.lease(g.name, free, self.now):
             target = self.workload.length(grant.sample_id)
-            left = target - len(grant.resume)
+            left = target - grant.held
             if left <= 0:
-                raise BenchError(f"sample {grant.sample_id} resumed at {len(grant.resume)} tokens, past its length {target}")
-            g.leases[grant.lease_id] = _Lease(grant.sample_id, len(grant.resume), target)
-            g.resumed_tokens += len(grant.resume)
+                raise BenchError(f"sample {grant.sample_id} resumed at {grant.held} tokens, past its length {target}")
+            g.leases[grant.lease_id] = _Lease(grant.sample_id, grant.held, target)
+            g.resumed_tokens += grant.held
             g.engine.submit(EngineRequest(grant.lease_id, grant.sample_id, grant.prompt, grant.resume,
                                           max_new_tokens=min(left, grant.max_new_tokens), seed=grant.lease_id))
         return time.perf_counter() - t0

@@ -25,8 +25,8 @@ tokens/s (tokens delivered to the learner); the ratio to the first mode; ``idle`
 slot-seconds / capacity and ``empty`` = the share of generator-time with no active sequence;
 the off-policy share of the delivered tokens; tokens dropped by staleness restarts; partials
 resumed. Then the broker core's wall-clock cost per call (p50 / p99 µs, measured with
-``time.perf_counter`` around each real call; ``pull_batch`` counts the calls that returned a
-batch), the full garbage collections of the run, the slowest call of each kind, and the bounds.
+``time.perf_counter`` around each real call; ``pull_batch`` counts each slice of a batch, packed
+as the service packs it, ``BrokerServiceConfig.batch_slice_samples`` at a time), the full garbage collections of the run, the slowest call of each kind, and the bounds.
 
 What it finds, in useful tokens/s against sync. The default at 1,000 generators (4 min 28 s and
 4.5 GB before issue 18's fixes, 2 min 36 s after): sync 578k tokens/s with 77 % of slot time

@@ -176,7 +176,7 @@ class Group(msgspec.Struct, gc=False):
     meta: dict
     sample_ids: tuple[int, ...]
     admitted_at: float
-    state: str = "open"  # open | delivered | retired
+    state: str = "open"  # open | delivering (chosen for the batch being packed) | delivered | retired
     retire_reason: str | None = None
 
 
@@ -190,15 +190,35 @@ class Lease(msgspec.Struct, gc=False):
 
 @dataclass(frozen=True)
 class LeaseGrant:
-    """What a generator needs to work on one sample (becomes a ``generate`` message)."""
+    """What a generator needs to work on one sample (becomes a ``generate`` message).
+
+    The tokens to resume from are a packed copy of the sample's buffer (``resume_bytes``), not a
+    list: a lease call just after a step boundary resumes up to a generator's whole slot count of
+    long partials, and a Python int per token made that call 88–100 ms at 1,000 generators. The
+    service puts ``resume_tokens`` (a numpy view) on the wire as it is; ``resume`` is the list, for
+    readers that want one.
+    """
 
     lease_id: int
     sample_id: int
     group_id: int
     prompt: list[int]
-    resume: list[int]
+    resume_bytes: bytes  # packed TOKEN_DTYPE, a copy (the sample's own buffer grows while leased)
     max_new_tokens: int
     min_policy_version: int
+
+    @property
+    def resume_tokens(self) -> np.ndarray:
+        return _token_view(self.resume_bytes)
+
+    @property
+    def resume(self) -> list[int]:
+        return _token_view(self.resume_bytes).tolist()
+
+    @property
+    def held(self) -> int:
+        """How many tokens the sample already holds (the resume's length)."""
+        return len(self.resume_bytes) // _TOKEN_SIZE
 
 
 @dataclass(frozen=True)
@@ -219,9 +239,10 @@ class ScoreTask:
     meta: dict
 
 
-@dataclass(frozen=True)
-class AbortLease:
-    """Effect: tell ``generator`` to stop ``lease_id`` and report what it has."""
+class AbortLease(msgspec.Struct, frozen=True, gc=False):
+    """Effect: tell ``generator`` to stop ``lease_id`` and report what it has. A msgspec Struct:
+    an early termination at 1,000 generators makes ~60,000 of them in one call (0.06 µs each
+    against a frozen dataclass's 0.5)."""
 
     generator: str
     lease_id: int
@@ -334,6 +355,18 @@ def _oldest_of(spans: Spans) -> int:
         if version < oldest:
             oldest = version
     return oldest
+
+
+class _Assembly:
+    """A batch being packed a slice at a time: chosen, numbered and versioned at its first slice."""
+
+    __slots__ = ("batch_id", "version", "group_ids", "packed", "groups")
+
+    def __init__(self, batch_id: int, version: int, group_ids: list[int],
+                 groups: list[BatchGroupOut] | None = None) -> None:
+        self.batch_id, self.version, self.group_ids = batch_id, version, group_ids
+        self.groups: list[BatchGroupOut] = [] if groups is None else groups  # packed so far, in order
+        self.packed = len(self.groups)
 
 
 class _DeliveryTally:
@@ -474,6 +507,7 @@ class BrokerCore:
         # Batches sent but not yet acknowledged by the learner, kept whole so that a batch lost
         # on the way (a broker crash right after ``pull_batch``) can be sent again.
         self.unacked_batches: dict[int, BatchOut] = {}
+        self._assembly: _Assembly | None = None  # a batch being packed (``pull_batch`` in slices)
         self._next = {"group": 0, "sample": 0, "lease": 1, "batch": 0}
         self._rebuild_indexes()
 
@@ -496,7 +530,11 @@ class BrokerCore:
         # that version -> those samples (dicts as sets: a dict of ints is not tracked by the
         # garbage collector, a set always is)
         self._by_oldest: dict[int, dict[int, None]] = {}
-        self._unaborted: dict[int, None] = {}  # leases not yet told to abort, in lease order
+        # Leases not yet told to abort, in lease order -> their generator. An early termination
+        # tells every one of them at once: it empties this dict and raises ``_aborted_below`` (every
+        # lease issued before it is aborting) instead of flagging each lease.
+        self._unaborted: dict[int, str] = {}
+        self._aborted_below = 0
         self._place_counts: dict[Place, int] = dict.fromkeys(Place, 0)
         self._place_counts.update(self.ended)
         # group -> its samples leased / finished or scored / scored (no entry: none)
@@ -509,8 +547,8 @@ class BrokerCore:
             self._index_add(s)
         for lease in self.leases.values():
             self._gen_leases.setdefault(lease.generator, {})[lease.lease_id] = None
-            if not lease.aborting:
-                self._unaborted[lease.lease_id] = None
+            if not self._aborting(lease):
+                self._unaborted[lease.lease_id] = lease.generator
 
     def _index_oldest(self, sid: int, version: int) -> None:
         """File live sample ``sid`` under ``version``, the oldest its tokens carry."""
@@ -716,7 +754,7 @@ class BrokerCore:
         lid = self._take("lease")
         self.leases[lid] = Lease(lid, s.sample_id, generator, now + self.config.lease_timeout_s)
         self._gen_leases.setdefault(generator, {})[lid] = None
-        self._unaborted[lid] = None
+        self._unaborted[lid] = generator
         held = s.n_tokens
         if held:
             self.counters.partials_recycled += 1
@@ -733,7 +771,7 @@ class BrokerCore:
             sample_id=s.sample_id,
             group_id=s.group_id,
             prompt=list(g.prompt),
-            resume=_token_view(s.token_bytes).tolist(),
+            resume_bytes=bytes(s.token_bytes),
             max_new_tokens=self.config.max_response_tokens - held,
             min_policy_version=self.version,
         )
@@ -1003,7 +1041,7 @@ class BrokerCore:
             s = self.samples[sid]
             if s.place is Place.LEASED:
                 lease = self.leases[s.lease_id]
-                if not lease.aborting:  # one abort per lease is enough
+                if not self._aborting(lease):  # one abort per lease is enough
                     effects.append(AbortLease(lease.generator, lease.lease_id))
                 self._end_lease(lease)
             self.counters.tokens_retired += s.n_tokens
@@ -1019,12 +1057,16 @@ class BrokerCore:
         boundary is ``continue``: then it goes on decoding, see ``RolloutConfig.boundary``)."""
         if self.config.mode != "april" or self.config.boundary == "continue" or len(self._done) < self.config.batch_groups:
             return []
-        effects = [AbortLease(self.leases[lid].generator, lid) for lid in self._unaborted]
-        if effects:
-            for e in effects:
-                self._set_aborting(self.leases[e.lease_id])
-            self.counters.early_terminations += 1
-            self.counters.aborts_sent += len(effects)
+        unaborted = self._unaborted
+        if not unaborted:
+            return []
+        # One effect per lease, but no per-lease bookkeeping: every lease issued so far is now
+        # aborting (60,000 leases at 1,000 generators: a flag each made this call 50–63 ms).
+        effects = [AbortLease(generator, lid) for lid, generator in unaborted.items()]
+        self._unaborted = {}
+        self._aborted_below = self._next["lease"]
+        self.counters.early_terminations += 1
+        self.counters.aborts_sent += len(effects)
         return effects
 
     # ------------------------------------------------------------------ versions and batches
@@ -1049,10 +1091,11 @@ class BrokerCore:
             if s is None:  # its group was retired by the bound, for a sample before it ("drop")
                 continue
             if s.place in HELD_PLACES:
-                effects += self._enforce_bound(s)
+                if self.groups[s.group_id].state == "open":  # else being delivered, in bound at its batch's version
+                    effects += self._enforce_bound(s)
             elif s.place is Place.LEASED and self.is_stale(s):
                 lease = self.leases[s.lease_id]
-                if not lease.aborting:
+                if not self._aborting(lease):
                     self._set_aborting(lease)
                     self.counters.aborts_sent += 1
                     effects.append(AbortLease(lease.generator, lease.lease_id))
@@ -1087,16 +1130,47 @@ class BrokerCore:
         lease.aborting = True
         self._unaborted.pop(lease.lease_id, None)
 
-    def pull_batch(self, now: float) -> BatchOut | None:
-        """B whole, scored, in-bound groups for the learner, oldest first; None until there are B."""
-        B = self.config.batch_groups
-        if len(self._ready) < B:
-            return None
-        chosen = list(islice(self._ready, B))
-        V = self.version
+    def _aborting(self, lease: Lease) -> bool:
+        """Whether ``lease`` was told to abort: flagged alone, or by an early termination."""
+        return lease.aborting or lease.lease_id < self._aborted_below
+
+    def batch_pending(self) -> bool:
+        """Whether ``pull_batch`` has work: a batch being packed, or B groups ready to start one."""
+        return self._assembly is not None or len(self._ready) >= self.config.batch_groups
+
+    def pull_batch(self, now: float, max_samples: int | None = None) -> BatchOut | None:
+        """B whole, scored, in-bound groups for the learner, oldest first; None until there are B.
+
+        ``max_samples`` packs the batch a slice at a time: each call moves whole groups, at least
+        one and about ``max_samples`` samples, and the call that packs the last group returns the
+        batch (None before). A batch of 64,000 samples, three µs each to leave the ledger, held a
+        1,000-generator broker for 200 ms in one call; in slices, every message that arrives in
+        between is handled in between. The batch is chosen, and its version fixed, at the first
+        call: its groups are out of the ready queue, a new version cannot make them stale (they are
+        in bound at the batch's version), and in sync/april the next rollout step waits for a
+        version newer than the batch's, as for a whole one. ``None``: the whole batch in one call.
+        """
+        a = self._assembly
+        if a is None:
+            B = self.config.batch_groups
+            if len(self._ready) < B:
+                return None
+            chosen = list(islice(self._ready, B))
+            for gid in chosen:
+                self._ready.pop(gid)
+                self._done.pop(gid, None)
+                self.groups[gid].state = "delivering"
+            a = self._assembly = _Assembly(self._take("batch"), self.version, chosen)
+            if self.config.mode != "async":
+                self.awaiting_version = a.version
+        budget = math.inf if max_samples is None else max(1, max_samples)
         tally = _DeliveryTally()
-        out_groups = []
-        for gid in chosen:
+        V, out_groups, chosen = a.version, a.groups, a.group_ids
+        n = self.config.group_size
+        while a.packed < len(chosen) and budget > 0:
+            gid = chosen[a.packed]
+            a.packed += 1
+            budget -= n
             g = self.groups[gid]
             samples = [self.samples[sid] for sid in g.sample_ids]
             out_groups.append(
@@ -1119,13 +1193,14 @@ class BrokerCore:
                 s.token_bytes, s.logprob_bytes = NO_TOKENS, NO_TOKENS
             g.state = "delivered"
             self._forget(g)
-        tally.count_into(self.counters, V)
+        tally.count_into(self.counters, V)  # per slice: the audit balances between slices too
+        if a.packed < len(chosen):
+            return None
+        self._assembly = None
         c = self.counters
         c.batches_delivered += 1
-        c.groups_delivered += B
-        if self.config.mode != "async":
-            self.awaiting_version = V
-        batch = BatchOut(self._take("batch"), V, out_groups)
+        c.groups_delivered += len(chosen)
+        batch = BatchOut(a.batch_id, V, out_groups)
         self.unacked_batches[batch.batch_id] = batch
         return batch
 
@@ -1194,10 +1269,13 @@ class BrokerCore:
                                   lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
                                   finished_by=s.finished_by) for s in self.samples.values()],
             leases=[LeaseRecord(lease_id=x.lease_id, sample_id=x.sample_id, generator=x.generator,
-                                deadline=x.deadline, aborting=x.aborting) for x in self.leases.values()],
+                                deadline=x.deadline, aborting=self._aborting(x)) for x in self.leases.values()],
             scoring=[ScoringRecord(sample_id=sid, scorer=scorer, deadline=deadline)
                      for sid, (scorer, deadline) in self.scoring.items()],
             unacked_batches=[_batch_record(b) for b in self.unacked_batches.values()],
+            assembly=None if self._assembly is None else AssemblyRecord(
+                batch_id=self._assembly.batch_id, policy_version=self._assembly.version,
+                group_ids=list(self._assembly.group_ids), packed=_group_records(self._assembly.groups)),
             ended={place.value: n for place, n in self.ended.items()},
             queues=Queues(fresh=list(self._fresh), recycle=list(self._recycle), unscored=list(self._unscored),
                           done=list(self._done), ready=list(self._ready), live=list(self._live)),
@@ -1240,7 +1318,7 @@ class BrokerCore:
         for place, n in snap.ended.items():
             core.ended[Place(place)] += n
         # A snapshot written before groups left the ledger on ending holds them: they leave now.
-        for g in [g for g in core.groups.values() if g.state != "open"]:
+        for g in [g for g in core.groups.values() if g.state in ("delivered", "retired")]:
             for sid in g.sample_ids:
                 s = core.samples.get(sid)
                 if s is None or s.place not in (Place.DELIVERED, Place.RETIRED):
@@ -1253,17 +1331,25 @@ class BrokerCore:
         for r in snap.scoring:
             core.scoring[r.sample_id] = (r.scorer, r.deadline)
         for b in snap.unacked_batches:
-            core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, [
-                BatchGroupOut(g.group_id, g.prompt_id, g.prompt, g.task, g.meta, [
-                    BatchSampleOut(x.sample_id, x.reward, x.finish_reason, bytes(_token_bytes(x.tokens)),
-                                   bytes(_logprob_bytes(x.logprobs)), _spans(x.spans))
-                    for x in g.samples])
-                for g in b.groups])
+            core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, _batch_groups(b.groups))
+        delivering = [g.group_id for g in core.groups.values() if g.state == "delivering"]
+        if snap.assembly is not None:
+            a = snap.assembly
+            pending = a.group_ids[len(a.packed):]
+            if sorted(pending) != sorted(delivering) or [g.group_id for g in a.packed] != a.group_ids[:len(a.packed)]:
+                raise BrokerError(f"snapshot is inconsistent: batch {a.batch_id} being packed lists groups "
+                                  f"{a.group_ids}, the ledger has {sorted(delivering)} still to pack")
+            core._assembly = _Assembly(a.batch_id, a.policy_version, list(a.group_ids), _batch_groups(a.packed))
+        elif delivering:
+            raise BrokerError(f"snapshot is inconsistent: groups {delivering} are being delivered in no batch")
         missing = sorted(({x.sample_id for x in snap.leases} | set(core.scoring)) - set(core.samples))
         if missing:
             raise BrokerError(
                 f"snapshot is inconsistent: leases or score requests name unknown samples {missing}")
         core._rebuild_indexes()
+        for gid in delivering:  # chosen for the batch being packed: out of the queues already
+            core._done.pop(gid, None)
+            core._ready.pop(gid, None)
         # Queue order is part of the policy (FIFO fairness): the indexes rebuilt from the samples
         # must hold what the snapshot lists, in the snapshot's order.
         for name in Queues.__struct_fields__:
@@ -1309,7 +1395,7 @@ class GroupRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     meta: dict[str, Any] = {}
     sample_ids: list[int]
     admitted_at: float
-    state: Literal["open", "delivered", "retired"] = "open"
+    state: Literal["open", "delivering", "delivered", "retired"] = "open"
     retire_reason: str | None = None
 
 
@@ -1374,6 +1460,16 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     groups: list[BatchGroupRecord]
 
 
+class AssemblyRecord(msgspec.Struct, kw_only=True):
+    """A batch being packed a slice at a time (``pull_batch(now, max_samples)``): its groups in
+    order, the packed ones whole; the rest are still on the ledger, in state ``delivering``."""
+
+    batch_id: int
+    policy_version: int
+    group_ids: list[int]
+    packed: list[BatchGroupRecord]
+
+
 class Queues(msgspec.Struct, kw_only=True):
     """The order of each queue (the samples' places say what is in it; the snapshot says in what order)."""
 
@@ -1407,6 +1503,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # Samples of ended groups, no longer on the ledger, by their last place ("delivered", "retired").
     # Absent in snapshots written while ended groups stayed on it (they are counted on restore).
     ended: dict[Literal["delivered", "retired"], int] = {}
+    assembly: AssemblyRecord | None = None  # absent before batches were packed in slices
 
 
 class _FormatProbe(msgspec.Struct):
@@ -1492,13 +1589,24 @@ def _snapshot_from_format_1(data: bytes) -> Snapshot:
 
 
 def _batch_record(b: BatchOut) -> BatchRecord:
-    return BatchRecord(batch_id=b.batch_id, policy_version=b.policy_version, groups=[
-        BatchGroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
-                         meta=g.meta, samples=[BatchSampleRecord(sample_id=x.sample_id, reward=x.reward,
-                                                    finish_reason=x.finish_reason, tokens=_plain(x.tokens),
-                                                    logprobs=_plain(x.logprobs), spans=x.spans)
-                                  for x in g.samples])
-        for g in b.groups])
+    return BatchRecord(batch_id=b.batch_id, policy_version=b.policy_version, groups=_group_records(b.groups))
+
+
+def _group_records(groups: Sequence[BatchGroupOut]) -> list[BatchGroupRecord]:
+    return [BatchGroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
+                             meta=g.meta, samples=[BatchSampleRecord(sample_id=x.sample_id, reward=x.reward,
+                                                        finish_reason=x.finish_reason, tokens=_plain(x.tokens),
+                                                        logprobs=_plain(x.logprobs), spans=x.spans)
+                                      for x in g.samples])
+            for g in groups]
+
+
+def _batch_groups(records: Sequence[BatchGroupRecord]) -> list[BatchGroupOut]:
+    return [BatchGroupOut(g.group_id, g.prompt_id, tuple(g.prompt), g.task, g.meta, [
+                BatchSampleOut(x.sample_id, x.reward, x.finish_reason, bytes(_token_bytes(x.tokens)),
+                               bytes(_logprob_bytes(x.logprobs)), _spans(x.spans))
+                for x in g.samples])
+            for g in records]
 
 
 def _spans(pairs: Sequence[Sequence[int]]) -> Spans:

@@ -38,7 +38,7 @@ from april_async.wire import messages as m
 if TYPE_CHECKING:
     from april_async.broker.journal import Journal
 
-READONLY_CALLS = frozenset({"lease", "score_lease", "pull_batch"})  # journaled only when they return something
+READONLY_CALLS = frozenset({"lease", "score_lease"})  # journaled only when they return something
 
 
 @dataclass
@@ -101,7 +101,9 @@ class BrokerService:
     def run(self, stop) -> None:
         self.log.info("serving", bind=self.hub.endpoint, mode=self.cfg.rollout.mode)
         while not stop:
-            for identity, msg in self.hub.poll(self.cfg.link.heartbeat_interval_s / 4):
+            # A batch being packed for a waiting learner: the next slice at once, after what came in.
+            busy = bool(self.batch_waiters) and self.core.batch_pending()
+            for identity, msg in self.hub.poll(0.0 if busy else self.cfg.link.heartbeat_interval_s / 4):
                 self.handle(identity, msg, self.clock())
             self.tick(self.clock())
         self.close()
@@ -293,7 +295,7 @@ class BrokerService:
             for g in self.apply("lease", name, free, now):
                 self.hub.send(peer.identity, m.Generate(
                     lease_id=g.lease_id, sample_id=g.sample_id, group_id=g.group_id,
-                    prompt=np.asarray(g.prompt, dtype=np.int32), resume=np.asarray(g.resume, dtype=np.int32),
+                    prompt=np.asarray(g.prompt, dtype=np.int32), resume=g.resume_tokens,
                     max_new_tokens=g.max_new_tokens, sampling=sampling, min_policy_version=g.min_policy_version))
 
     def _score(self, now: float) -> None:
@@ -323,7 +325,11 @@ class BrokerService:
             batch = self.core.unacked_batch_after(acked)
             resent = batch is not None
             if batch is None:
-                batch = self.apply("pull_batch", now)
+                if not self.core.batch_pending():
+                    return
+                # A slice per turn of the loop (journaled: each one changes the ledger); the batch
+                # comes out of the call that packs its last group.
+                batch = self.apply("pull_batch", now, self.cfg.batch_slice_samples)
             if batch is None:
                 return
             self.batch_waiters.popleft()

@@ -51,11 +51,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from april_async.broker.config import RolloutConfig
+from april_async.broker.config import BrokerServiceConfig, RolloutConfig
 from april_async.broker.core import AbortLease, BrokerCore
 from april_async.engines.base import version_runs
 from april_async.sim.config import SimError, SimSettings
 from april_async.sim.workload import parse_workload
+
+BATCH_SLICE_SAMPLES = BrokerServiceConfig.model_fields["batch_slice_samples"].default  # as the service packs
 
 CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "pull_batch", "pull_empty", "ack_batches",
               "report_batch", "publish_version")  # pull_empty: a pull_batch call that found no batch
@@ -262,9 +264,11 @@ class Simulation:
             self._effects(self._call("scored", core.scored, task.sample_id, task.lease_id,
                                      float(self.rng.random() < 0.5), self.now))
         if self.learning is None:  # the learner waits for a batch: the service tries on every tick
-            t0 = time.perf_counter()
-            batch = core.pull_batch(self.now)
-            self.latency["pull_empty" if batch is None else "pull_batch"].append((time.perf_counter() - t0) * 1e6)
+            batch = None
+            if not core.batch_pending():
+                self._call("pull_empty", core.pull_batch, self.now)
+            while batch is None and core.batch_pending():  # the service's loop: a slice a turn, at once
+                batch = self._call("pull_batch", core.pull_batch, self.now, BATCH_SLICE_SAMPLES)
             if batch is not None:
                 self._call("ack_batches", core.ack_batches, batch.batch_id)  # the learner holds it
                 self._mark()
@@ -299,7 +303,7 @@ class Simulation:
             # Only the lengths are kept: a grant's prompt and resume lists (thousands of ints for a
             # long partial) held until a boundary would be walked by every full collection, which
             # this run charges to the broker (a service turns them into a message at once).
-            grants = [_Grant(x.lease_id, x.sample_id, len(x.prompt), len(x.resume))
+            grants = [_Grant(x.lease_id, x.sample_id, len(x.prompt), x.held)
                       for x in self._call("lease", self.core.lease, g.name, free, self.now)]
             if not grants:
                 break  # the core's answer does not depend on who asks: nobody else gets one now

@@ -50,7 +50,7 @@ def state_of(core: BrokerCore) -> dict:
                     for sid, s in core.samples.items()},
         "groups": {str(gid): {"state": g.state, "retire_reason": g.retire_reason}
                    for gid, g in core.groups.items()},
-        "leases": {str(lid): {"sample_id": x.sample_id, "generator": x.generator, "aborting": x.aborting}
+        "leases": {str(lid): {"sample_id": x.sample_id, "generator": x.generator, "aborting": core._aborting(x)}
                    for lid, x in core.leases.items()},
         "scoring": {str(sid): scorer for sid, (scorer, _) in core.scoring.items()},
         "queues": {"fresh": core.fresh_queue(), "recycle": core.recycle_queue(), "done": core.done_groups(),

@@ -121,6 +121,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             self.scoring: dict[int, tuple[str, float]] = {}
             self.gen_version = dict.fromkeys(GENERATORS, 0)
             self.delivered: set[int] = set()
+            self.assembling: tuple[int, list[int]] | None = None  # a batch being packed: (version, groups)
             self.replayable: list[tuple] = []
             self.batches: list[tuple[int, list[int]]] = []
             self.steps = 0
@@ -173,7 +174,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
 
         def m_enforce(self, sid: int) -> set[int]:
             m = self.samples[sid]
-            if m.place not in HELD or not self.stale(m):
+            if m.place not in HELD or not self.stale(m) or self.group_state[m.group_id] != "open":
                 return set()
             if self.cfg.over_bound == "drop":
                 return self.m_retire(m.group_id)
@@ -476,24 +477,52 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 m = self.samples[sid]
                 if m.place in HELD:
                     expected |= self.m_enforce(sid)
+            stale_leases = set()
             for lid, x in self.leases.items():
                 if not x.aborting and self.stale(self.samples[x.sample_id]):
                     x.aborting = True
-                    expected.add(lid)
+                    stale_leases.add(lid)
+            expected |= stale_leases
             got = {e.lease_id for e in effects}
+            # 4: staleness — a version that puts a lease's tokens over η stops it.
+            require(4, stale_leases <= got, f"leases {sorted(stale_leases - got)} hold tokens over η at version "
+                    f"{version} and were not aborted")
             # A drop may end a lease that was also flagged stale: compare the sets of lease ids.
             self.agree(got == expected, f"version {version} effects {sorted(got)}, model expected {sorted(expected)}")
 
-        @rule()
-        def pull_batch(self):
-            ready = self.ready_groups()
-            batch = self.core.pull_batch(self.now)
+        @rule(piece=st.sampled_from([None, None, 1, 3]))
+        def pull_batch(self, piece=None):
+            """The learner asks for a batch; ``piece``: packed that many samples a call (the service
+            packs in slices, and any rule may run between two)."""
             B, n = self.cfg.batch_groups, self.cfg.group_size
+            if self.assembling is None:
+                ready = self.ready_groups()
+                batch = self.core.pull_batch(self.now, piece)
+                a = self.core._assembly
+                if batch is None and a is None:
+                    self.agree(len(ready) < B, f"no batch although {len(ready)} groups are ready")
+                    return
+                chosen = a.group_ids if a is not None else [g.group_id for g in batch.groups]
+                require(6, len(chosen) == B, f"batch has {len(chosen)} groups, B={B}")
+                for gid in chosen:  # all scored when chosen: the batch is in bound at this version
+                    require(6, gid in ready, f"group {gid} chosen for a batch while "
+                            f"{[self.samples[x].place.value for x in self.groups[gid]]}")
+                    self.group_state[gid] = "delivering"
+                self.assembling = (self.V, list(chosen))
+            else:
+                batch = self.core.pull_batch(self.now, piece)
+            V, chosen = self.assembling
+            for gid in chosen:  # packed groups left the ledger with their samples
+                if self.group_state[gid] == "delivering" and gid not in self.core.groups:
+                    self.group_state[gid] = "delivered"
+                    for sid in self.groups[gid]:
+                        self.samples[sid].place = Place.DELIVERED
             if batch is None:
-                self.agree(len(ready) < B, f"no batch although {len(ready)} groups are ready")
+                require(6, self.core._assembly is not None, "a batch being packed was dropped")
                 return
-            require(6, len(batch.groups) == B, f"batch has {len(batch.groups)} groups, B={B}")
-            self.agree(batch.policy_version == self.V, "batch checked against another version")
+            self.assembling = None
+            self.agree([g.group_id for g in batch.groups] == chosen, "the batch is not the groups chosen")
+            self.agree(batch.policy_version == V, "batch checked against another version")
             seen: set[int] = set()
             for g in batch.groups:
                 ids = [s.sample_id for s in g.samples]
@@ -504,17 +533,14 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                     require(2, s.sample_id not in self.delivered and s.sample_id not in seen,
                             f"sample {s.sample_id} delivered twice")
                     seen.add(s.sample_id)
-                    require(6, m.place is Place.SCORED, f"sample {s.sample_id} delivered while {m.place}")
                     require(1, list(s.tokens) == [t for t, _, _ in m.tokens],
                             f"sample {s.sample_id} lost tokens")
                     oldest = min((v for v, _ in s.spans), default=None)
-                    require(4, oldest is None or self.V - oldest <= self.cfg.staleness_bound,
-                            f"sample {s.sample_id} from version {oldest} delivered at {self.V}")
+                    require(4, oldest is None or V - oldest <= self.cfg.staleness_bound,
+                            f"sample {s.sample_id} from version {oldest} delivered at {V}")
                     self.agree(s.reward == m.reward, f"sample {s.sample_id} reward {s.reward} != {m.reward}")
             for g in batch.groups:
-                self.group_state[g.group_id] = "delivered"
                 for s in g.samples:
-                    self.samples[s.sample_id].place = Place.DELIVERED
                     self.delivered.add(s.sample_id)
             self.batches.append((batch.batch_id, [g.group_id for g in batch.groups]))
 
@@ -585,8 +611,10 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             for sid, s in core.samples.items():
                 if s.place in HELD and s.spans:
                     oldest = min(v for v, _ in s.spans)
-                    require(4, core.version - oldest <= self.cfg.staleness_bound,
-                            f"sample {sid} in {s.place} holds version {oldest} at {core.version}")
+                    # A group being delivered is held to its batch's version.
+                    at = core.version if core.groups[s.group_id].state == "open" else core._assembly.version
+                    require(4, at - oldest <= self.cfg.staleness_bound,
+                            f"sample {sid} in {s.place} holds version {oldest} at {at}")
             # 6: group integrity — a group is delivered (or retired) whole or not at all: it is on the
             # ledger with all its samples while open, and leaves it with all of them.
             for gid, sids in self.groups.items():
@@ -649,9 +677,9 @@ def check_indexes(core: BrokerCore) -> None:
         by_oldest.setdefault(v, set()).add(sid)
     require(1, {v: set(sids) for v, sids in core._by_oldest.items()} == by_oldest,
             f"samples by oldest version {core._by_oldest}, should be {by_oldest}")
-    unaborted = [lid for lid, x in core.leases.items() if not x.aborting]
-    require(1, list(core._unaborted) == unaborted,
-            f"leases not aborting {list(core._unaborted)}, should be {unaborted}")
+    unaborted = {lid: x.generator for lid, x in core.leases.items() if not core._aborting(x)}
+    require(1, core._unaborted == unaborted and list(core._unaborted) == sorted(unaborted),
+            f"leases not aborting {core._unaborted}, should be {unaborted}")
 
 
 def check_durable(before: BrokerCore, after: BrokerCore) -> None:

@@ -59,10 +59,10 @@ class FreshBeforePartials(BrokerCore):
 class DeliversUnscoredGroups(BrokerCore):
     """6 group integrity: groups whose generation is done go out before every sample is scored."""
 
-    def pull_batch(self, now):
+    def pull_batch(self, now, max_samples=None):
         ready, self._ready = self._ready, dict(self._done)
         try:
-            return super().pull_batch(now)
+            return super().pull_batch(now, max_samples)
         finally:
             self._ready = {g: None for g in ready if g in self.groups}
 

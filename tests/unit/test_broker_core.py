@@ -453,3 +453,87 @@ def test_fifo_set_keeps_arrival_order_through_removals_re_adds_and_compaction():
     assert list(q) == model and len(q) == len(model)
     assert FifoSet.fromkeys(model) is not q and list(FifoSet.fromkeys(model)) == model
     assert not gc.is_tracked(q._members)  # the membership dict is not walked by full collections
+
+
+def _ready_groups(core, k, version=0, reward=1.0):
+    """Admit, lease, finish and score ``k`` whole groups; the grants, by group."""
+    admit(core, k, start=len(core.groups) + core.counters.groups_admitted)
+    grants = core.lease("gen", 1000, 0.0)
+    for g in grants:
+        finish(core, g, version=version)
+    score_all(core, reward)
+    return grants
+
+
+def test_a_batch_packed_in_slices_is_the_batch_packed_whole():
+    """``pull_batch(now, max_samples)`` moves about that many samples a call; the last call returns
+    the very batch one call would, and the counters and the audit agree at every slice."""
+    whole, sliced = (make(mode="async", batch_groups=3, group_size=2, over_provision=4.0) for _ in range(2))
+    for core in (whole, sliced):
+        _ready_groups(core, 4)
+    expected = whole.pull_batch(1.0)
+    calls = []
+    while (batch := sliced.pull_batch(1.0, max_samples=1)) is None:
+        calls.append(sliced.audit())
+        assert sliced.batch_pending()
+    assert len(calls) == 2  # three groups, one a call
+    assert all(a["balanced"] for a in calls)
+    assert batch == expected and sliced.counters == whole.counters and sliced.to_bytes() == whole.to_bytes()
+    assert not sliced.batch_pending()  # one ready group left, B = 3
+
+
+def test_a_version_during_packing_leaves_the_batch_in_bound_at_its_version():
+    """The batch is chosen and versioned at its first slice: a newer version that would make its
+    samples stale neither restarts them nor changes what the learner gets."""
+    core = make(mode="async", batch_groups=2, group_size=2, staleness_bound=0, over_provision=4.0)
+    _ready_groups(core, 3)
+    assert core.pull_batch(1.0, max_samples=1) is None
+    core.publish_version(1, 1.5)  # every held sample is now over η = 0
+    assert core.counters.restarts == 2  # the third group's two samples, not the batch's
+    batch = core.pull_batch(2.0, max_samples=1)
+    assert batch is not None and batch.policy_version == 0 and len(batch.groups) == 2
+    assert all(len(s.tokens) == 2 for g in batch.groups for s in g.samples)
+    assert core.audit()["balanced"]
+
+
+def test_sync_leasing_stays_closed_while_a_batch_is_packed():
+    core = make(mode="sync", batch_groups=2, group_size=2, over_provision=1.0, staleness_bound=0)
+    _ready_groups(core, 2)
+    admit(core, 2, start=10)
+    assert core.pull_batch(1.0, max_samples=1) is None
+    assert core.lease("gen", 10, 1.0) == []  # the step is over: the batch is chosen
+    assert core.pull_batch(1.0, max_samples=1) is not None
+    assert core.lease("gen", 10, 1.0) == []
+    core.publish_version(1, 2.0)
+    assert len(core.lease("gen", 10, 2.0)) == 4
+
+
+def test_a_snapshot_taken_while_a_batch_is_packed_restores_it():
+    """A crash between two slices: the restored core finishes the same batch."""
+    core = make(mode="async", batch_groups=3, group_size=2, over_provision=4.0)
+    _ready_groups(core, 4)
+    assert core.pull_batch(1.0, max_samples=4) is None  # two groups of three packed
+    blob = core.to_bytes()
+    restored = BrokerCore.from_bytes(blob)
+    assert restored.to_bytes() == blob and restored.audit() == core.audit()
+    a, b = core.pull_batch(2.0, max_samples=4), restored.pull_batch(2.0, max_samples=4)
+    assert a is not None and a == b and restored.to_bytes() == core.to_bytes()
+
+
+def test_an_early_termination_aborts_every_lease_once():
+    """Every lease in flight gets one abort; a later reason to abort one (a stale version, its
+    group retired) sends none again, and a snapshot keeps them all aborting."""
+    core = make(batch_groups=1, group_size=2, over_provision=3.0, staleness_bound=0)
+    admit(core, 3)
+    grants = core.lease("gen", 100, 0.0)
+    first = [g for g in grants if g.group_id == grants[0].group_id]
+    others = [g for g in grants if g.group_id != grants[0].group_id]
+    core.chunk(others[0].lease_id, 0, [5], [-1.0], [[0, 1]], 0.5)
+    finish(core, first[0])
+    effects = finish(core, first[1])
+    assert effects == [AbortLease("gen", g.lease_id) for g in others]
+    restored = BrokerCore.from_bytes(core.to_bytes())
+    for c in (core, restored):
+        assert all(c._aborting(c.leases[g.lease_id]) for g in others)
+        assert c.publish_version(1, 1.0) == []  # over η, but told to abort already
+        assert c.retire_group(others[0].group_id, "test") == []

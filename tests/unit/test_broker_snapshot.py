@@ -114,7 +114,7 @@ def test_the_snapshot_names_every_part_of_the_state():
     assert next(iter(snap)) == "format"
     assert set(snap) == {"format", "config", "version", "next_ids", "counters", "prompt_ids", "step_groups",
                          "awaiting_version", "groups", "samples", "leases", "scoring", "unacked_batches",
-                         "queues", "ended"}
+                         "queues", "ended", "assembly"}
     scored = next(s for s in snap["samples"] if s["place"] == "scored")
     assert {"sample_id", "group_id", "index", "tokens", "logprobs", "spans", "reward",
             "finished_by"} <= set(scored)
