@@ -14,6 +14,7 @@ bytes, log-prob bytes, now]]``, applied live and on replay by the same ``apply_p
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -99,6 +100,11 @@ class BrokerService:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
+        # Start-up's objects (modules, configs, the recovered ledger) go to the collector's permanent
+        # generation: a full collection then walks only what the loop makes (at 1,000 generators in
+        # the simulator: 2.5 ms at most, against 14–19 ms).
+        gc.collect()
+        gc.freeze()
         self.log.info("serving", bind=self.hub.endpoint, mode=self.cfg.rollout.mode)
         while not stop:
             # A batch being packed for a waiting learner: the next slice at once, after what came in.

@@ -37,6 +37,15 @@ FLAGS = {  # SimSettings field -> its flags, where they are not simply --field-n
 PRESET_COSTS = ("step_a_s", "step_b_s", "prefill_s")
 
 
+
+def allocator_in_use() -> str:
+    """The malloc this process runs on: jemalloc when preloaded (``LD_PRELOAD``), else the C library's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "jemalloc" if "jemalloc" in maps else "the C library's malloc"
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags: the run's (modes, η, output) and one per ``SimSettings`` field, which holds the
     defaults, bounds and help."""
@@ -147,6 +156,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     p(f"workload: {workload.describe()}")
     p(f"batch: B={B} groups × n={spec.group_size} = {B * spec.group_size} samples; learner {spec.train_s:g} s per "
       f"batch; η={args.eta} (april, async); {spec.warmup} warm-up + {spec.batches} measured batches per mode")
+    p(f"allocator: {allocator_in_use()} (the broker's call times depend on it: see run.broker_allocator)")
 
     results: list[SimResult] = []
     for cfg in plans:

@@ -457,13 +457,17 @@ class Simulation:
 
     def run(self) -> SimResult:
         """Run until ``warmup + batches`` batches went out. Python's cyclic garbage collector
-        runs as usual (it is part of what a broker process pays); its full collections are timed."""
+        runs as usual (it is part of what a broker process pays); its full collections are timed.
+        What exists before the run (modules, this simulation) is frozen out of them first, as the
+        broker service freezes its start-up before serving (``BrokerService.run``)."""
         gc.collect()  # each mode starts clean, not with the garbage of the one before
+        gc.freeze()
         gc.callbacks.append(self._on_gc)
         try:
             return self._run()
         finally:
             gc.callbacks.remove(self._on_gc)
+            gc.unfreeze()  # the next mode freezes its own start
 
     def _run(self) -> SimResult:
         spec = self.spec

@@ -67,7 +67,7 @@ def test_learner_n_plans_one_group_of_ranks_with_a_torchrun_environment(tmp_path
         assert configs[c.name] == configs["n0-learner-0"] and configs[c.name]["ranks"] == 3
     assert configs["n0-learner-0"]["name"] == "n0-learner-0"
     broker = children[0]
-    assert broker.env == {} and broker.group == "" and run.learner_port == 29700
+    assert "RANK" not in broker.env and broker.group == "" and run.learner_port == 29700
 
 
 def test_learner_ranks_come_from_actors_or_the_learner_section_and_must_agree(no_cluster_env):
@@ -270,3 +270,28 @@ def test_generators_that_hold_the_newest_version_are_no_stall_however_long_the_s
     assert sup.stop_reason is None
     sup._watch_weights(306.0)
     assert sup.stop_reason is not None
+
+
+def test_the_broker_runs_under_the_allocator_asked_for(tmp_path, no_cluster_env, monkeypatch):
+    """``run.broker_allocator``: auto preloads jemalloc where it is installed (and only into the
+    broker), system preloads nothing, a path must exist."""
+    from april_async.config import ConfigError
+    from april_async.up import allocator_library
+
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"\x7fELF")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert allocator_library("auto", (str(tmp_path / "missing.so"), str(lib))) == str(lib)
+    assert allocator_library("auto", (str(tmp_path / "missing.so"),)) is None
+    assert allocator_library("system", (str(lib),)) is None
+    assert allocator_library(str(lib)) == str(lib)
+    with pytest.raises(ConfigError, match="broker_allocator"):
+        allocator_library(str(tmp_path / "nope.so"))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")  # the user's own preload is theirs
+    assert allocator_library("auto", (str(lib),)) is None
+    monkeypatch.delenv("LD_PRELOAD")
+    _, children, _ = plan(load_document(None, [f"run.broker_allocator={str(lib)!r}"]), "broker,scorer")
+    env = {c.kind: c.env for c in children}
+    assert env["broker"] == {"LD_PRELOAD": str(lib)} and "LD_PRELOAD" not in env["scorer"]
+    _, children, _ = plan(load_document(None, ["run.broker_allocator='system'"]), "broker")
+    assert children[0].env == {}
