@@ -156,6 +156,19 @@ class Settings(BaseModel):
     """Run only the first this many cells (``[smoke]``)."""
     sim_train_share: float | None = Field(None, ge=0, lt=1)
     """``--sim``: the learner's share of a sync step (0.1: rollout is 90 %); None: ``[sim] train_s`` as given."""
+    eval_every_steps: int | None = Field(None, ge=1)
+    """The learner saves a checkpoint every this many steps, and after the run ``eval_points`` of
+    those inside the window are evaluated on held-out problems. The batch reward is of the groups a
+    mode delivers, and a mode chooses them: april delivers the B groups that finish first, ``drop``
+    retires the slow ones. The held-out reward of the policy is what no scheduler can bias. None:
+    no evaluation."""
+    eval_points: int = Field(4, ge=1)
+    """Checkpoints evaluated per run, spread evenly over the window (the last one always)."""
+    eval_problems: int = Field(256, ge=1)
+    """Held-out problems: the warm start's evaluation stream (its prompt seed + 1), none of which a
+    run trains on (the runs' streams are the seeds)."""
+    eval_temperature: float = Field(0.0, ge=0)
+    """0: greedy, so the same policy always scores the same: the differences are the policies'."""
 
 
 class Cell(BaseModel):
@@ -253,13 +266,15 @@ def up_argv(cfg: Settings, cell: Cell, seed: int, run_dir: Path, init: Path) -> 
     sets = {**cell.sets(), "broker.prompts.seed": seed, "run.dir": run_dir, "learner.checkpoint": init,
             "run.duration_s": cfg.duration_s + cfg.timeout_s,  # a cap only: the window stops the run
             "run.broker_port": free_port(), "run.broadcaster_port": free_port(), "run.store_port": free_port()}
+    if cfg.eval_every_steps:
+        sets.update({"learner.save_every": cfg.eval_every_steps, "learner.keep_checkpoints": 100_000})
     argv = [sys.executable, "-m", "april_async.cli", "up", "--config", str(cfg.base)]
     for item in [*cfg.set, *(f"{k}={_toml(v)}" for k, v in sets.items())]:
         argv += ["--set", item]
     return argv
 
 
-def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path) -> dict:
+def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path, held_out: list | None = None) -> dict:
     run_dir = (out / "cells" / cell.name / f"seed{seed}").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -269,10 +284,66 @@ def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path) -> dict
     run = {"cell": cell.name, "seed": seed, "status": status, "elapsed_s": round(time.monotonic() - t0, 1)}
     try:
         run.update(run_numbers(run_dir, cfg))
+        if held_out is not None and status == "ok":
+            run["eval_curve"] = eval_checkpoints(run_dir, cfg, held_out)
     except (OSError, ValueError, KeyError) as e:
         if status == "ok":
             run["status"] = f"failed (no results: {e})"
     return run
+
+
+def held_out_problems(init: Path, cfg: Settings) -> list:
+    """The evaluation problems: ``eval_problems`` of the warm start's held-out stream."""
+    from april_async.warmstart.config import WarmStartConfig
+    from april_async.warmstart.sft import held_out_problems as stream
+
+    ws = WarmStartConfig.model_validate(json.loads((init / "warmstart.json").read_text())["config"])
+    return stream(ws.model_copy(update={"eval_problems": cfg.eval_problems}))
+
+
+def evaluate_policy(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> float:
+    from april_async.warmstart.sft import evaluate
+
+    result = evaluate(checkpoint, problems, n=len(problems), temperature=cfg.eval_temperature,
+                      max_new_tokens=max_new_tokens)
+    if result["reward"] is None:
+        raise ValueError(f"the held-out problems have no answers to score {checkpoint}")
+    return float(result["reward"])
+
+
+def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> list[list[float]]:
+    """``[[t, step, held-out reward], ...]`` of ``eval_points`` of the run's checkpoints whose step
+    ended inside the window, spread evenly over it (t from the end of the first learner step)."""
+    from april_async.runfiles import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    t_first = rows[0]["time"]
+    time_of = {int(r["step"]): r["time"] - t_first for r in rows}
+    saved = []
+    for ck in sorted((run_dir / "checkpoints").glob("v*")):
+        state = ck / "trainer_state.json"
+        if state.is_file():
+            step = int(json.loads(state.read_text())["step"])
+            t = time_of.get(step)
+            if t is not None and t <= cfg.duration_s + 1e-6:
+                saved.append((t, step, ck))
+    if not saved:
+        raise ValueError(f"no checkpoint of {run_dir} falls inside the window (learner.save_every = "
+                         f"{cfg.eval_every_steps} steps)")
+    picked = sorted({min(range(len(saved)), key=lambda i: abs(saved[i][0] - cfg.duration_s * (k + 1) / cfg.eval_points))
+                     for k in range(cfg.eval_points)} | {len(saved) - 1})
+    budget = json.loads((run_dir / "config" / "broker.json").read_text())["rollout"]["max_response_tokens"]
+    return [[round(saved[i][0], 2), saved[i][1], evaluate_policy(saved[i][2], cfg, problems, budget)] for i in picked]
+
+
+def time_to_eval(curve: list, level: float) -> float | None:
+    """The first t at which the held-out reward, linear between evaluated checkpoints, reaches ``level``."""
+    for (t0, _, r0), (t1, _, r1) in zip(curve, curve[1:]):
+        if r0 >= level - 1e-9:
+            return t0
+        if r1 >= level - 1e-9:
+            return t0 + (t1 - t0) * (level - r0) / (r1 - r0)
+    return curve[-1][0] if curve and curve[-1][2] >= level - 1e-9 else None
 
 
 def moving_average(xs: list[float], k: int) -> list[float | None]:
@@ -364,7 +435,8 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
 # ---------------------------------------------------------------------- cells: mean ± spread over seeds
 
 AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "reward_final", "off_policy_frac", "discarded_frac",
-              "retired_frac", "ess", "ess_min", "lag_mean", "wait_frac", "train_frac", "handoff_frac", "step_s_mean")
+              "retired_frac", "ess", "ess_min", "lag_mean", "wait_frac", "train_frac", "handoff_frac", "step_s_mean",
+              "eval_final")
 
 
 def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
@@ -373,7 +445,7 @@ def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def aggregate(cells: list[Cell], runs: list[dict], levels: list[float]) -> list[dict]:
+def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_levels: list[float] = ()) -> list[dict]:
     out = []
     for cell in cells:
         ok = [r for r in runs if r["cell"] == cell.name and r["status"] == "ok"]
@@ -381,8 +453,7 @@ def aggregate(cells: list[Cell], runs: list[dict], levels: list[float]) -> list[
                                "runs": len([r for r in runs if r["cell"] == cell.name]), "runs_ok": len(ok)}
         for key in AGGREGATED:
             row[key], row[f"{key}_sd"] = _mean_sd([r[key] for r in ok if r.get(key) is not None])
-        for level in levels:
-            key = f"t_{level:g}"
+        for key in [f"t_{lv:g}" for lv in levels] + [f"te_{lv:g}" for lv in eval_levels]:
             reached = [r[key] for r in ok if r.get(key) is not None]
             row[key], row[f"{key}_sd"] = _mean_sd(reached)
             row[f"{key}_reached"] = len(reached)
@@ -447,6 +518,44 @@ def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, note
         lines.append("| " + " | ".join(cols) + " |")
     if sim:
         lines += ["", sim_table(sim)]
+    return "\n".join(lines) + "\n"
+
+
+def resolve_eval_levels(cfg: Settings, runs: list[dict], initial: float | None) -> tuple[list[float], list[str]]:
+    """Held-out reward levels read off the sync cell as ``sync_levels`` are: the initial policy's
+    held-out reward plus those fractions of sync's climb to its last evaluated checkpoint."""
+    sync = [r["eval_curve"][-1][2] for r in runs if r["cell"] == "sync" and r["status"] == "ok" and r.get("eval_curve")]
+    if initial is None or not sync or not cfg.sync_levels:
+        return [], []
+    final = statistics.fmean(sync)
+    levels, notes = [], []
+    for f in cfg.sync_levels:
+        level = round(initial + f * (final - initial), 3)
+        levels.append(level)
+        notes.append(f"{level:g} = the initial policy's {initial:.3f} + {f:g} × sync's climb to {final:.3f}")
+    return sorted(set(levels)), notes
+
+
+def eval_table(cfg: Settings, cells: list[dict], levels: list[float], notes: list[str], initial: float) -> str:
+    sync = next((c for c in cells if c["cell"] == "sync"), None)
+    head = ["cell", "held-out reward at the window's end"] + [f"t to {lv:g} (s)" for lv in levels]
+    lines = [f"The held-out reward: the policy's checkpoints ({cfg.eval_points} a run, spread over the window) "
+             f"answering {cfg.eval_problems} problems no run trains on, at temperature {cfg.eval_temperature:g}; the "
+             f"initial policy answers {initial:.3f}. Unlike the batch reward it does not depend on which groups a "
+             f"mode delivers. *t to L*: linear between checkpoints; in brackets, relative to sync."
+             + "".join(f" Level {n}." for n in notes), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        cols = [c["label"], _pm(c, "eval_final", ".3f")]
+        for lv in levels:
+            key = f"te_{lv:g}"
+            text = _pm(c, key, ".0f")
+            if c[f"{key}_reached"] < c["runs_ok"]:
+                text += f" ({c[f'{key}_reached']}/{c['runs_ok']})"
+            if sync and c is not sync and c.get(key) is not None and sync.get(key):
+                text += f" [{c[key] / sync[key]:.2f}×]"
+            cols.append(text)
+        lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -625,6 +734,39 @@ def plot(cfg: Settings, cells: list[dict], runs: list[dict], out: Path) -> list[
     return names
 
 
+def plot_eval(cfg: Settings, cells: list[dict], runs: list[dict], out: Path) -> str:
+    """Held-out reward against wall time: mean over seeds, a band from the lowest to the highest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    colors = _colors(cells)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    grid = np.linspace(0, cfg.duration_s, 100)
+    for c in cells:
+        ys = [np.interp(grid, [p[0] for p in r["eval_curve"]], [p[2] for p in r["eval_curve"]], right=np.nan)
+              for r in runs if r["cell"] == c["cell"] and r["status"] == "ok" and r.get("eval_curve")]
+        if not ys:
+            continue
+        a = np.vstack(ys)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean, lo, hi = np.nanmean(a, 0), np.nanmin(a, 0), np.nanmax(a, 0)
+        ax.plot(grid, mean, color=colors[c["cell"]], label=c["label"], linewidth=1.6)
+        ax.fill_between(grid, lo, hi, color=colors[c["cell"]], alpha=0.15, linewidth=0)
+    ax.set_xlabel("wall time from the first learner step (s)")
+    ax.set_ylabel(f"held-out reward ({cfg.eval_problems} problems)")
+    ax.set_title("held-out reward vs wall time (band: lowest to highest seed)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "eval_vs_time.png", dpi=DPI)
+    plt.close(fig)
+    return "eval_vs_time.png"
+
+
 # ---------------------------------------------------------------------- docs
 
 
@@ -745,20 +887,32 @@ def _main(args) -> int:
     if args.report:
         if not results.is_file():
             raise ExperimentError(f"--report: {str(results)!r} does not exist (run the experiment first)")
-        runs = json.loads(results.read_text())["runs"]
+        stored = json.loads(results.read_text())
+        runs, eval_initial = stored["runs"], stored.get("eval_initial")
     else:
-        runs = experiment(cfg, cells, out, args)
+        runs, eval_initial = experiment(cfg, cells, out, args)
     levels, notes = resolve_levels(cfg, runs)
     cfg = cfg.model_copy(update={"levels": levels})
     for run in runs:  # from the curves, so that --report can time other levels without a run
         for lv in levels:
             run[f"t_{lv:g}"] = time_to(run["curve"], lv, cfg.ma_steps) if run.get("curve") else None
-    aggregated = aggregate(cells, runs, levels)
+    eval_levels, eval_notes = resolve_eval_levels(cfg, runs, eval_initial)
+    for run in runs:
+        curve = run.get("eval_curve")
+        run["eval_final"] = curve[-1][2] if curve else None
+        for lv in eval_levels:
+            run[f"te_{lv:g}"] = time_to_eval(curve, lv) if curve else None
+    aggregated = aggregate(cells, runs, levels, eval_levels)
     sim_file = out / "sim.json"
     sim_rows = json.loads(sim_file.read_text())["cells"] if sim_file.is_file() else None
     text = tables(cfg, aggregated, sim_rows, notes)
+    if eval_levels:
+        text += "\n" + eval_table(cfg, aggregated, eval_levels, eval_notes, eval_initial)
     figures = plot(cfg, aggregated, runs, out)
-    meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke}
+    if any(r.get("eval_curve") for r in runs):
+        figures.append(plot_eval(cfg, aggregated, runs, out))
+    meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
+            "eval_initial": eval_initial}
     results.write_text(json.dumps({**meta, "cells": aggregated, "runs": runs}, indent=2))
     (out / "results.md").write_text(text)
     print(text)
@@ -786,11 +940,18 @@ def _num(v: float | None, fmt: str) -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> list[dict]:
+def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[dict], float | None]:
     init = warm_start(cfg.base, cfg.set, out, "experiment", "[experiment] base", cfg.init)
     check_initial_policy(init, args.smoke)
+    held_out, eval_initial = None, None
+    if cfg.eval_every_steps:
+        held_out = held_out_problems(init, cfg)
+        budget = validate_base_budget(cfg)
+        eval_initial = evaluate_policy(init, cfg, held_out, budget)
+        print(f"experiment: the initial policy answers {eval_initial:.3f} of {len(held_out)} held-out problems "
+              f"(temperature {cfg.eval_temperature:g})", flush=True)
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
-            "initial_policy": str(init)}
+            "initial_policy": str(init), "eval_initial": eval_initial}
     total = len(cells) * len(cfg.seeds)
     print(f"experiment: {len(cells)} cells × {len(cfg.seeds)} seeds, {cfg.duration_s:g} s each -> {out}", flush=True)
     runs: list[dict] = []
@@ -798,15 +959,32 @@ def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> list[dict]:
     for seed in cfg.seeds:  # seed-major: an interrupted experiment has every cell at the first seeds
         for cell in cells:
             i += 1
-            run = run_one(cfg, cell, seed, out, init)
+            run = run_one(cfg, cell, seed, out, init, held_out)
+            if run.get("eval_curve"):  # the initial policy at the window's start
+                run["eval_curve"].insert(0, [0.0, 0, eval_initial])
             runs.append(run)
             (out / "results.json").write_text(json.dumps({**meta, "runs": runs}, indent=2))
             levels = " ".join(f"t{lv:g}={_num(run.get(f't_{lv:g}'), '.0f')}s" for lv in cfg.levels)
             print(f"[{i}/{total}] {cell.name:<26} seed {seed} {run['status']:<6} steps {run.get('steps', 0):4d} "
                   f"{_num(run.get('tokens_per_s'), '7.0f')} tok/s reward {_num(run.get('reward_first'), '.3f')}"
                   f"->{_num(run.get('reward_final'), '.3f')} {levels} off-policy "
-                  f"{_num(run.get('off_policy_frac'), '5.1%')} ({run['elapsed_s']:.0f} s)", flush=True)
-    return runs
+                  f"{_num(run.get('off_policy_frac'), '5.1%')}"
+                  + (f" held-out {run['eval_curve'][-1][2]:.3f}" if run.get("eval_curve") else "")
+                  + f" ({run['elapsed_s']:.0f} s)", flush=True)
+    return runs, eval_initial
+
+
+def validate_base_budget(cfg: Settings) -> int:
+    """The response budget of the runs (``broker.rollout.max_response_tokens`` of the base and the
+    sets), which the evaluation samples with too."""
+    from april_async.broker.config import RolloutConfig
+    from april_async.up import load_document
+
+    try:
+        rollout = load_document(cfg.base, list(cfg.set)).get("broker", {}).get("rollout", {})
+    except ConfigError as e:
+        raise ExperimentError(str(e)) from None
+    return int(rollout.get("max_response_tokens", RolloutConfig.model_fields["max_response_tokens"].default))
 
 
 if __name__ == "__main__":

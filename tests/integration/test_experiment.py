@@ -54,10 +54,15 @@ def test_the_smoke_size_runs_each_cell_for_its_window_and_reports(tmp_path):
         learner = json.loads((run_dir / "config" / "learner-0.json").read_text())
         assert Path(learner["checkpoint"]) == (out / "init").resolve()  # one warm start for every run
         assert json.loads((run_dir / "config" / "broker.json").read_text())["prompts"]["seed"] == run["seed"]
+        # The held-out evaluation: the initial policy at t = 0, then the checkpoints inside the window.
+        evals = run["eval_curve"]
+        assert evals[0] == [0.0, 0, doc["eval_initial"]] and len(evals) >= 2
+        assert all(0 < t <= window + 1e-6 for t, _, _ in evals[1:]) and [p[1] for p in evals] == sorted(p[1] for p in evals)
+        assert all(0.0 <= r <= 1.0 for _, _, r in evals) and run["eval_final"] == evals[-1][2]
     sync, april = doc["cells"]
     assert sync["off_policy_frac"] == 0.0 and sync["runs_ok"] == 1 and april["mode"] == "april"
     assert "| sync |" in (out / "results.md").read_text()
-    for name in FIGURES:
+    for name in FIGURES + ("eval_vs_time.png",):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) < 100_000, name
 
@@ -107,6 +112,34 @@ def test_report_redraws_from_results_and_writes_the_docs_block(tmp_path, monkeyp
     assert "— (0/2)" in text  # a level no seed reached
     for name in FIGURES:
         assert (tmp_path / "figs" / name).read_bytes().startswith(PNG), name
+
+
+def test_held_out_levels_are_read_off_sync_and_timed_between_checkpoints(tmp_path):
+    """The held-out reward's levels: the initial policy plus fractions of sync's climb; each is
+    timed linearly between evaluated checkpoints, and reported against sync."""
+    tool = _load_tool()
+    out = tmp_path / "out"
+    out.mkdir()
+    curves = {"sync": [[0.0, 0, 0.5], [30.0, 20, 0.6], [60.0, 40, 0.7]],
+              "april-r2-eta4": [[0.0, 0, 0.5], [30.0, 25, 0.7], [60.0, 50, 0.75]]}
+    runs = [{"cell": cell, "seed": 0, "status": "ok", "steps": 40, "reward_final": 0.6,
+             "curve": [[0.0, 64, 0.5], [60.0, 128, 0.6]],
+             "eval_curve": curve, "staleness_tokens": {}} for cell, curve in curves.items()]
+    (out / "results.json").write_text(json.dumps({"runs": runs, "eval_initial": 0.5}))
+    cfg = tmp_path / "exp.toml"
+    cfg.write_text(f'[experiment]\nname = "t"\nbase = "{ROOT / "launch/addchain.toml"}"\nout = "{out}"\n'
+                   f'levels = []\nsync_levels = [0.5, 1.0]\nma_steps = 1\nduration_s = 60\nseeds = [0]\n'
+                   f'eval_every_steps = 5\ncells = [{{ mode = "sync" }}, {{ mode = "april", r = 2.0, eta = 4 }}]\n')
+    assert tool.main([str(cfg), "--report"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    sync, april = doc["cells"]
+    assert sync["te_0.6"] == pytest.approx(30.0) and sync["te_0.7"] == pytest.approx(60.0)  # sync's climb: 0.5 -> 0.7
+    assert april["te_0.6"] == pytest.approx(15.0) and april["te_0.7"] == pytest.approx(30.0)
+    assert april["eval_final"] == 0.75
+    text = (out / "results.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| april r=2 η=4 | 0.750"))
+    assert "15 [0.50×]" in row and "30 [0.50×]" in row
+    assert (out / "eval_vs_time.png").read_bytes().startswith(PNG)
 
 
 @pytest.mark.parametrize("text,named", [
