@@ -43,6 +43,10 @@ from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.learner_ranks import run_steps
 
 SIZES = {
+    # The main job's policy (launch/addchain.toml's warm start: 1.2M parameters, a 52-token vocabulary).
+    "addchain": ModelConfig(model_type="llama", vocab_size=52, hidden_size=192, intermediate_size=512,
+                            num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                            tie_word_embeddings=True),
     "tiny": ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "30M": ModelConfig(model_type="qwen2", vocab_size=16384, hidden_size=512, intermediate_size=1536,

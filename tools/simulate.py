@@ -73,26 +73,25 @@ APRIL reports up to 44 % on real clusters; this simulator gives more at the defa
 leaves out what a real engine adds: decode cost that grows with context, recomputing a partial's
 KV cache beyond the prefill charge, weight transfer, and any training time the rollout waits for.
 
-At 1,000 generators a mode costs 30–45 s of wall time on one core (2 min 36 s for the four, on a
-shared 2-core machine), much of it inside the broker core's own calls — the cost this tool exists
-to show. After the table it prints the slowest call of each kind and one line against issue 18's
-bounds (p99 <= 1 ms for a per-message call, no call or full collection over 10 ms). Where the
-time goes (issue 18, item 1; before -> after at 1,000 generators):
+At 1,000 generators a mode costs 25–35 s of wall time on one core (2 min for the four), much of
+it inside the broker core's own calls — the cost this tool exists to show. After the table it
+prints the slowest call of each kind and one line against issue 18's bounds (p99 <= 1 ms for a
+per-message call, no call or full collection over 10 ms), and the allocator it ran under: the
+broker's worst calls depend on it. Run it as ``april up`` runs the broker where jemalloc is
+installed: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 .venv/bin/python tools/simulate.py``.
+Where the time went, and what each figure is now (docs/benchmarks.md, "Scale", has the tables):
 
-* Full garbage collections: 13–15 per mode, up to 0.7–1.3 s each (3.3 s when the ledger held
-  its tokens in Python lists; they are ``array``s now, and queued samples hold none). One that
-  lands in a call is that call's latency: every call's maximum, and the ``pull_batch`` p50 of
-  0.3–1.5 s. What is left to walk is two or three objects per sample ever admitted (the
-  ``Sample`` and its version spans; the ledger keeps delivered samples). A broker process that
-  freezes its heap after each batch (``gc.freeze()``) cut the longest collection at 100
-  generators from 100–180 ms to under 30 ms in an experiment; that is the service's choice, not the core's.
-* ``pull_batch`` moves 64,000 samples one by one: ~85 ms of its own (255 ms before: counters per
-  token span, frozen dataclasses, ``Counter``s, enum look-ups), 8 ms for 6,400 at 100 generators.
-* ``publish_version`` visits only the live samples whose oldest version the new one makes stale
-  (an index by oldest version), not every live sample: 8–460 µs p50 (28–240 ms before).
-* ``lease`` takes from ``OrderedDict`` queues (a dict skipped its deleted front entries):
-  p50 1 µs (40–70 µs before). ``finish`` turns each reported list into arrays, 35 µs p50 for a
-  ~2,000-token response (14 µs when it kept lists): the price of the collector's savings.
+* Full collections walked the ledger (up to 3.3 s), then start-up's objects (14–28 ms); the ledger
+  holds nothing the collector tracks, and the run, as the broker service, freezes what exists
+  before it: 1–3 ms.
+* ``pull_batch`` packed a whole batch in one call (2.6 s, then 190 ms for 64,000 samples); it packs
+  1,024 samples a call now, 2–4 µs each: 6–8 ms at worst.
+* ``publish_version`` visits only the samples a new version can make stale (28–240 ms before).
+* An early termination marks 60,000 leases aborting with one watermark (50–63 ms before); a lease
+  grant carries its resume as bytes (88–100 ms before, as lists).
+* Under glibc's malloc, the first allocations after a batch is freed sort its freed chunks:
+  ``lease`` and ``finish`` up to 50–90 ms. Under jemalloc none.
+* Left: ``admit`` while the first batch fills the ledger (12–26 ms, its dicts doubling).
 """
 
 from __future__ import annotations
