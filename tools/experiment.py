@@ -421,6 +421,7 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
         out["gen_tokens_per_s"] = gen / span
         out["discarded_frac"] = (last.get("tokens_discarded", 0) - first.get("tokens_discarded", 0)) / max(1, gen)
         out["retired_frac"] = (last.get("tokens_retired", 0) - first.get("tokens_retired", 0)) / max(1, gen)
+    out.update(generator_shares(run_dir, t_first, t_first + span))
     ledger_file = run_dir / "broker_state.json"
     if ledger_file.is_file():
         c = json.loads(ledger_file.read_text())["counters"]
@@ -432,11 +433,50 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
     return out
 
 
+def busy_lines(log: Path) -> list[dict[str, float]]:
+    """A generator log's ``busy`` records (console or JSON lines), as numbers."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "busy":
+                out.append({k: float(rec[k]) for k in ("busy_s", "slot_s", "slots", "t") if k in rec})
+        elif " busy " in line and "busy_s=" in line:
+            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            try:
+                out.append({k: float(fields[k]) for k in ("busy_s", "slot_s", "slots", "t")})
+            except (KeyError, ValueError):
+                continue
+    return out
+
+
+def generator_shares(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
+    """The generators' side of the time split over the window [t0, t1] (epoch seconds): the share
+    of wall time each had a sequence decoding (``gen_busy_frac``) and its slots' occupancy
+    (``gen_slot_frac``), means over generators; from the first to the last ``busy`` record in the
+    window. Nothing when the logs have none (a run before generators logged them)."""
+    busy, slots = [], []
+    for log in sorted((run_dir / "logs").glob("*gen-*.log")):
+        recs = [r for r in busy_lines(log) if t0 - 1e-6 <= r.get("t", -1) <= t1 + 1e-6]
+        if len(recs) < 2 or recs[-1]["t"] <= recs[0]["t"]:
+            continue
+        a, b = recs[0], recs[-1]
+        dt = b["t"] - a["t"]
+        busy.append((b["busy_s"] - a["busy_s"]) / dt)
+        slots.append((b["slot_s"] - a["slot_s"]) / (dt * max(1.0, b["slots"])))
+    if not busy:
+        return {}
+    return {"gen_busy_frac": statistics.fmean(busy), "gen_slot_frac": statistics.fmean(slots)}
+
+
 # ---------------------------------------------------------------------- cells: mean ± spread over seeds
 
 AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "reward_final", "off_policy_frac", "discarded_frac",
               "retired_frac", "ess", "ess_min", "lag_mean", "wait_frac", "train_frac", "handoff_frac", "step_s_mean",
-              "eval_final")
+              "eval_final", "gen_busy_frac", "gen_slot_frac")
 
 
 def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
@@ -508,13 +548,15 @@ def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, note
         lines.append("| " + " | ".join(cols) + " |")
     lines += ["", "Where the time goes (fractions of the window, from the learner's per-step `wait_s`, `train_s`, "
               "`step_s`): *waiting* for a batch (the rollout, in sync and april-abort), *training*, *hand-off* "
-              "(weights out, batch report, checkpoints); the generators' output per wall second, discarded tokens "
-              "included.", "",
-              "| cell | waiting | training | hand-off | s per step | generated tok/s | mean lag |",
-              "|---|---|---|---|---|---|---|"]
+              "(weights out, batch report, checkpoints); from the generators' `busy` log lines, the share of the "
+              "window each had a sequence decoding and the share of its slots in use (means over generators); the "
+              "generators' output per wall second, discarded tokens included.", "",
+              "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s | mean lag |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         cols = [c["label"], *(_pm(c, k, ".0f", 100, " %") for k in ("wait_frac", "train_frac", "handoff_frac")),
-                _pm(c, "step_s_mean", ".2f"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f")]
+                _pm(c, "step_s_mean", ".2f"), _pm(c, "gen_busy_frac", ".0f", 100, " %"),
+                _pm(c, "gen_slot_frac", ".0f", 100, " %"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f")]
         lines.append("| " + " | ".join(cols) + " |")
     if sim:
         lines += ["", sim_table(sim)]
@@ -743,7 +785,8 @@ def plot_eval(cfg: Settings, cells: list[dict], runs: list[dict], out: Path) -> 
     import numpy as np
 
     colors = _colors(cells)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    many = len(cells) > 8  # a legend beside the axes, not over the lines
+    fig, ax = plt.subplots(figsize=(9.0 if many else 6.4, 4.0))
     grid = np.linspace(0, cfg.duration_s, 100)
     for c in cells:
         ys = [np.interp(grid, [p[0] for p in r["eval_curve"]], [p[2] for p in r["eval_curve"]], right=np.nan)
@@ -754,13 +797,17 @@ def plot_eval(cfg: Settings, cells: list[dict], runs: list[dict], out: Path) -> 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mean, lo, hi = np.nanmean(a, 0), np.nanmin(a, 0), np.nanmax(a, 0)
-        ax.plot(grid, mean, color=colors[c["cell"]], label=c["label"], linewidth=1.6)
+        ax.plot(grid, mean, color=colors[c["cell"]], label=c["label"], linewidth=1.6,
+                linestyle="--" if c.get("over_bound") == "drop" else "-")
         ax.fill_between(grid, lo, hi, color=colors[c["cell"]], alpha=0.15, linewidth=0)
     ax.set_xlabel("wall time from the first learner step (s)")
     ax.set_ylabel(f"held-out reward ({cfg.eval_problems} problems)")
     ax.set_title("held-out reward vs wall time (band: lowest to highest seed)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if many:
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "eval_vs_time.png", dpi=DPI)
     plt.close(fig)

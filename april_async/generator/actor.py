@@ -35,6 +35,25 @@ ERROR_REASON_SINCE = (1, 5)  # the protocol version that added finished.reason "
 PROGRESS_SINCE = (1, 7)  # the protocol version that added the progress message
 
 
+class BusyClock:
+    """How busy an engine is: wall seconds with at least one sequence active, and slot-seconds
+    (active sequences × seconds), from the count seen at each turn of the loop."""
+
+    def __init__(self, now: float) -> None:
+        self.since = self.at = now
+        self.active = 0
+        self.busy_s = self.slot_s = 0.0
+
+    def tick(self, now: float, active: int) -> None:
+        """The loop turned at ``now`` with ``active`` sequences; the time since the last turn counts
+        at the count seen then."""
+        dt = now - self.at
+        if self.active:
+            self.busy_s += dt
+            self.slot_s += self.active * dt
+        self.at, self.active = now, active
+
+
 @dataclass
 class LeaseWork:
     lease_id: int
@@ -129,6 +148,8 @@ class GeneratorActor:
 
     def run(self, stop) -> None:
         idle_wait = self.cfg.link.heartbeat_interval_s / 4
+        busy = BusyClock(time.monotonic())
+        stats_due = time.monotonic() + self.cfg.stats_interval_s
         while not stop:
             msg = self.peer.poll(0.0 if self.engine.active() else idle_wait)
             while msg is not None:
@@ -142,6 +163,12 @@ class GeneratorActor:
             for out in self.engine.step():
                 self._progress(out)
             self._flush_chunks()
+            now = time.monotonic()
+            busy.tick(now, self.engine.active())
+            if now >= stats_due:
+                stats_due = now + self.cfg.stats_interval_s
+                self._log_busy(busy)
+        self._log_busy(busy)
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
         if self.weights is not None:
@@ -150,6 +177,10 @@ class GeneratorActor:
         if close is not None:
             close()
         self.log.info("stopped", leases=len(self.work), version=self.engine.policy_version)
+
+    def _log_busy(self, busy: BusyClock) -> None:
+        self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,
+                      up_s=round(busy.at - busy.since, 3), t=round(time.time(), 3))
 
     def handle(self, msg) -> None:
         self.broker_proto = msg.proto_version

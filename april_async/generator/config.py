@@ -94,6 +94,10 @@ class GeneratorConfig(BaseModel):
     lease's end is sent at once, in its ``finished``). The broker's cost is mostly per entry, so
     the interval sets its load: at 25 ms decode steps, 0.5 s makes entries of 20 tokens; a
     generator that dies loses at most this much decoding (its leases resume from what was sent)."""
+    stats_interval_s: float = Field(5.0, gt=0)
+    """Log a ``busy`` line this often: seconds with at least one sequence decoding, slot-seconds
+    (sequences × seconds), and the wall clock, each since start (``tools/experiment.py`` reads them
+    for the generators' share of a run)."""
     progress_max_tokens: int = Field(4096, ge=1)
     """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
     split over several messages."""

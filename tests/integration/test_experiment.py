@@ -49,6 +49,7 @@ def test_the_smoke_size_runs_each_cell_for_its_window_and_reports(tmp_path):
         assert 0.0 <= run["reward_final"] <= 1.0
         assert 0.0 <= run["wait_frac"] + run["train_frac"] + run["handoff_frac"] <= 1.05
         assert run["ess"] is not None and 0.0 < run["ess"] <= 1.0 + 1e-6
+        assert 0.0 < run["gen_slot_frac"] <= run["gen_busy_frac"] <= 1.0 + 1e-6  # from the generators' busy lines
         run_dir = out / "cells" / run["cell"] / f"seed{run['seed']}"
         assert json.loads((run_dir / "broker_state.json").read_text())["balanced"]
         learner = json.loads((run_dir / "config" / "learner-0.json").read_text())
