@@ -517,6 +517,16 @@ def _pm(row: dict, key: str, fmt: str, scale: float = 1.0, unit: str = "") -> st
     return (f"{v * scale:{fmt}} ± {sd * scale:{fmt}}" if sd else f"{v * scale:{fmt}}") + unit
 
 
+def _time_cell(c: dict, key: str, sync: dict | None) -> str:
+    """A time-to-level cell: mean ± sd, how many seeds reached it when not all, and the ratio to sync."""
+    text = _pm(c, key, ".0f")
+    if c[f"{key}_reached"] < c["runs_ok"]:
+        text += f" ({c[f'{key}_reached']}/{c['runs_ok']})"
+    if sync and c is not sync and c.get(key) is not None and sync.get(key):
+        text += f" [{c[key] / sync[key]:.2f}×]"
+    return text
+
+
 def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, notes: list[str] = ()) -> str:
     """The results as markdown: time to reward, the time split, and (with ``sim``) the projection;
     ``notes`` say where levels came from."""
@@ -534,14 +544,7 @@ def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, note
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         cols = [c["label"], f"{c['runs_ok']}/{c['runs']}", _pm(c, "steps", ".1f"), _pm(c, "tokens_per_s", ",.0f")]
-        for lv in cfg.levels:
-            key = f"t_{lv:g}"
-            s = _pm(c, key, ".0f")
-            if c[f"{key}_reached"] < c["runs_ok"]:
-                s += f" ({c[f'{key}_reached']}/{c['runs_ok']})"
-            if sync and c is not sync and c.get(key) is not None and sync.get(key):
-                s += f" [{c[key] / sync[key]:.2f}×]"
-            cols.append(s)
+        cols += [_time_cell(c, f"t_{lv:g}", sync) for lv in cfg.levels]
         cols += [_pm(c, "reward_final", ".3f"), _pm(c, "off_policy_frac", ".1f", 100, " %"),
                  _pm(c, "discarded_frac", ".1f", 100, " %"), _pm(c, "retired_frac", ".1f", 100, " %"),
                  _pm(c, "ess", ".3f") + (f" ({c['ess_min']:.2f})" if c.get("ess_min") is not None else "")]
@@ -588,15 +591,7 @@ def eval_table(cfg: Settings, cells: list[dict], levels: list[float], notes: lis
              + "".join(f" Level {n}." for n in notes), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
-        cols = [c["label"], _pm(c, "eval_final", ".3f")]
-        for lv in levels:
-            key = f"te_{lv:g}"
-            text = _pm(c, key, ".0f")
-            if c[f"{key}_reached"] < c["runs_ok"]:
-                text += f" ({c[f'{key}_reached']}/{c['runs_ok']})"
-            if sync and c is not sync and c.get(key) is not None and sync.get(key):
-                text += f" [{c[key] / sync[key]:.2f}×]"
-            cols.append(text)
+        cols = [c["label"], _pm(c, "eval_final", ".3f")] + [_time_cell(c, f"te_{lv:g}", sync) for lv in levels]
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n"
 
