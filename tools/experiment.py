@@ -420,7 +420,8 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
         gen = last["tokens_generated"] - first["tokens_generated"]
         out["gen_tokens_per_s"] = gen / span
         out["discarded_frac"] = (last.get("tokens_discarded", 0) - first.get("tokens_discarded", 0)) / max(1, gen)
-        out["retired_frac"] = (last.get("tokens_retired", 0) - first.get("tokens_retired", 0)) / max(1, gen)
+        if "tokens_retired" in last and "tokens_retired" in first:  # a learner before 2026-11-25 left it out
+            out["retired_frac"] = (last["tokens_retired"] - first["tokens_retired"]) / max(1, gen)
     out.update(generator_shares(run_dir, t_first, t_first + span))
     ledger_file = run_dir / "broker_state.json"
     if ledger_file.is_file():
@@ -885,7 +886,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", type=Path, help="the experiment's TOML file ([experiment], [smoke], [sim])")
     p.add_argument("--smoke", action="store_true", help="the [smoke] size: what CI runs")
     p.add_argument("--sim", action="store_true", help="the cells in the simulator (GPU-like costs), no runs")
-    p.add_argument("--report", action="store_true", help="no runs: redraw and re-tabulate <out>/results.json")
+    p.add_argument("--report", action="store_true", help="no runs: redraw and re-tabulate <out>/results.json "
+                   "(re-reading the run directories that are still there)")
     p.add_argument("--docs", action="store_true", help="also copy the figures to [experiment] docs and "
                    "rewrite the experiment's block of docs/experiments.md")
     p.add_argument("--out", type=Path, help="where results and figures go (default: [experiment] out)")
@@ -931,6 +933,10 @@ def _main(args) -> int:
             raise ExperimentError(f"--report: {str(results)!r} does not exist (run the experiment first)")
         stored = json.loads(results.read_text())
         runs, eval_initial = stored["runs"], stored.get("eval_initial")
+        for run in runs:  # a run directory still there is read again: numbers added since it ran
+            run_dir = out / "cells" / run["cell"] / f"seed{run['seed']}"
+            if run.get("status") == "ok" and (run_dir / "metrics.jsonl").is_file():
+                run.update(run_numbers(run_dir, cfg))
     else:
         runs, eval_initial = experiment(cfg, cells, out, args)
     levels, notes = resolve_levels(cfg, runs)

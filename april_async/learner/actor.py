@@ -268,7 +268,7 @@ class LearnerActor:
             "lag_max": int(lags.max()) if len(lags) else 0,
         })
         for key in ("partials_recycled", "tokens_resumed", "aborts_sent", "restarts", "tokens_discarded",
-                    "leases_issued", "tokens_generated"):
+                    "tokens_retired", "leases_issued", "tokens_generated"):
             if key in stats:
                 row[key] = stats[key]
         if "groups_filtered" in stats:
