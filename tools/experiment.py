@@ -744,13 +744,13 @@ def plot(cfg: Settings, cells: list[dict], runs: list[dict], out: Path) -> list[
     plt.close(fig)
     names.append("staleness.png")
 
-    varied = [c for c in cells if c["mode"] != "sync"]
-    if len({c["eta"] for c in varied}) > 1:
-        fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
-        lines: dict[str, list[dict]] = {}
-        for c in varied:
+    lines: dict[str, list[dict]] = {}  # cells that differ only in η: one line each
+    for c in cells:
+        if c["mode"] != "sync":
             extra = "".join(f" {x}" for x in (c["boundary"], c["over_bound"]) if x not in ("abort",))
             lines.setdefault(f"{c['mode']} r={c['r']:g}{extra}", []).append(c)
+    if any(len({c["eta"] for c in group}) > 1 for group in lines.values()):
+        fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
         sync = next((c for c in cells if c["cell"] == "sync"), None)
         for ax, key, label, scale in [(axes[0], "tokens_per_s", "trained tokens / s", 1.0),
                                       (axes[1], "off_policy_frac", "off-policy token share", 1.0)]:
