@@ -28,6 +28,7 @@ from april_async.engines.base import Engine, EngineOutput, EngineRequest, versio
 from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
+from april_async.transport.peer import wait_any
 from april_async.wire import messages as m
 from april_async.wire.version import parse
 
@@ -151,7 +152,9 @@ class GeneratorActor:
         busy = BusyClock(time.monotonic())
         stats_due = time.monotonic() + self.cfg.stats_interval_s
         while not stop:
-            msg = self.peer.poll(0.0 if self.engine.active() else idle_wait)
+            if not self.engine.active():
+                self._wait(idle_wait)
+            msg = self.peer.poll(0.0)
             while msg is not None:
                 self.handle(msg)
                 msg = self.peer.poll(0.0)
@@ -177,6 +180,14 @@ class GeneratorActor:
         if close is not None:
             close()
         self.log.info("stopped", leases=len(self.work), version=self.engine.policy_version)
+
+    def _wait(self, timeout_s: float) -> None:
+        """Idle: sleep until the broker or the weights link has something (a lease, an announce, a
+        version received), at most ``timeout_s``. Waiting on the broker alone left a new version
+        unnoticed until the wait ran out, twice a version (its announce, then its receipt): up to
+        a quarter of a second of every sync step on the development machine."""
+        handles = [self.peer.sock] + (self.weights.waitables() if self.weights is not None else [])
+        wait_any(handles, timeout_s)
 
     def _log_busy(self, busy: BusyClock) -> None:
         self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,

@@ -45,6 +45,16 @@ HANDSHAKE_EVENTS = curve.HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 """What the peer's socket monitor reports: refused handshakes, and the successes that end a streak."""
 
 
+def wait_any(handles, timeout_s: float) -> bool:
+    """Block until one of ``handles`` (ZeroMQ sockets, or file descriptors) is readable, at most
+    ``timeout_s``; True when one is. An actor idle on several links waits on all of them at once,
+    rather than on one with the others looked at only after its timeout."""
+    poller = zmq.Poller()
+    for h in handles:
+        poller.register(h, zmq.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
 class Peer:
     def __init__(self, endpoint: str, sender: str, *, link: LinkConfig, on_connect: Callable[[Peer], None],
                  ctx: zmq.Context | None = None, clock=time.monotonic):

@@ -21,7 +21,9 @@ engine has loaded from it (``BufferPool``): fresh memory would fault in page by 
 receive. Joining and receiving run on a worker thread, so the generator keeps decoding (and its broker
 session keeps its heartbeats) while the bytes move; loading happens in ``poll``, which the
 generator calls between decode steps, so a generator is blocked only while it loads. An error
-of ``load_weights`` itself propagates to the caller.
+of ``load_weights`` itself propagates to the caller. ``waitables`` are what an idle caller waits
+on (the session's socket, and a pipe the worker writes to when a version is in), so that an
+announce, and then the received version, are taken at once rather than at its next timeout.
 
 Announces are handled in order. One whose epoch a newer queued announce replaces is skipped (the
 broadcaster abandoned that group). A failure is reported only in the session whose announce it
@@ -31,6 +33,7 @@ late failure of an old one would read as a failure of the new round.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -123,6 +126,9 @@ class WeightSubscriber:
         self._jobs: queue.Queue[tuple[m.WeightsAnnounce, int] | str | None] = queue.Queue()
         self._receipts: queue.Queue[Receipt] = queue.Queue()
         self.buffers = BufferPool()
+        self._wake_r, self._wake_w = os.pipe()  # a byte: a receipt is waiting (``waitables``)
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._receive_loop, daemon=True, name=f"{name}-weights")
         self._thread.start()
         self.peer = (peer_factory or _broadcaster_peer(endpoint, name, link))(self._on_connect)
@@ -132,6 +138,12 @@ class WeightSubscriber:
         peer.send(m.Hello(role="generator", instance=self.name, policy_version=self.engine.policy_version))
 
     # ------------------------------------------------------------------ the caller's thread
+
+    def waitables(self) -> list:
+        """What a caller with nothing else to do waits on (``transport.peer.wait_any``) before it
+        calls ``poll``: the broadcaster session's socket and the worker's wake-up pipe."""
+        sock = getattr(self.peer, "sock", None)
+        return ([sock] if sock is not None else []) + [self._wake_r]
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         """Take announces in, load what has arrived; True when a new version was loaded."""
@@ -144,6 +156,10 @@ class WeightSubscriber:
                     self._jobs.put(LEAVE)  # a restarted broadcaster counts its groups from 1 again
                 self._broadcaster_epoch = msg.body.broker_epoch
             msg = self.peer.poll(0.0)
+        try:  # emptied before the queue is read: a receipt put after this writes a new byte
+            os.read(self._wake_r, 1 << 12)
+        except BlockingIOError:
+            pass
         loaded = False
         while True:
             try:
@@ -188,6 +204,9 @@ class WeightSubscriber:
         """Say bye, stop the worker (after the round it is in, at most a moment) and leave the group."""
         self._jobs.put(None)
         self._thread.join(timeout=2.0)
+        if not self._thread.is_alive():  # a worker still in a collective may yet write to the pipe
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.group.close()
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
@@ -235,6 +254,10 @@ class WeightSubscriber:
                 self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0, buffer))
             else:
                 self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0, buffer))
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: the caller has wake-ups enough waiting
+                pass
 
     def _verify(self, ann: m.WeightsAnnounce, buffer: torch.Tensor) -> None:
         """Raise ``DigestMismatch`` unless every received bucket has its announced digest under
@@ -273,6 +296,11 @@ class ServerWeightsLink:
     def _on_connect(self, peer) -> None:
         peer.send(m.Hello(role="generator", instance=self.name, engine=self.engine.name,
                           policy_version=self.engine.policy_version, servers=[s.url for s in self.engine.servers]))
+
+    def waitables(self) -> list:
+        """The broadcaster session's socket (``WeightSubscriber.waitables``)."""
+        sock = getattr(self.peer, "sock", None)
+        return [sock] if sock is not None else []
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         msg = self.peer.poll(timeout_s)

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -182,6 +183,41 @@ def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked
             assert engine.policy_version == version, f"version {version} not loaded within {TIMEOUT_S / 2} s"
         loads = [json.loads(line)["version"] for line in (tmp_path / "loads.jsonl").read_text().splitlines()]
         assert loads == [1, 2] and sub.failures == 0
+    finally:
+        sub.close()
+        root.close()
+
+
+def test_a_received_version_wakes_a_caller_waiting_on_the_subscriber(tmp_path):
+    """An idle generator waits on ``waitables``: the worker's receipt must wake it (not its wait's
+    timeout), ``poll`` then loads it, and nothing is left to wake it again."""
+    from april_async.transport.peer import wait_any
+    from april_async.weights.subscriber import WeightSubscriber
+
+    engine = RecordingEngine(tmp_path / "loads.jsonl")
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=ScriptedSession)
+    root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S)
+    spec = m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="gloo", timeout_s=TIMEOUT_S)
+    specs, buf = flatten(policy(1))
+    ann = m.WeightsAnnounce(version=1, tensors=specs, num_bytes=buf.numel(), bucket_bytes=1 << 16,
+                            group=msgspec.structs.replace(spec, rank=1))
+
+    def serve():
+        root.join(spec)
+        root.broadcast(buf, 1 << 16, tag=1)
+
+    try:
+        assert not wait_any(sub.waitables(), 0.05)  # nothing yet
+        sub.peer.inbox.append(ann)
+        assert not sub.poll(0.0)  # the announce goes to the worker; nothing received yet
+        t = threading.Thread(target=serve)
+        t.start()
+        t0 = time.monotonic()
+        assert wait_any(sub.waitables(), TIMEOUT_S), "the receipt did not wake the caller"
+        woke_s = time.monotonic() - t0
+        t.join()
+        assert woke_s < TIMEOUT_S / 2 and sub.poll(0.0) and engine.policy_version == 1
+        assert not wait_any(sub.waitables(), 0.05), "a wake-up was left behind after the version loaded"
     finally:
         sub.close()
         root.close()
