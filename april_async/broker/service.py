@@ -51,6 +51,10 @@ class PeerState:
     last_heartbeat_sent: float = 0.0
 
 
+LEASE_ROUNDS = 8
+"""A tick deals its leases in up to this many rounds over the generators (``_lease``)."""
+
+
 class BrokerService:
     def __init__(self, cfg: BrokerServiceConfig, hub: Hub, *, clock=time.monotonic):
         self.cfg = cfg
@@ -289,20 +293,36 @@ class BrokerService:
                 self.log.warning("prompt_refused", prompt_id=problem.prompt_id, error=str(e))
 
     def _lease(self, now: float) -> None:
+        """Deal what may be leased now across the generators with free slots, in rounds, the
+        most free first, each taking at most 1/``LEASE_ROUNDS`` of the largest free count a round:
+        a step's samples are spread over the generators instead of filling the first (64 slots
+        each and 64 samples a sync step put every sample on one generator of two, and the other
+        sat idle). The core grants what it may whoever asks, so a short grant ends the tick's leasing."""
+        free: dict[str, int] = {}
         for name, peer in self.peers.items():
-            if peer.role != "generator":
-                continue
-            free = peer.capacity - len(self.core.leases_of(name))
-            if free <= 0:
-                continue
-            sp = self.cfg.rollout.sampling
-            sampling = m.SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                        stop_token_ids=list(sp.stop_token_ids))
-            for g in self.apply("lease", name, free, now):
-                self.hub.send(peer.identity, m.Generate(
-                    lease_id=g.lease_id, sample_id=g.sample_id, group_id=g.group_id,
-                    prompt=np.asarray(g.prompt, dtype=np.int32), resume=g.resume_tokens,
-                    max_new_tokens=g.max_new_tokens, sampling=sampling, min_policy_version=g.min_policy_version))
+            if peer.role == "generator" and (n := peer.capacity - len(self.core.leases_of(name))) > 0:
+                free[name] = n
+        if not free:
+            return
+        sp = self.cfg.rollout.sampling
+        sampling = m.SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                    stop_token_ids=list(sp.stop_token_ids))
+        quantum = -(-max(free.values()) // LEASE_ROUNDS)
+        while free:
+            for name in sorted(free, key=free.__getitem__, reverse=True):
+                want = min(free[name], quantum)
+                grants = self.apply("lease", name, want, now)
+                identity = self.peers[name].identity
+                for g in grants:
+                    self.hub.send(identity, m.Generate(
+                        lease_id=g.lease_id, sample_id=g.sample_id, group_id=g.group_id,
+                        prompt=np.asarray(g.prompt, dtype=np.int32), resume=g.resume_tokens,
+                        max_new_tokens=g.max_new_tokens, sampling=sampling, min_policy_version=g.min_policy_version))
+                if len(grants) < want:
+                    return
+                free[name] -= want
+                if not free[name]:
+                    del free[name]
 
     def _score(self, now: float) -> None:
         out: dict[str, int] = {}

@@ -49,3 +49,42 @@ def test_a_batch_goes_out_a_slice_per_turn_and_every_slice_replays(tmp_path):
     recovered, replayed, _ = replay(Journal(tmp_path / "journal"), svc.cfg.rollout)
     assert replayed == svc.journal.records_appended
     assert recovered.to_bytes() == svc.core.to_bytes() and recovered.unacked_batches == svc.core.unacked_batches
+
+
+def _hello(svc, name: str, slots: int) -> None:
+    body = m.Hello(role="generator", instance=name, capacity=slots)
+    svc.handle(name.encode(), codec.decode([bytes(f) for f in codec.encode(body, sender=name, seq=1)]), T0)
+
+
+def _leased(svc) -> dict[bytes, int]:
+    out: dict[bytes, int] = {}
+    for identity, body in svc.hub.sent:
+        if isinstance(body, m.Generate):
+            out[identity] = out.get(identity, 0) + 1
+    return out
+
+
+def test_a_step_is_spread_over_the_generators_not_piled_on_the_first():
+    """Sync, 8 groups of 8 and two generators of 64 slots: 32 leases each, not 64 and 0; generators
+    of unequal sizes fill the small ones and put the rest on the large; more work than slots fills all."""
+    svc = service(rollout={"mode": "sync", "batch_groups": 8, "group_size": 8, "over_provision": 1.0,
+                           "staleness_bound": 0, "max_response_tokens": 64}, prompts={"limit": 64})
+    _hello(svc, "gen-0", 64)
+    _hello(svc, "gen-1", 64)
+    svc.tick(T0)
+    assert _leased(svc) == {b"gen-0": 32, b"gen-1": 32}
+
+    svc = service(rollout={"mode": "sync", "batch_groups": 8, "group_size": 8, "over_provision": 1.0,
+                           "staleness_bound": 0, "max_response_tokens": 64}, prompts={"limit": 64})
+    _hello(svc, "gen-0", 16)
+    _hello(svc, "gen-1", 64)
+    _hello(svc, "gen-2", 8)
+    svc.tick(T0)
+    assert _leased(svc) == {b"gen-0": 16, b"gen-1": 40, b"gen-2": 8}  # the small ones full, the rest on the big one
+
+    svc = service(rollout={"mode": "april", "batch_groups": 8, "group_size": 8, "over_provision": 2.0,
+                           "max_response_tokens": 64}, prompts={"limit": 128})
+    _hello(svc, "gen-0", 40)
+    _hello(svc, "gen-1", 40)
+    svc.tick(T0)
+    assert _leased(svc) == {b"gen-0": 40, b"gen-1": 40}
