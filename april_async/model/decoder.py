@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from april_async.model.errors import CheckpointError
 
@@ -118,6 +119,19 @@ def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The kernels attention may use on CUDA: not cuDNN's, which builds a plan for every new sequence
+length, and a decode step's keys grow by one every step (on an H100 with torch 2.11, 25 ms of host
+time per call at 5M parameters and 1.9 ms at 0.5B, for microseconds of GPU work: docs/benchmarks.md)."""
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if q.is_cuda:
+        with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -157,12 +171,12 @@ class Attention(nn.Module):
             q = q.reshape(B, nkv, rep * T, hd)
             if mask is not None:
                 mask = mask.repeat(*([1] * (mask.dim() - 2)), rep, 1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, nh, T, hd)
+            out = _attend(q, k, v, mask).reshape(B, nh, T, hd)
         else:
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = _attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd)), present
 
 

@@ -53,8 +53,10 @@ def make_batch(rewards, *, batch_id=0, version=0, prompt=(1, 2, 3), lens=None):
 
 
 def learner(policy, tmp_path, **kw):
+    """A one-process learner on the CPU, also on a GPU host: these tests are of its logic, which they
+    compare with CPU tensors (``test_learner_ranks`` has the CUDA step)."""
     cfg = LearnerConfig(checkpoint=str(policy), run_dir=tmp_path / "run", broadcaster=None, tensorboard=False,
-                        lr=1e-2, **kw)
+                        lr=1e-2, **{"device": "cpu", **kw})
     return LearnerActor(cfg, FakePeer)
 
 
@@ -127,10 +129,11 @@ def test_resume_restores_weights_optimizer_version_and_batch_id(policy, tmp_path
 
 def test_missing_or_broken_checkpoints_are_named(tmp_path, policy):
     with pytest.raises(CheckpointError, match="learner.checkpoint is not set"):
-        LearnerActor(LearnerConfig(run_dir=tmp_path / "empty", broadcaster=None, tensorboard=False), FakePeer)
+        LearnerActor(LearnerConfig(run_dir=tmp_path / "empty", broadcaster=None, tensorboard=False, device="cpu"),
+                     FakePeer)
     with pytest.raises(CheckpointError, match="config.json is missing"):
         LearnerActor(LearnerConfig(checkpoint=str(tmp_path / "nowhere"), run_dir=tmp_path / "r", broadcaster=None,
-                                   tensorboard=False), FakePeer)
+                                   tensorboard=False, device="cpu"), FakePeer)
     actor = learner(policy, tmp_path, save_every=1)
     actor.train_on(make_batch([[1.0, 0.0]]))
     sharded = ckpt.latest(tmp_path / "run") / "sharded"
@@ -182,7 +185,7 @@ def test_a_version_the_broadcaster_refuses_as_too_large_stops_the_learner_naming
             return self.inbox.pop(0) if self.inbox else None
 
     cfg = LearnerConfig(checkpoint=str(policy), run_dir=tmp_path / "run", broadcaster="tcp://127.0.0.1:1",
-                        tensorboard=False)
+                        tensorboard=False, device="cpu")
     actor = LearnerActor(cfg, FakePeer, Refusing)
     actor.train_on(make_batch([[1.0, 0.0]]))
     with pytest.raises(BroadcastRefused, match="max_update_bytes"):
