@@ -4,6 +4,13 @@ long tails expensive (on a CPU the step cost grows with the batch; on a GPU it i
     .venv/bin/python tools/bench_engine.py            # ~5M and ~30M Qwen2-shaped models, batch 1..128
     .venv/bin/python tools/bench_engine.py --quick    # a smoke run
     .venv/bin/python tools/bench_engine.py --dtype bfloat16
+    python3 tools/bench_engine.py --device cuda --dtype bfloat16 --models 5M 0.5B   # on a GPU
+
+``--device`` is the engine's own setting (``cpu``, ``cuda``, ``cuda:<i>``; ``runtime.resolve_device``),
+and the model is built there. On CUDA the timed steps are bracketed by ``torch.cuda.synchronize()``:
+a step returns with its last forward still queued. ``0.5B`` is Qwen2-0.5B's shape (a 151,936-token
+vocabulary, tied embeddings) with random weights. The cache holds 16 prompt tokens plus the steps,
+so these are decode steps at short context.
 """
 
 from __future__ import annotations
@@ -17,15 +24,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from april_async.config import check_device  # noqa: E402
 from april_async.engines.base import EngineRequest  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.runtime import resolve_device  # noqa: E402
 
 MODELS = {
     "5M": ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "30M": ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True),
+    "0.5B": ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6,
+                        max_position_embeddings=131072, tie_word_embeddings=True),  # Qwen2-0.5B's config.json
 }
 
 
@@ -36,10 +48,40 @@ def step_seconds(model: CausalLM, batch: int, steps: int) -> float:
                                     max_new_tokens=steps + 4, temperature=1.0, seed=i))
     for _ in range(2):
         engine.step()  # warm-up
+    settle(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    settle(engine.device)
     return (time.perf_counter() - start) / steps
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile(model: CausalLM, batch: int, name: str) -> None:
+    """Where a decode step's time goes: the ops of 8 steps (after 2 warm-up steps), by host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    steps = 8
+    engine = TorchEngine(model, slots=batch, max_seq_len=16 + steps + 12)
+    for i in range(batch):
+        engine.submit(EngineRequest(lease_id=i, sample_id=i, prompt=list(range(1, 17)), resume=[],
+                                    max_new_tokens=steps + 8, temperature=1.0, seed=i))
+    for _ in range(2):
+        engine.step()
+    settle(engine.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        settle(engine.device)
+    print(f"== {name}, batch {batch}: {steps} decode steps")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
 
 
 def main() -> int:
@@ -47,16 +89,31 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="batch 1 and 4, 3 steps: a smoke run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:<i> (default: %(default)s)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["5M", "30M"],
+                   help="default: %(default)s")
+    p.add_argument("--batches", type=int, nargs="+", help="default: 1 2 4 ... 128 (--quick: 1 4)")
+    p.add_argument("--profile", type=int, metavar="BATCH",
+                   help="instead: torch.profiler's table of 8 decode steps at this batch, by host time")
     args = p.parse_args()
+    try:
+        device = resolve_device(check_device(args.device))
+    except ValueError as e:
+        p.error(str(e))
     dtype = getattr(torch, args.dtype)
-    batches = [1, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    batches = args.batches or ([1, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128])
     steps = 3 if args.quick else args.steps
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
+    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}{gpu}")
     print(f"{'model':<6} {'params':>7} {'batch':>6} {'step ms':>8} {'tokens/s':>9}")
-    for name, cfg in MODELS.items():
-        model = CausalLM(cfg).to(dtype).eval()
+    for name in args.models:
+        with torch.device(device):
+            model = CausalLM(MODELS[name]).to(dtype).eval()
         params = sum(t.numel() for t in model.parameters()) / 1e6
+        if args.profile:
+            profile(model, args.profile, name)
+            continue
         for b in batches:
             s = step_seconds(model, b, steps)
             print(f"{name:<6} {params:6.1f}M {b:6d} {s * 1e3:8.2f} {b / s:9.0f}")

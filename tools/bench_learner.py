@@ -1,14 +1,17 @@
-"""The learner's step at 1 and N ranks (FSDP2, gloo on the CPU): seconds per step and peak memory per rank.
+"""The learner's step at 1 and N ranks (FSDP2, gloo on the CPU, NCCL on CUDA): seconds per step, peak memory.
 
     .venv/bin/python tools/bench_learner.py                 # 30M parameters, 1 vs 2 ranks (a few minutes)
     .venv/bin/python tools/bench_learner.py --smoke         # a tiny model, seconds (CI)
     .venv/bin/python tools/bench_learner.py --params 30M --ranks 1 2 --threads 1 --steps 4 --json out.json
+    python3 tools/bench_learner.py --device cuda --params 0.5B --ranks 1 --dtype bfloat16 --response-len 256
 
 Every configuration runs the real learner (``LearnerActor`` on rank 0, ``RankWorker`` on the
 others, ``april_async/testing/learner_ranks.py``) in its own processes, side by side in one run, on
 the same synthetic batches: ``--groups`` groups of ``--group-size`` samples, prompts of
 ``--prompt-len`` tokens, responses of 1 to ``--response-len``. The model is a random Qwen2-shaped
-decoder with tied embeddings (``SIZES``). Reported per configuration:
+decoder with tied embeddings (``SIZES``; ``0.5B`` is Qwen2-0.5B's shape). ``--device`` is the
+learner's ``device`` setting (``cpu``, the default, or ``cuda``: rank r on GPU r, so at most one rank
+per GPU; on CUDA ``--dtype bfloat16`` is mixed precision). Reported per configuration:
 
 - **step_s**: the median of the learner's ``train_s`` (batch to updated weights: packing, the
   forward and backward passes, the optimizer step; not the hand-off or the checkpoint), the first
@@ -16,6 +19,8 @@ decoder with tied embeddings (``SIZES``). Reported per configuration:
 - **peak_rss_mb**: each rank's peak resident memory (``ru_maxrss``), whole process: Python, torch,
   the model, its gradients and optimizer state, activations, and one gathered bucket of the
   checkpoint export;
+- on CUDA, **peak_cuda_mb_per_rank**: each rank's ``torch.cuda.max_memory_allocated`` (tensors only,
+  not the caching allocator's reserve or the CUDA context);
 - the parameters after the last step against those of the first configuration (max |Δ|): the same
   training, whatever the ranks.
 
@@ -40,6 +45,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.runtime import resolve_device
 from april_async.testing.learner_ranks import run_steps
 
 SIZES = {
@@ -53,6 +59,9 @@ SIZES = {
                        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
     "100M": ModelConfig(model_type="qwen2", vocab_size=32000, hidden_size=768, intermediate_size=2048,
                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True),
+    "0.5B": ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6,
+                        max_position_embeddings=131072, tie_word_embeddings=True),  # Qwen2-0.5B's config.json
 }
 
 
@@ -67,10 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--microbatch-tokens", type=int, default=None, help="learner.max_tokens_per_microbatch")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, small batch")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        try:
+            resolve_device("cuda")
+        except ValueError as e:
+            p.error(str(e))
+        if max(args.ranks) > torch.cuda.device_count():
+            p.error(f"--ranks {max(args.ranks)} on CUDA needs a GPU per rank; "
+                    f"{torch.cuda.device_count()} visible")
     if args.smoke:
         args.params, args.steps, args.groups, args.group_size, args.response_len = "tiny", 2, 2, 4, 16
     cores = os.cpu_count() or 1
@@ -86,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         rng_rewards = [[float((g + k) % 2) for k in range(args.group_size)] for g in range(args.groups)]
         batches = [{"rewards": rng_rewards, "seed": i, "lens": args.response_len, "prompt_len": args.prompt_len}
                    for i in range(args.steps)]
-        learner = {"lr": 1e-4, "dtype": args.dtype, "gather_bucket_mb": 16.0,
+        # Every version is published as a checkpoint (no broadcaster): keep the learner's default two
+        # on disk, not all (at 0.5B on CUDA each holds ~7 GB of sharded model and optimizer state).
+        learner = {"lr": 1e-4, "dtype": args.dtype, "device": args.device, "gather_bucket_mb": 16.0,
+                   "keep_checkpoints": 2,
                    **({"max_tokens_per_microbatch": args.microbatch_tokens} if args.microbatch_tokens else {})}
         results, first = [], None
         for ranks in args.ranks:
@@ -100,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             train = [row["train_s"] for row in r["rows"]][1:] or [row["train_s"] for row in r["rows"]]
             out = {"ranks": ranks, "threads_per_rank": threads, "step_s": round(statistics.median(train), 3),
                    "peak_rss_mb_per_rank": [round(x) for x in r["peak_rss_mb_per_rank"]],
+                   **({"peak_cuda_mb_per_rank": [round(x) for x in r["peak_cuda_mb_per_rank"]]}
+                      if "peak_cuda_mb_per_rank" in r else {}),
                    "tokens_per_step": r["rows"][-1]["tokens"],
                    "max_abs_diff_vs_first": max(float((final[k] - first[k]).abs().max()) for k in final)}
             results.append(out)
             print(json.dumps(out), flush=True)
         base = results[0]["step_s"]
-        summary = {"params": n_params, "size": args.params, "dtype": args.dtype, "cores": cores,
+        summary = {"params": n_params, "size": args.params, "dtype": args.dtype, "device": args.device,
+                   "cores": cores,
                    "batch": f"{args.groups}x{args.group_size} samples, prompt {args.prompt_len}, "
                             f"responses 1-{args.response_len}",
                    "results": results,

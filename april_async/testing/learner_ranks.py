@@ -104,8 +104,10 @@ def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0) -
             tail = (workdir / f"rank{rank}.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"learner rank {rank} of {ranks} ended with {code}:\n{tail}")
     result = json.loads((workdir / "result.json").read_text())
-    result["peak_rss_mb_per_rank"] = [json.loads((workdir / f"rank{r}.json").read_text())["peak_rss_mb"]
-                                      for r in range(ranks)]
+    peaks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(ranks)]
+    result["peak_rss_mb_per_rank"] = [p["peak_rss_mb"] for p in peaks]
+    if all("peak_cuda_mb" in p for p in peaks):
+        result["peak_cuda_mb_per_rank"] = [p["peak_cuda_mb"] for p in peaks]
     return result
 
 
@@ -120,8 +122,10 @@ def _main(spec_path: str) -> None:
     try:
         _train(spec, Path(spec_path).parent)
     finally:
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps({"peak_rss_mb": peak_mb}))
+        peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if torch.cuda.is_initialized():  # tensors only: not the allocator's reserve, not the context
+            peak["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / (1 << 20)
+        (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps(peak))
 
 
 def _train(spec: dict, workdir: Path) -> None:
