@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One pass of the GPU checks on a machine with one CUDA GPU, no network and no install of this
 # package, the wheels it lacks carried in .whl/ (ignored by git: name it in the run's carry), with
-# OUT set to a folder whose files come back.
+# OUT set to a folder whose files come back. The wheels, made where pip reaches PyPI (for the GPU
+# machine's Python 3.12; the image has torch, numpy, msgpack, safetensors, httpx, pytest, ...):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 \
+#     msgspec==0.22.0 structlog==26.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 typing-extensions==4.16.0 blake3==1.0.11 jsonschema==4.26.0 \
+#     referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1
 #   OUT=/tmp/out bash tools/gpu_check.sh                           # ~6 min, at most GPU_CHECK_BUDGET_S (510)
 #   OUT=/tmp/out GPU_CHECK_DEVICE=cpu PY=.venv/bin/python bash tools/gpu_check.sh   # a trial without a GPU
 # Steps, each bounded by `timeout` and by what is left of the budget; a failure does not stop the next:
