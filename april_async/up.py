@@ -227,7 +227,8 @@ class RunConfig(BaseModel):
     the C library's; or a path to an allocator's shared library. Why: a batch frees each of its
     samples' token buffers, and glibc's malloc sorts up to 10,000 freed chunks in whichever later
     allocation comes next, which held a 1,000-generator broker 20–90 ms in a lease or a finish;
-    under jemalloc no call did (docs/benchmarks.md)."""
+    jemalloc runs with its background thread returning freed pages (``JEMALLOC_CONF``), and then
+    no call did (docs/benchmarks.md)."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many learner steps."""
     duration_s: float | None = Field(None, gt=0)
@@ -359,7 +360,7 @@ def plan(doc: dict[str, dict], actors: str | None) -> tuple[RunConfig, list[Chil
                                         journal_dir=doc.get("broker", {}).get("journal_dir", str(run_dir / "journal")),
                                         prompts__tokenizer=doc.get("broker", {}).get("prompts", {}).get("tokenizer", policy),
                                         state_file=str(run_dir / "broker_state.json"), **link),
-                env={"LD_PRELOAD": allocator} if allocator else {})
+                env=allocator_env(allocator))
         elif kind == "broadcaster":
             add(kind, f"{prefix}broadcaster", section(
                 "broadcaster", name=f"{prefix}broadcaster", bind=f"tcp://{run.bind}:{run.broadcaster_port}",
@@ -410,6 +411,23 @@ def allocator_library(choice: str, candidates: tuple[str, ...] = JEMALLOC_PATHS)
     if not Path(choice).is_file():
         raise ConfigError(f"run.broker_allocator: {choice!r} is not 'auto', 'system' or an existing shared library")
     return choice
+
+
+JEMALLOC_CONF = "background_thread:true"
+"""What a jemalloc broker runs with: pages freed by a delivered batch go back to the system from
+jemalloc's own thread. Purged inline instead, they held a 1,000-generator broker 10–56 ms inside
+whichever ``finish`` allocated next (docs/benchmarks.md)."""
+
+
+def allocator_env(library: str | None) -> dict[str, str]:
+    """The broker's environment for ``library`` (``allocator_library``'s answer): ``LD_PRELOAD``,
+    and for jemalloc ``MALLOC_CONF`` with ``JEMALLOC_CONF`` after any options the user set."""
+    if library is None:
+        return {}
+    env = {"LD_PRELOAD": library}
+    if "jemalloc" in Path(library).name:
+        env["MALLOC_CONF"] = ",".join(c for c in (os.environ.get("MALLOC_CONF"), JEMALLOC_CONF) if c)
+    return env
 
 
 class Supervisor:

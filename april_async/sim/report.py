@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -44,7 +45,12 @@ def allocator_in_use() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    return "jemalloc" if "jemalloc" in maps else "the C library's malloc"
+    if "jemalloc" not in maps:
+        return "the C library's malloc"
+    conf = os.environ.get("MALLOC_CONF", "")
+    return (f"jemalloc, MALLOC_CONF={conf!r}" if conf else "jemalloc") + (
+        "" if "background_thread:true" in conf else " (without background_thread:true, freed pages are purged "
+                                                    "inside calls: set MALLOC_CONF=background_thread:true)")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags: the run's (modes, η, output) and one per ``SimSettings`` field, which holds the

@@ -290,8 +290,17 @@ def test_the_broker_runs_under_the_allocator_asked_for(tmp_path, no_cluster_env,
     monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")  # the user's own preload is theirs
     assert allocator_library("auto", (str(lib),)) is None
     monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
     _, children, _ = plan(load_document(None, [f"run.broker_allocator={str(lib)!r}"]), "broker,scorer")
     env = {c.kind: c.env for c in children}
-    assert env["broker"] == {"LD_PRELOAD": str(lib)} and "LD_PRELOAD" not in env["scorer"]
+    assert env["broker"] == {"LD_PRELOAD": str(lib), "MALLOC_CONF": "background_thread:true"}
+    assert "LD_PRELOAD" not in env["scorer"]
+    monkeypatch.setenv("MALLOC_CONF", "narenas:2")  # the user's options first, the broker's after
+    _, children, _ = plan(load_document(None, [f"run.broker_allocator={str(lib)!r}"]), "broker")
+    assert children[0].env["MALLOC_CONF"] == "narenas:2,background_thread:true"
+    other = tmp_path / "libtcmalloc.so"
+    other.write_bytes(b"\x7fELF")
+    _, children, _ = plan(load_document(None, [f"run.broker_allocator={str(other)!r}"]), "broker")
+    assert children[0].env == {"LD_PRELOAD": str(other)}  # jemalloc's options only for jemalloc
     _, children, _ = plan(load_document(None, ["run.broker_allocator='system'"]), "broker")
     assert children[0].env == {}
