@@ -91,7 +91,10 @@ Where the time went, and what each figure is now (docs/benchmarks.md, "Scale", h
   grant carries its resume as bytes (88–100 ms before, as lists).
 * Under glibc's malloc, the first allocations after a batch is freed sort its freed chunks:
   ``lease`` and ``finish`` up to 50–90 ms. Under jemalloc none.
-* Left: ``admit`` while the first batch fills the ledger (12–26 ms, its dicts doubling).
+* The ledger's maps keyed by sample id rebuilt whole as they grew (``admit`` up to 26–42 ms): they
+  are paged (``broker/paged.py``). jemalloc purged freed pages inside calls (``finish`` up to
+  22–56 ms): the broker runs it with ``MALLOC_CONF=background_thread:true``. Batches leave in
+  slices of 512 samples. Left: one sync slice at 11.6 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
