@@ -5,9 +5,9 @@ import numpy as np
 
 from april_async.broker.journal import Journal
 from april_async.broker.service import replay
+from april_async.testing.broker_service import T0, Generator, service
 from april_async.wire import codec
 from april_async.wire import messages as m
-from tests.unit.test_progress import T0, Generator, service
 
 
 def _finish_all(gen: Generator) -> None:
