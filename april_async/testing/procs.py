@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -20,11 +21,26 @@ ROOT = Path(__file__).resolve().parents[2]
 """The checkout (children run from it, so that ``tools/`` and ``python -m`` find the same files)."""
 
 
+FREE_PORTS = range(20000, 32000)
+"""Where ``free_port`` looks: below the kernel's ephemeral range (Linux: 32768-60999 by default).
+A port the kernel handed out for ``bind(0)`` was freed for a child to bind later, and meanwhile
+any process binding port 0 (a test's own listener, a ZeroMQ or gloo socket) could be given the
+same port: a broadcaster test's store failed so in a fresh-clone CI run."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the ephemeral range, so
+    that no ``bind(0)`` takes it before the caller's child binds it."""
+    rng = random.Random()  # not the global generator, which tests seed
+    for _ in range(200):
+        port = rng.choice(FREE_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} after 200 tries")
 
 
 def spawn(cmd: list[str], *, log: Path, stdout=None, own_group: bool = False,
