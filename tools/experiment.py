@@ -891,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", action="store_true", help="also copy the figures to [experiment] docs and "
                    "rewrite the experiment's block of docs/experiments.md")
     p.add_argument("--out", type=Path, help="where results and figures go (default: [experiment] out)")
+    p.add_argument("--resume", action="store_true", help="keep the finished runs of <out>/results.json "
+                   "(an interrupted experiment, same settings) and run only the rest")
     p.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
     args = p.parse_args(argv)
     if threading.current_thread() is threading.main_thread():  # a kill stops the running cell in order
@@ -932,13 +934,13 @@ def _main(args) -> int:
         if not results.is_file():
             raise ExperimentError(f"--report: {str(results)!r} does not exist (run the experiment first)")
         stored = json.loads(results.read_text())
-        runs, eval_initial = stored["runs"], stored.get("eval_initial")
+        runs, eval_initial, initial_policy = stored["runs"], stored.get("eval_initial"), stored.get("initial_policy")
         for run in runs:  # a run directory still there is read again: numbers added since it ran
             run_dir = out / "cells" / run["cell"] / f"seed{run['seed']}"
             if run.get("status") == "ok" and (run_dir / "metrics.jsonl").is_file():
                 run.update(run_numbers(run_dir, cfg))
     else:
-        runs, eval_initial = experiment(cfg, cells, out, args)
+        runs, eval_initial, initial_policy = experiment(cfg, cells, out, args)
     levels, notes = resolve_levels(cfg, runs)
     cfg = cfg.model_copy(update={"levels": levels})
     for run in runs:  # from the curves, so that --report can time other levels without a run
@@ -960,7 +962,7 @@ def _main(args) -> int:
     if any(r.get("eval_curve") for r in runs):
         figures.append(plot_eval(cfg, aggregated, runs, out))
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
-            "eval_initial": eval_initial}
+            "initial_policy": initial_policy, "eval_initial": eval_initial}
     results.write_text(json.dumps({**meta, "cells": aggregated, "runs": runs}, indent=2))
     (out / "results.md").write_text(text)
     print(text)
@@ -988,7 +990,7 @@ def _num(v: float | None, fmt: str) -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[dict], float | None]:
+def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[dict], float | None, str]:
     init = warm_start(cfg.base, cfg.set, out, "experiment", "[experiment] base", cfg.init)
     check_initial_policy(init, args.smoke)
     held_out, eval_initial = None, None
@@ -1002,11 +1004,16 @@ def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[
             "initial_policy": str(init), "eval_initial": eval_initial}
     total = len(cells) * len(cfg.seeds)
     print(f"experiment: {len(cells)} cells × {len(cfg.seeds)} seeds, {cfg.duration_s:g} s each -> {out}", flush=True)
+    kept = resumable(out, meta, cells, cfg.seeds) if args.resume else {}
     runs: list[dict] = []
     i = 0
     for seed in cfg.seeds:  # seed-major: an interrupted experiment has every cell at the first seeds
         for cell in cells:
             i += 1
+            if (cell.name, seed) in kept:
+                runs.append(kept[cell.name, seed])
+                print(f"[{i}/{total}] {cell.name:<26} seed {seed} kept (finished before; --resume)", flush=True)
+                continue
             run = run_one(cfg, cell, seed, out, init, held_out)
             if run.get("eval_curve"):  # the initial policy at the window's start
                 run["eval_curve"].insert(0, [0.0, 0, eval_initial])
@@ -1019,7 +1026,42 @@ def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[
                   f"{_num(run.get('off_policy_frac'), '5.1%')}"
                   + (f" held-out {run['eval_curve'][-1][2]:.3f}" if run.get("eval_curve") else "")
                   + f" ({run['elapsed_s']:.0f} s)", flush=True)
-    return runs, eval_initial
+    return runs, eval_initial, str(init)
+
+
+RUN_SETTINGS = ("base", "init", "set", "duration_s", "eval_every_steps", "eval_points", "eval_problems",
+                "eval_temperature")
+"""The settings a run depends on: ``--resume`` keeps runs only if these are unchanged."""
+
+
+def resumable(out: Path, meta: dict, cells: list[Cell], seeds: list[int]) -> dict[tuple[str, int], dict]:
+    """``--resume``: the runs of ``<out>/results.json`` that finished (status ok, run directory still
+    there) and belong to this experiment's grid, by (cell, seed). Results made with other settings,
+    another initial policy or another held-out baseline are refused, not mixed in."""
+    results = out / "results.json"
+    if not results.is_file():
+        return {}
+    try:
+        stored = json.loads(results.read_text())
+    except ValueError as e:
+        raise ExperimentError(f"--resume: {str(results)!r} is not readable JSON ({e})") from None
+    for key in ("settings", "initial_policy", "eval_initial", "smoke"):
+        same = stored.get(key) == meta[key]
+        if key == "settings":  # what makes a run what it is (levels and the like are only read off it)
+            same = all((stored.get(key) or {}).get(k) == meta[key].get(k) for k in RUN_SETTINGS)
+        if key == "eval_initial" and None not in (stored.get(key), meta[key]):  # one greedy answer may flip
+            same = abs(stored[key] - meta[key]) <= 1.0 / max(1, meta["settings"]["eval_problems"]) + 1e-9
+        if not same:
+            was, now = stored.get(key), meta[key]
+            if key == "settings":
+                differ = [k for k in RUN_SETTINGS if (was or {}).get(k) != now.get(k)]
+                was, now = {k: (was or {}).get(k) for k in differ}, {k: now.get(k) for k in differ}
+            raise ExperimentError(f"--resume: {str(results)!r} was made with another {key} "
+                                  f"({was!r}, now {now!r}); run without --resume, or with another --out")
+    grid = {(c.name, s) for c in cells for s in seeds}
+    return {(r["cell"], r["seed"]): r for r in stored.get("runs", [])
+            if r.get("status") == "ok" and (r["cell"], r["seed"]) in grid
+            and (out / "cells" / r["cell"] / f"seed{r['seed']}" / "metrics.jsonl").is_file()}
 
 
 def validate_base_budget(cfg: Settings) -> int:

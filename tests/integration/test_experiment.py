@@ -67,6 +67,14 @@ def test_the_smoke_size_runs_each_cell_for_its_window_and_reports(tmp_path):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) < 100_000, name
 
+    # --resume over a finished experiment keeps every run as it was and runs none.
+    again = experiment(str(PRESET), "--smoke", "--out", str(out), "--resume")
+    assert again.returncode == 0, f"{again.stdout}\n{again.stderr}"
+    assert again.stdout.count("kept (finished before; --resume)") == 2 and "warm start done" not in again.stdout
+    resumed = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["cell"], r["curve"], r["eval_curve"]) for r in resumed] == \
+        [(r["cell"], r["curve"], r["eval_curve"]) for r in doc["runs"]]
+
 
 def test_the_simulated_projection_prints_the_grid(tmp_path):
     cfg = tmp_path / "exp.toml"
@@ -158,3 +166,34 @@ def test_bad_experiment_configs_are_one_line_errors(tmp_path, capsys, text, name
     err = capsys.readouterr().err.strip()
     assert named in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_keeps_finished_runs_of_the_same_settings_only(tmp_path):
+    """``--resume``: a run is kept when it finished, its directory is still there and it is in the
+    grid; results made with other settings or another initial policy are refused, not mixed in."""
+    tool = _load_tool()
+    out = tmp_path / "out"
+    settings = {"duration_s": 90, "eval_problems": 256, "levels": [0.5]}
+    meta = {"settings": settings, "initial_policy": "/init", "eval_initial": 0.625, "smoke": False}
+    cells = [tool.Cell(mode="sync"), tool.Cell(mode="april", r=2.0, eta=4)]
+    assert tool.resumable(out, meta, cells, [0, 1]) == {}  # nothing yet: every run is to do
+    runs = [{"cell": "sync", "seed": 0, "status": "ok"}, {"cell": "sync", "seed": 1, "status": "failed (exit 1)"},
+            {"cell": "april-r2-eta4", "seed": 0, "status": "ok"}, {"cell": "april-r2-eta4", "seed": 1, "status": "ok"},
+            {"cell": "async-r2-eta4", "seed": 0, "status": "ok"}]
+    for run in runs:
+        d = out / "cells" / run["cell"] / f"seed{run['seed']}"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("{}\n")
+    (out / "results.json").write_text(json.dumps({**meta, "eval_initial": 0.625 + 1 / 256, "runs": runs}))
+    (out / "cells" / "april-r2-eta4" / "seed1" / "metrics.jsonl").unlink()  # its run directory is gone
+    kept = tool.resumable(out, meta, cells, [0, 1])
+    assert sorted(kept) == [("april-r2-eta4", 0), ("sync", 0)]  # not failed, not gone, not outside the grid
+    assert tool.resumable(out, {**meta, "settings": {**settings, "levels": [0.7]}}, cells, [0, 1]) == kept  # report-only
+
+    for key, value in (("settings", {**settings, "duration_s": 60}), ("initial_policy", "/other"),
+                       ("eval_initial", 0.7), ("smoke", True)):
+        with pytest.raises(tool.ExperimentError, match=f"another {key}"):
+            tool.resumable(out, {**meta, key: value}, cells, [0, 1])
+    (out / "results.json").write_text("{not json")
+    with pytest.raises(tool.ExperimentError, match="not readable JSON"):
+        tool.resumable(out, meta, cells, [0, 1])
