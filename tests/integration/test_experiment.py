@@ -197,3 +197,18 @@ def test_resume_keeps_finished_runs_of_the_same_settings_only(tmp_path):
     (out / "results.json").write_text("{not json")
     with pytest.raises(tool.ExperimentError, match="not readable JSON"):
         tool.resumable(out, meta, cells, [0, 1])
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "launch/experiments").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_preset_loads_and_plans_one_april_up_per_cell_and_seed(preset, capsys):
+    """The presets a user runs as they are (the GPU one included, which cannot run here): each
+    validates, its base with it, and names a command for every cell at every seed."""
+    from april_async.up import load_document, plan
+
+    tool = _load_tool()
+    cfg, _ = tool.load(preset, False)
+    plan(load_document(cfg.base, cfg.set), None)  # the base with the preset's sets: every section valid
+    assert tool.main([str(preset), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(tool.cells_of(cfg)) * len(cfg.seeds)
+    assert all(" -m april_async.cli up --config " in line for line in lines)
