@@ -92,22 +92,23 @@ def main() -> int:
         print(f"\n{'decode':<34} {'seconds':>8} {'tokens/s':>9} {'vs embedded':>12}")
         print(f"{'embedded (in process)':<34} {embedded_s:8.2f} {made / embedded_s:9.0f} {1.0:12.2f}")
         standin = ["--slots", str(n), "--max-seq-len", str(seq)]
-        for label, flags, stream in [("sglang, streamed (cumulative)", [], True),
-                                     ("sglang, streamed (incremental)", ["--incremental-streaming-output"], True),
-                                     ("sglang, whole answers", [], False)]:
-            server = start_standin(ckpt, Path(tmp), *standin, *flags, name="decode")
-            engine = SGLangEngine(SGLangEngineConfig(servers=[server.url], slots_per_server=n, stream=stream),
-                                  instance="bench")
-            try:
-                decode(engine, requests(2, 4))  # warm-up: connections, first prefill
-                took, made_s = decode(engine, requests(n, tokens))  # the warm-up's leases have ended
-            finally:
-                engine.close()
-                server.kill()
-            assert made_s == made, (made, made_s)
-            print(f"{label:<34} {took:8.2f} {made / took:9.0f} {embedded_s / took:12.2f}")
-        servers = [start_standin(ckpt, Path(tmp), *standin, name=f"s{i}") for i in range(2)]
+        # Two servers: one streams cumulatively (and answers whole), one incrementally; both then
+        # take the weight pushes. A stand-in starts in seconds (a process importing torch).
+        servers = [start_standin(ckpt, Path(tmp), *standin, name="s0"),
+                   start_standin(ckpt, Path(tmp), *standin, "--incremental-streaming-output", name="s1")]
         try:
+            for label, server, stream in [("sglang, streamed (cumulative)", servers[0], True),
+                                          ("sglang, streamed (incremental)", servers[1], True),
+                                          ("sglang, whole answers", servers[0], False)]:
+                engine = SGLangEngine(SGLangEngineConfig(servers=[server.url], slots_per_server=n, stream=stream),
+                                      instance="bench")
+                try:
+                    decode(engine, requests(2, 4))  # warm-up: connections, first prefill
+                    took, made_s = decode(engine, requests(n, tokens))  # the warm-up's leases have ended
+                finally:
+                    engine.close()
+                assert made_s == made, (made, made_s)
+                print(f"{label:<34} {took:8.2f} {made / took:9.0f} {embedded_s / took:12.2f}")
 
             port = free_port()
             store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
