@@ -274,8 +274,18 @@ def up_argv(cfg: Settings, cell: Cell, seed: int, run_dir: Path, init: Path) -> 
     return argv
 
 
+def run_dir_of(out: Path, cell: str, seed: int) -> Path:
+    """Where a run of ``cell`` at ``seed`` writes (its ``april up`` run directory)."""
+    return out / "cells" / cell / f"seed{seed}"
+
+
+def finished_dir(out: Path, run: dict) -> bool:
+    """A run recorded as finished whose directory is still there to read again."""
+    return run.get("status") == "ok" and (run_dir_of(out, run["cell"], run["seed"]) / "metrics.jsonl").is_file()
+
+
 def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path, held_out: list | None = None) -> dict:
-    run_dir = (out / "cells" / cell.name / f"seed{seed}").resolve()
+    run_dir = run_dir_of(out, cell.name, seed).resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     t0 = time.monotonic()
@@ -917,7 +927,7 @@ def _main(args) -> int:
         for cell in cells:
             for seed in cfg.seeds:
                 print(f"{cell.name} seed {seed}: "
-                      f"{' '.join(up_argv(cfg, cell, seed, out / 'cells' / cell.name / f'seed{seed}', init))}")
+                      f"{' '.join(up_argv(cfg, cell, seed, run_dir_of(out, cell.name, seed), init))}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     if args.sim:
@@ -936,9 +946,8 @@ def _main(args) -> int:
         stored = json.loads(results.read_text())
         runs, eval_initial, initial_policy = stored["runs"], stored.get("eval_initial"), stored.get("initial_policy")
         for run in runs:  # a run directory still there is read again: numbers added since it ran
-            run_dir = out / "cells" / run["cell"] / f"seed{run['seed']}"
-            if run.get("status") == "ok" and (run_dir / "metrics.jsonl").is_file():
-                run.update(run_numbers(run_dir, cfg))
+            if finished_dir(out, run):
+                run.update(run_numbers(run_dir_of(out, run["cell"], run["seed"]), cfg))
     else:
         runs, eval_initial, initial_policy = experiment(cfg, cells, out, args)
     levels, notes = resolve_levels(cfg, runs)
@@ -1045,23 +1054,24 @@ def resumable(out: Path, meta: dict, cells: list[Cell], seeds: list[int]) -> dic
         stored = json.loads(results.read_text())
     except ValueError as e:
         raise ExperimentError(f"--resume: {str(results)!r} is not readable JSON ({e})") from None
-    for key in ("settings", "initial_policy", "eval_initial", "smoke"):
-        same = stored.get(key) == meta[key]
-        if key == "settings":  # what makes a run what it is (levels and the like are only read off it)
-            same = all((stored.get(key) or {}).get(k) == meta[key].get(k) for k in RUN_SETTINGS)
-        if key == "eval_initial" and None not in (stored.get(key), meta[key]):  # one greedy answer may flip
-            same = abs(stored[key] - meta[key]) <= 1.0 / max(1, meta["settings"]["eval_problems"]) + 1e-9
-        if not same:
-            was, now = stored.get(key), meta[key]
-            if key == "settings":
-                differ = [k for k in RUN_SETTINGS if (was or {}).get(k) != now.get(k)]
-                was, now = {k: (was or {}).get(k) for k in differ}, {k: now.get(k) for k in differ}
-            raise ExperimentError(f"--resume: {str(results)!r} was made with another {key} "
-                                  f"({was!r}, now {now!r}); run without --resume, or with another --out")
+    def refuse(key: str, was, now) -> ExperimentError:
+        return ExperimentError(f"--resume: {str(results)!r} was made with another {key} ({was!r}, now {now!r}); "
+                               f"run without --resume, or with another --out")
+
+    was_settings, now_settings = stored.get("settings") or {}, meta["settings"]
+    differ = [k for k in RUN_SETTINGS if was_settings.get(k) != now_settings.get(k)]  # levels etc. are read off runs
+    if differ:
+        raise refuse("settings", {k: was_settings.get(k) for k in differ}, {k: now_settings.get(k) for k in differ})
+    for key in ("initial_policy", "smoke"):
+        if stored.get(key) != meta[key]:
+            raise refuse(key, stored.get(key), meta[key])
+    was, now = stored.get("eval_initial"), meta["eval_initial"]
+    one_answer = 1.0 / max(1, now_settings["eval_problems"]) + 1e-9  # one greedy answer may flip
+    if (was is None) != (now is None) or (was is not None and abs(was - now) > one_answer):
+        raise refuse("eval_initial", was, now)
     grid = {(c.name, s) for c in cells for s in seeds}
     return {(r["cell"], r["seed"]): r for r in stored.get("runs", [])
-            if r.get("status") == "ok" and (r["cell"], r["seed"]) in grid
-            and (out / "cells" / r["cell"] / f"seed{r['seed']}" / "metrics.jsonl").is_file()}
+            if (r["cell"], r["seed"]) in grid and finished_dir(out, r)}
 
 
 def validate_base_budget(cfg: Settings) -> int:
