@@ -3,13 +3,13 @@
 Loop: poll the hub (with a timeout) → handle each message → tick (expiry, dead peers,
 admission, leases, score requests, batches, heartbeats with acks, journal flush, snapshot).
 
-Journaling rule: every call that changes the core is appended to the journal *before* any
-message it causes is sent, with the ``now`` it was called with; the core is deterministic, so
-replaying the records after the newest snapshot rebuilds the exact state. Expiry decisions are
-journaled as ``reclaim``/``requeue_score`` records (heartbeats move deadlines and are not
-journaled), and calls that changed nothing (an empty lease, no batch) are not written at all.
-A ``progress`` message (many leases' tokens) is one record, ``["progress", [entries, token
-bytes, log-prob bytes, now]]``, applied live and on replay by the same ``apply_progress``.
+Journaling rule: every call that changes the core is made through a typed record
+(``records.py``), which is appended to the journal *before* any message it causes is sent, with
+the ``now`` it was called with; the core is deterministic, so replaying the records after the
+newest snapshot rebuilds the exact state. Expiry decisions are journaled as ``Reclaim`` /
+``RequeueScore`` records (heartbeats move deadlines and are not journaled), and lease calls that
+granted nothing are not written at all. A ``progress`` message (many leases' tokens) is one
+``Progress`` record, applied live and on replay by the same ``apply_progress``.
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ import gc
 import json
 import os
 import time
-from array import array
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgpack
 import msgspec
 import numpy as np
+
+from april_async.broker import records as r
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
-from april_async.broker.core import (LOGPROB_DTYPE, LOGPROB_TYPECODE, TOKEN_DTYPE, TOKEN_TYPECODE, AbortLease,
-                                     BatchOut, BrokerCore, BrokerError)
+from april_async.broker.core import LOGPROB_DTYPE, TOKEN_DTYPE, AbortLease, BatchOut, BrokerCore, BrokerError
+from april_async.broker.records import apply_progress, ledger_arrays
 from april_async.logs import get_logger
 from april_async.tasks.source import PromptSource, encode_prompt
 from april_async.transport.hub import Hub
@@ -38,8 +37,6 @@ from april_async.wire import messages as m
 
 if TYPE_CHECKING:
     from april_async.broker.journal import Journal
-
-READONLY_CALLS = frozenset({"lease", "score_lease"})  # journaled only when they return something
 
 
 @dataclass
@@ -93,11 +90,11 @@ class BrokerService:
                       **core.place_counts())
         return core
 
-    def apply(self, method: str, *args):
-        """Call the core and journal the call (write-ahead: before anything it causes is sent)."""
-        result = getattr(self.core, method)(*args)
-        if self.journal is not None and (method not in READONLY_CALLS or result):
-            self.journal.append(msgpack.packb([method, list(args)], use_bin_type=True))
+    def apply(self, record: r.Record):
+        """Make the call ``record`` stands for and journal it (write-ahead: before anything it causes is sent)."""
+        result = r.apply(self.core, record)
+        if self.journal is not None and (result or not isinstance(record, r.JOURNALED_WHEN_GIVEN)):
+            self.journal.append(r.encode(record))
             self.records_since_snapshot += 1
         return result
 
@@ -152,28 +149,28 @@ class BrokerService:
             if body.reason == "error":
                 self.log.warning("engine_refused", lease_id=body.lease_id, sample_id=body.sample_id, generator=sender,
                                  error=body.error)
-            self._aborts(self.apply("finish", body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
-                                    [[s.version, s.count] for s in body.versions], body.reason, now))
+            self._aborts(self.apply(r.Finish(body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
+                                             [(s.version, s.count) for s in body.versions], body.reason, now)))
         elif isinstance(body, m.TokenChunk):
-            self.apply("chunk", body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
-                       [[s.version, s.count] for s in body.versions], now)
+            self.apply(r.Chunk(body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
+                               [(s.version, s.count) for s in body.versions], now))
         elif isinstance(body, m.Scored):
             if body.error is not None:
                 reason = score_error_kind(body.error)
                 self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, reason=reason, error=body.error)
-                self._aborts(self.apply("score_failed", body.sample_id, body.lease_id, now, reason))
+                self._aborts(self.apply(r.ScoreFailed(body.sample_id, body.lease_id, now, reason)))
             else:
-                self._aborts(self.apply("scored", body.sample_id, body.lease_id, body.reward, now))
+                self._aborts(self.apply(r.Scored(body.sample_id, body.lease_id, body.reward, now)))
         elif isinstance(body, m.BatchRequest):
             self._version_at_least(body.policy_version, now)
             if body.acked_batch_id is not None and self.core.unacked_batch_after(None) is not None:
-                self.apply("ack_batches", body.acked_batch_id)
+                self.apply(r.AckBatches(body.acked_batch_id))
             self.batch_waiters.append((sender, msg.msg_id, body.acked_batch_id))
         elif isinstance(body, m.BatchReport):
-            self.apply("report_batch", body.batch_id, body.policy_version, list(body.dropped_groups), body.reason)
+            self.apply(r.ReportBatch(body.batch_id, body.policy_version, list(body.dropped_groups), body.reason))
             self._version_at_least(body.policy_version, now)
         elif isinstance(body, m.WeightsPublished):
-            self._aborts(self.apply("publish_version", body.version, now))
+            self._aborts(self.apply(r.PublishVersion(body.version, now)))
             for name, p in self.peers.items():
                 if p.role == "generator":
                     self.hub.send(p.identity, body)
@@ -193,14 +190,13 @@ class BrokerService:
 
     def _progress(self, body: m.Progress, now: float) -> None:
         """Apply every entry of a ``progress`` as its own chunk, and journal the message as one
-        record (``apply_progress`` replays it). The decoder has checked that the entries and the
+        ``Progress`` record (``apply_progress`` replays it). The decoder has checked that the entries and the
         arrays add up, so no entry can fail here: either the whole message was refused at the
         border or each entry is applied, or counted as a no-op by the core (stale, gap, duplicate)."""
         entries = msgspec.to_builtins(body.entries)  # [[lease, sample, offset, count, [[v, c], ...]], ...]
         apply_progress(self.core, entries, *ledger_arrays(body.tokens, body.logprobs), now)
         if self.journal is not None:
-            record = ["progress", [entries, body.tokens.tobytes(), body.logprobs.tobytes(), now]]
-            self.journal.append(msgpack.packb(record, use_bin_type=True))
+            self.journal.append(r.encode(r.Progress(entries, body.tokens.tobytes(), body.logprobs.tobytes(), now)))
             # Counted as its entries toward ``snapshot_every_records``: snapshots come as often per
             # token as with one chunk a record, so a recovery replays no more than it did.
             self.records_since_snapshot += len(entries)
@@ -216,7 +212,7 @@ class BrokerService:
             held = set(self.core.leases_of(msg.sender))
             reported = {x.lease_id for x in body.inflight}
             for lid in sorted(held - reported):
-                self._aborts(self.apply("reclaim", lid))
+                self._aborts(self.apply(r.Reclaim(lid)))
             unknown = sorted(reported - held)
             if unknown:
                 self.hub.send(identity, m.Abort(lease_ids=unknown))
@@ -226,7 +222,7 @@ class BrokerService:
         elif body.role == "scorer":
             for sid, (scorer, _) in list(self.core.scoring.items()):
                 if scorer == msg.sender:
-                    self.apply("requeue_score", sid)
+                    self.apply(r.RequeueScore(sid))
         self.core.touch(msg.sender, now)
         self.hub.send(identity, m.Welcome(
             broker_epoch=self.epoch, policy_version=self.core.version,
@@ -237,13 +233,13 @@ class BrokerService:
 
     def _version_at_least(self, version: int, now: float) -> None:
         if version > self.core.version:
-            self._aborts(self.apply("publish_version", version, now))
+            self._aborts(self.apply(r.PublishVersion(version, now)))
             self.log.info("version", version=version, source="peer")
 
     def _peer_gone(self, name: str, now: float, reason: str) -> None:
         self.peers.pop(name, None)
         self.batch_waiters = deque(w for w in self.batch_waiters if w[0] != name)
-        self._aborts(self.apply("peer_gone", name, now))
+        self._aborts(self.apply(r.PeerGone(name, now)))
         self.log.info("peer_gone", peer=name, reason=reason)
 
     def _aborts(self, effects: list[AbortLease]) -> None:
@@ -263,9 +259,9 @@ class BrokerService:
                 self._peer_gone(name, now, reason="silent")
         leases, scores = self.core.expired(now)
         for lid in leases:
-            self._aborts(self.apply("reclaim", lid))
+            self._aborts(self.apply(r.Reclaim(lid)))
         for sid in scores:
-            self.apply("requeue_score", sid)
+            self.apply(r.RequeueScore(sid))
         self._admit(now)
         self._lease(now)
         self._score(now)
@@ -287,9 +283,9 @@ class BrokerService:
                 return
             prompt = encode_prompt(problem, self.tokenizer)
             try:
-                self.apply("admit", problem.prompt_id, prompt, now, problem.task, dict(problem.meta))
+                self.apply(r.Admit(problem.prompt_id, prompt, now, problem.task, dict(problem.meta)))
             except BrokerError as e:  # too long, empty: this prompt is skipped, the run goes on
-                self.apply("refuse_prompt", problem.prompt_id)
+                self.apply(r.RefusePrompt(problem.prompt_id))
                 self.log.warning("prompt_refused", prompt_id=problem.prompt_id, error=str(e))
 
     def _lease(self, now: float) -> None:
@@ -311,7 +307,7 @@ class BrokerService:
         while free:
             for name in sorted(free, key=free.__getitem__, reverse=True):
                 want = min(free[name], quantum)
-                grants = self.apply("lease", name, want, now)
+                grants = self.apply(r.Leases(name, want, now))
                 identity = self.peers[name].identity
                 for g in grants:
                     self.hub.send(identity, m.Generate(
@@ -334,7 +330,7 @@ class BrokerService:
             free = max(1, peer.capacity) - out.get(name, 0)
             if free <= 0:
                 continue
-            for t in self.apply("score_lease", name, free, now):
+            for t in self.apply(r.ScoreLeases(name, free, now)):
                 self.hub.send(peer.identity, m.ScoreRequest(
                     sample_id=t.sample_id, lease_id=t.lease_id, group_id=t.group_id,
                     prompt=np.asarray(t.prompt, dtype=np.int32), response=np.asarray(t.response, dtype=np.int32),
@@ -355,7 +351,7 @@ class BrokerService:
                     return
                 # A slice per turn of the loop (journaled: each one changes the ledger); the batch
                 # comes out of the call that packs its last group.
-                batch = self.apply("pull_batch", now, self.cfg.batch_slice_samples)
+                batch = self.apply(r.PullBatch(now, self.cfg.batch_slice_samples))
             if batch is None:
                 return
             self.batch_waiters.popleft()
@@ -375,43 +371,13 @@ class BrokerService:
 
 
 def replay(journal: Journal, rollout: RolloutConfig) -> tuple[BrokerCore, int, bool]:
-    """Rebuild the core from a journal: the newest snapshot, then every record after it."""
+    """Rebuild the core from a journal: the newest snapshot, then every record after it, each
+    applied as the live broker applied it (``records.apply``), whatever its record format."""
     snapshot, records = journal.recover()
     core = BrokerCore.from_bytes(snapshot, rollout) if snapshot else BrokerCore(rollout)
-    replayed = 0
-    for rec in records:
-        method, args = msgpack.unpackb(rec, raw=False, strict_map_key=False)
-        if method == "progress":  # one record per message: [entries, token bytes, log-prob bytes, now]
-            entries, tokens, logprobs, now = args
-            apply_progress(core, entries, *ledger_arrays(np.frombuffer(tokens, dtype=m.TOKEN_DTYPE),
-                                                         np.frombuffer(logprobs, dtype=m.LOGPROB_DTYPE)), now)
-        else:
-            getattr(core, method)(*args)
-        replayed += 1
-    return core, replayed, snapshot is not None
-
-
-def ledger_arrays(tokens: np.ndarray, logprobs: np.ndarray) -> tuple[array, array]:
-    """A message's token and log-prob arrays as ``array``s of the types the ledger holds: the core
-    appends a slice of one of those as packed bytes, where a list slice is converted value by value
-    and a numpy slice widened per call (the core's ``chunk`` of a 16-token entry, measured: 2.1 us
-    from these, 2.3 from numpy slices, 2.9 from list slices)."""
-    out_tokens, out_logprobs = array(TOKEN_TYPECODE), array(LOGPROB_TYPECODE)
-    out_tokens.frombytes(tokens.astype(out_tokens.typecode, copy=False).tobytes())
-    out_logprobs.frombytes(logprobs.astype(out_logprobs.typecode).tobytes())
-    return out_tokens, out_logprobs
-
-
-def apply_progress(core: BrokerCore, entries: list, tokens: Sequence[int], logprobs: Sequence[float],
-                   now: float) -> None:
-    """Apply the entries of a ``progress`` (as plain lists, ``[lease, sample, offset, count,
-    [[version, count], ...]]``) to the core in order, each as a ``chunk`` of its slice of
-    ``tokens`` and ``logprobs``; the live message and its journal record both go through here."""
-    chunk, pos = core.chunk, 0
-    for lease_id, _, offset, count, spans in entries:
-        end = pos + count
-        chunk(lease_id, offset, tokens[pos:end], logprobs[pos:end], spans, now)
-        pos = end
+    for data in records:
+        r.apply(core, r.decode(data))
+    return core, len(records), snapshot is not None
 
 
 SCORE_ERROR_KINDS = frozenset({"reward_error", "reward_timeout", "bad_reward"})

@@ -4,6 +4,7 @@ the journal at any point (between two slices included) is the live core."""
 import numpy as np
 
 from april_async.broker.journal import Journal
+from april_async.broker.records import ScoreLeases, Scored
 from april_async.broker.service import replay
 from april_async.testing.broker_service import T0, Generator, service
 from april_async.wire import codec
@@ -18,8 +19,8 @@ def _finish_all(gen: Generator) -> None:
 
 
 def _score_all(svc) -> None:
-    for t in svc.apply("score_lease", "scorer", 100, T0):
-        svc.apply("scored", t.sample_id, t.lease_id, 1.0, T0)
+    for t in svc.apply(ScoreLeases("scorer", 100, T0)):
+        svc.apply(Scored(t.sample_id, t.lease_id, 1.0, T0))
 
 
 def _batches(svc) -> list[m.Batch]:
