@@ -34,10 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgpack
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from april_async.broker import records as r  # noqa: E402
 from april_async.broker.config import RolloutConfig  # noqa: E402
 from april_async.broker.core import BrokerCore  # noqa: E402
 from april_async.broker.journal import Journal  # noqa: E402
@@ -59,9 +58,9 @@ class Driver:
         self.prompts = 0
         self.last_snapshot_s = 0.0
 
-    def apply(self, method: str, *args):
-        result = getattr(self.core, method)(*args)
-        self.journal.append(msgpack.packb([method, list(args)], use_bin_type=True))
+    def apply(self, record: r.Record):
+        result = r.apply(self.core, record)
+        self.journal.append(r.encode(record))
         self.since_snapshot += 1
         if self.since_snapshot >= self.snapshot_every:
             self.snapshot()
@@ -80,10 +79,10 @@ class Driver:
         self.now += 0.05
         while self.core.place_counts()["queued"] < 2 * cfg.max_inflight_samples:
             prompt = [1 + (self.prompts * 7 + i) % 200 for i in range(16)]
-            self.apply("admit", f"p-{self.prompts}", prompt, self.now, "bench", {})
+            self.apply(r.Admit(f"p-{self.prompts}", prompt, self.now, "bench", {}))
             self.prompts += 1
         for gen in ("gen-0", "gen-1"):
-            for grant in self.apply("lease", gen, 16, self.now):
+            for grant in self.apply(r.Leases(gen, 16, self.now)):
                 held = grant.held
                 total = min(cfg.max_response_tokens, held + rng.randint(8, cfg.max_response_tokens))
                 offset = held
@@ -92,18 +91,18 @@ class Driver:
                     toks = [rng.randrange(1, 200) for _ in range(k)]
                     lps = [-rng.random() for _ in range(k)]
                     if offset + k < total:
-                        self.apply("chunk", grant.lease_id, offset, toks, lps, [[self.core.version, k]], self.now)
+                        self.apply(r.Chunk(grant.lease_id, offset, toks, lps, [(self.core.version, k)], self.now))
                     else:
                         reason = "abort" if rng.random() < 0.2 else "stop"
-                        self.apply("finish", grant.lease_id, offset, toks, lps, [[self.core.version, k]], reason,
-                                   self.now)
+                        self.apply(r.Finish(grant.lease_id, offset, toks, lps, [(self.core.version, k)], reason,
+                                            self.now))
                     offset += k
-        for task in self.apply("score_lease", "scorer-0", 1 << 20, self.now):
-            self.apply("scored", task.sample_id, task.lease_id, float(rng.random() < 0.5), self.now)
-        batch = self.apply("pull_batch", self.now)
+        for task in self.apply(r.ScoreLeases("scorer-0", 1 << 20, self.now)):
+            self.apply(r.Scored(task.sample_id, task.lease_id, float(rng.random() < 0.5), self.now))
+        batch = self.apply(r.PullBatch(self.now))
         if batch is not None:
-            self.apply("ack_batches", batch.batch_id)
-            self.apply("publish_version", self.core.version + 1, self.now)
+            self.apply(r.AckBatches(batch.batch_id))
+            self.apply(r.PublishVersion(self.core.version + 1, self.now))
 
 
 def tracked_objects() -> int:

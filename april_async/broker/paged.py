@@ -22,6 +22,9 @@ The map is a msgspec ``Struct(gc=False)``: the cyclic garbage collector does not
 pages, dicts of ints or of untracked records, are not tracked either; only the dict of pages is
 (one container of a few hundred entries a map). It holds no reference cycles: store no value that
 refers back to the map.
+
+``FifoSet`` is the ledger's queue: an ordered set of ints taken from the front (see there);
+``PagedFifoSet`` keeps its membership in a ``PagedMap``.
 """
 
 from __future__ import annotations

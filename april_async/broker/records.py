@@ -219,41 +219,44 @@ def _from_format_1(data: bytes) -> Record:
 
 
 def apply(core: BrokerCore, record: Record) -> Any:
-    """Make the call ``record`` stands for on ``core`` and return what it returned."""
+    """Make the call ``record`` stands for on ``core`` and return what it returned. (Class patterns
+    without positional captures: a capture costs a ``__match_args__`` lookup each, 1 µs a chunk.)"""
     match record:
-        case Progress(entries, tokens, logprobs, now):
-            return apply_progress(core, entries, *ledger_arrays(np.frombuffer(tokens, WIRE_TOKEN_DTYPE),
-                                                                np.frombuffer(logprobs, WIRE_LOGPROB_DTYPE)), now)
-        case Chunk(lease_id, offset, tokens, logprobs, spans, now):
-            return core.chunk(lease_id, offset, tokens, logprobs, spans, now)
-        case Finish(lease_id, offset, tokens, logprobs, spans, reason, now):
-            return core.finish(lease_id, offset, tokens, logprobs, spans, reason, now)
-        case Leases(generator, max_leases, now):
-            return core.lease(generator, max_leases, now)
-        case ScoreLeases(scorer, max_tasks, now):
-            return core.score_lease(scorer, max_tasks, now)
-        case Scored(sample_id, lease_id, reward, now):
-            return core.scored(sample_id, lease_id, reward, now)
-        case ScoreFailed(sample_id, lease_id, now, reason):
-            return core.score_failed(sample_id, lease_id, now, reason)
-        case Admit(prompt_id, prompt, now, task, meta):
-            return core.admit(prompt_id, prompt, now, task, meta)
-        case RefusePrompt(prompt_id):
-            return core.refuse_prompt(prompt_id)
-        case PullBatch(now, max_samples):
-            return core.pull_batch(now, max_samples)
-        case ReportBatch(batch_id, policy_version, dropped_groups, reason):
-            return core.report_batch(batch_id, policy_version, dropped_groups, reason)
-        case AckBatches(upto_batch_id):
-            return core.ack_batches(upto_batch_id)
-        case PublishVersion(version, now):
-            return core.publish_version(version, now)
-        case Reclaim(lease_id):
-            return core.reclaim(lease_id)
-        case RequeueScore(sample_id):
-            return core.requeue_score(sample_id)
-        case PeerGone(peer, now):
-            return core.peer_gone(peer, now)
+        case Progress():
+            arrays = ledger_arrays(np.frombuffer(record.tokens, WIRE_TOKEN_DTYPE),
+                                   np.frombuffer(record.logprobs, WIRE_LOGPROB_DTYPE))
+            return apply_progress(core, record.entries, *arrays, record.now)
+        case Chunk():
+            return core.chunk(record.lease_id, record.offset, record.tokens, record.logprobs, record.spans, record.now)
+        case Finish():
+            return core.finish(record.lease_id, record.offset, record.tokens, record.logprobs, record.spans,
+                               record.reason, record.now)
+        case Leases():
+            return core.lease(record.generator, record.max_leases, record.now)
+        case ScoreLeases():
+            return core.score_lease(record.scorer, record.max_tasks, record.now)
+        case Scored():
+            return core.scored(record.sample_id, record.lease_id, record.reward, record.now)
+        case ScoreFailed():
+            return core.score_failed(record.sample_id, record.lease_id, record.now, record.reason)
+        case Admit():
+            return core.admit(record.prompt_id, record.prompt, record.now, record.task, record.meta)
+        case RefusePrompt():
+            return core.refuse_prompt(record.prompt_id)
+        case PullBatch():
+            return core.pull_batch(record.now, record.max_samples)
+        case ReportBatch():
+            return core.report_batch(record.batch_id, record.policy_version, record.dropped_groups, record.reason)
+        case AckBatches():
+            return core.ack_batches(record.upto_batch_id)
+        case PublishVersion():
+            return core.publish_version(record.version, record.now)
+        case Reclaim():
+            return core.reclaim(record.lease_id)
+        case RequeueScore():
+            return core.requeue_score(record.sample_id)
+        case PeerGone():
+            return core.peer_gone(record.peer, record.now)
     raise RecordError(f"not a journal record: {record!r}")
 
 
