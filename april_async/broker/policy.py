@@ -493,7 +493,7 @@ class Policy(Ledger):
         self.counters.aborts_sent += len(effects)
         return effects
 
-    # ------------------------------------------------------------------ versions and batches
+    # ------------------------------------------------------------------ versions and rollout steps
 
     def publish_version(self, version: int, now: float) -> list[AbortLease]:
         """Policy ``version`` is out. Older or equal versions are no-ops.
