@@ -5,7 +5,8 @@ Layout of the directory::
     snapshot-000003.bin   the core's state after every record of segments < 3
     log-000003.bin        records appended since that snapshot (the current segment)
 
-A record is ``[u32 length][u32 crc32][payload]``, little-endian. ``snapshot()`` writes the new
+A record is ``[u32 length][u32 crc32][payload]``, little-endian; the broker's payloads are the
+typed records of ``records.py`` (this file only frames bytes). ``snapshot()`` writes the new
 snapshot to a temporary file, fsyncs it, renames it into place and fsyncs the directory, then
 starts a new segment and deletes older segments and snapshots: at every moment the newest
 complete snapshot plus the segments after it hold the whole state.
