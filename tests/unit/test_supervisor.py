@@ -32,7 +32,7 @@ def learner_group(tmp_path, *codes: str) -> list[Child]:
 
 
 def supervisor(tmp_path, children, **run) -> Supervisor:
-    sup = Supervisor(RunConfig(dir=tmp_path, console=False, **run), children, {c.name: {} for c in children}, {})
+    sup = Supervisor(RunConfig(dir=tmp_path, console=False, **run), children, {c.name: {} for c in children})
     sup.start()
     return sup
 
@@ -243,7 +243,7 @@ def broadcaster_status(tmp_path, version: int, members: dict[str, int], failing:
 
 
 def test_weights_that_never_leave_the_head_stop_the_run_naming_the_failing_generators(tmp_path, capsys):
-    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {}, {})
+    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {})
     sup.head = True  # the host that runs the broker (and here the broadcaster)
     broadcaster_status(tmp_path, 1, {"gen-0": 0, "gen-1": 1})
     sup._watch_weights(100.0)  # gen-1 holds a new version: progress
@@ -259,7 +259,7 @@ def test_weights_that_never_leave_the_head_stop_the_run_naming_the_failing_gener
 
 
 def test_generators_that_hold_the_newest_version_are_no_stall_however_long_the_step(tmp_path):
-    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {}, {})
+    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {})
     sup.head = True
     broadcaster_status(tmp_path, 4, {"gen-0": 4, "gen-1": 4})  # a slow learner: everyone is up to date
     for now in (100.0, 200.0, 300.0):
