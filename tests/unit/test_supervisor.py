@@ -92,6 +92,26 @@ def test_learner_ranks_come_from_actors_or_the_learner_section_and_must_agree(no
             plan(load_document(None, []), bad)
 
 
+def test_the_run_file_fills_in_what_the_run_decides_for_its_actors(tmp_path, no_cluster_env):
+    from april_async.up import RunFile
+
+    files = RunFile.load(load_document(None, [f"run.dir='{tmp_path}'", "run.node=n1", "run.host='10.0.0.2'",
+                                              "broker.rollout.sampling.temperature=0.7", "run.max_steps=9",
+                                              "learner.broadcaster='not an endpoint'"]), "generator:2")
+    init = str(tmp_path.resolve() / "init")
+    assert {files.broker.link.broker, files.learner.link.broker, files.generator.link.broker,
+            files.scorer.link.broker, files.broadcaster.link.broker} == {"tcp://10.0.0.2:5555"}
+    assert files.learner.broadcaster == files.generator.broadcaster == "tcp://10.0.0.2:5556"  # the run's, not the file's
+    assert files.learner.checkpoint == files.generator.torch.checkpoint == init
+    assert files.scorer.tokenizer == files.broker.prompts.tokenizer == init
+    assert files.learner.temperature == 0.7 and files.learner.max_steps == 9 and files.learner.name == "n1-learner-0"
+    assert files.init_warm_start == files.warmstart
+    assert [files.generator_of(i, 2).name for i in range(2)] == ["n1-gen-0", "n1-gen-1"]
+    named = RunFile.load(load_document(None, ["learner.checkpoint='/ckpt'", "generator.torch.checkpoint='/gen'"]))
+    assert named.init_warm_start is None and named.scorer.tokenizer == "/ckpt"
+    assert named.learner.checkpoint == "/ckpt" and named.generator.torch.checkpoint == "/gen"
+
+
 def test_dry_run_prints_every_rank_with_its_environment(tmp_path, capsys, no_cluster_env):
     args = argparse.Namespace(config=None, set=[f"run.dir='{tmp_path / 'run'}'"], actors="broker,learner:2",
                               dry_run=True, warm_start_only=False)
