@@ -251,27 +251,31 @@ class RunFile(BaseModel):
         except ConfigError as e:
             raise _refused(e) from None
         data["run"] = run
-        broker, learner, generator, scorer = data["broker"], data["learner"], data["generator"], data["scorer"]
+        broker, broadcaster, scorer, learner, generator = (data[kind] for kind in ACTOR_KINDS)
         policy = _given(learner, "checkpoint") or str(run.init_dir)
-        link = {"link.broker": run.broker_endpoint, **({"link.keys": str(run.keys.resolve())} if run.keys else {})}
+        link = {"link.broker": run.broker_endpoint}
+        if run.keys is not None:
+            link["link.keys"] = str(run.keys.resolve())
         _fill(broker, {"bind": f"tcp://{run.bind}:{run.broker_port}",
                        "journal_dir": _given(broker, "journal_dir", str(run.run_dir / "journal")),
                        "prompts.tokenizer": _given(broker, "prompts.tokenizer", policy),
                        "state_file": str(run.run_dir / "broker_state.json"), **link})
-        _fill(data["broadcaster"], {"name": run.named("broadcaster"), "bind": f"tcp://{run.bind}:{run.broadcaster_port}",
-                                    "store_host": run.host, "store_port": run.store_port,
-                                    "rendezvous_port": run.rendezvous_port, **link,
-                                    "status_file": str(run.run_dir / "broadcaster.json")})
-        _fill(scorer, {"name": run.named("scorer-0"), **link, "tokenizer": _given(scorer, "tokenizer", policy)})
-        _fill(learner, {"name": run.named("learner-0"), **link, "checkpoint": policy, "run_dir": str(run.run_dir),
-                        "broadcaster": run.broadcaster_endpoint,
+        _fill(broadcaster, {"name": run.named("broadcaster"),
+                            "bind": f"tcp://{run.bind}:{run.broadcaster_port}",
+                            "store_host": run.host, "store_port": run.store_port,
+                            "rendezvous_port": run.rendezvous_port, **link,
+                            "status_file": str(run.run_dir / "broadcaster.json")})
+        _fill(scorer, {"name": run.named("scorer-0"), **link,
+                       "tokenizer": _given(scorer, "tokenizer", policy)})
+        _fill(learner, {"name": run.named("learner-0"), **link, "checkpoint": policy,
+                        "run_dir": str(run.run_dir), "broadcaster": run.broadcaster_endpoint,
                         "temperature": _given(broker, "rollout.sampling.temperature", 1.0)})
         ranks = counts.get("learner")
         if ranks is not None:
             given = _given(learner, "ranks")
             if given is not None and given != ranks:
-                raise _refused(ConfigError(f"actor 'learner:{ranks}' and [learner] ranks = {given!r} disagree: "
-                                           f"set one of them"))
+                raise _refused(ConfigError(f"actor 'learner:{ranks}' and [learner] ranks = {given!r} "
+                                           f"disagree: set one of them"))
             _fill(learner, {"ranks": ranks})
         _fill(generator, {"name": run.named("gen-0"), **link, "broadcaster": run.broadcaster_endpoint,
                           "torch.checkpoint": _given(generator, "torch.checkpoint") or policy})

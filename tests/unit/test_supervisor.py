@@ -101,13 +101,16 @@ def test_the_run_file_fills_in_what_the_run_decides_for_its_actors(tmp_path, no_
     init = str(tmp_path.resolve() / "init")
     assert {files.broker.link.broker, files.learner.link.broker, files.generator.link.broker,
             files.scorer.link.broker, files.broadcaster.link.broker} == {"tcp://10.0.0.2:5555"}
-    assert files.learner.broadcaster == files.generator.broadcaster == "tcp://10.0.0.2:5556"  # the run's, not the file's
+    # the run's endpoint, not the file's
+    assert files.learner.broadcaster == files.generator.broadcaster == "tcp://10.0.0.2:5556"
     assert files.learner.checkpoint == files.generator.torch.checkpoint == init
     assert files.scorer.tokenizer == files.broker.prompts.tokenizer == init
-    assert files.learner.temperature == 0.7 and files.learner.max_steps == 9 and files.learner.name == "n1-learner-0"
+    assert files.learner.temperature == 0.7 and files.learner.max_steps == 9
+    assert files.learner.name == "n1-learner-0"
     assert files.init_warm_start == files.warmstart
     assert [files.generator_of(i, 2).name for i in range(2)] == ["n1-gen-0", "n1-gen-1"]
-    named = RunFile.load(load_document(None, ["learner.checkpoint='/ckpt'", "generator.torch.checkpoint='/gen'"]))
+    named = RunFile.load(load_document(None, ["learner.checkpoint='/ckpt'",
+                                              "generator.torch.checkpoint='/gen'"]))
     assert named.init_warm_start is None and named.scorer.tokenizer == "/ckpt"
     assert named.learner.checkpoint == "/ckpt" and named.generator.torch.checkpoint == "/gen"
 
