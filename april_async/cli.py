@@ -42,110 +42,15 @@ def _actor_config(args: argparse.Namespace):
     return cfg
 
 
-def _peer_factory(cfg):
-    from april_async.transport.peer import Peer
-
-    def make(on_connect):
-        return Peer(cfg.link.broker, cfg.name, link=cfg.link, on_connect=on_connect)
-
-    return make
-
-
-def _run_actor(args: argparse.Namespace, build) -> int:
-    """Resolve the config, set up logging, build the actor (``build(cfg)``) and run it until stopped."""
+def _actor(args: argparse.Namespace) -> int:
+    """``april <actor>``: its config resolved (``--dry-run``: printed), then ``main`` of its
+    ``april_async/<actor>/main.py``, found by name like its config model."""
     cfg = _actor_config(args)
     if cfg is None or args.dry_run:
         return 2 if cfg is None else 0
-    from april_async.logs import configure
+    from importlib import import_module
 
-    configure(json=cfg.log.json_lines, level=cfg.log.level)
-    try:
-        actor = build(cfg)
-    except (ValueError, OSError) as e:  # a setting that only fails when used: a reward path, a journal directory
-        print(f"april {args.command}: {e}", file=sys.stderr)
-        return 2
-    from april_async.runtime import ActorFailed
-
-    try:
-        actor.run(args.stop)
-    except ActorFailed as e:  # a peer that refuses the actor's work for good: say why and stop
-        print(f"april {args.command}: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _broker(args: argparse.Namespace) -> int:
-    def build(cfg):
-        from april_async.broker.service import BrokerService
-        from april_async.transport.hub import Hub
-
-        return BrokerService(cfg, Hub(cfg.bind, link=cfg.link))
-
-    return _run_actor(args, build)
-
-
-def _generator(args: argparse.Namespace) -> int:
-    def build(cfg):
-        from april_async.generator.actor import GeneratorActor
-
-        if cfg.engine == "torch":
-            from april_async.engines.torch_engine import TorchEngine
-
-            if not cfg.torch.checkpoint:
-                raise ValueError("torch.checkpoint is not set: give a Hugging Face checkpoint directory")
-            engine = TorchEngine.from_config(cfg.torch)
-        elif cfg.engine == "sglang":
-            from april_async.generator.sglang_engine import SGLangEngine
-
-            engine = SGLangEngine(cfg.sglang, instance=cfg.name)
-        else:
-            from april_async.generator.scripted import ScriptedEngine
-
-            engine = ScriptedEngine(cfg.scripted)
-        return GeneratorActor(cfg, engine, _peer_factory(cfg))
-
-    return _run_actor(args, build)
-
-
-def _learner(args: argparse.Namespace) -> int:
-    grouped = []  # the learner's group, once formed
-
-    def build(cfg):
-        from april_async.learner.actor import LearnerActor, RankWorker
-        from april_async.learner.parallel import join
-        from april_async.model.decoder import CheckpointError
-        from april_async.transport.peer import Peer
-
-        group = join(cfg)  # with learner.ranks > 1, one of several processes (the env names which)
-        grouped.append(group.distributed)
-        bcast = None
-        if cfg.broadcaster is not None:
-            def bcast(on_connect):
-                return Peer(cfg.broadcaster, cfg.name, link=cfg.link, on_connect=on_connect)
-        try:
-            if group.rank > 0:
-                return RankWorker(cfg, group)
-            return LearnerActor(cfg, _peer_factory(cfg), bcast, group=group)
-        except CheckpointError as e:
-            raise ValueError(str(e)) from None
-
-    code = _run_actor(args, build)
-    if any(grouped):
-        from april_async.runtime import exit_past_torch_teardown
-
-        exit_past_torch_teardown(code)
-    return code
-
-
-def _broadcaster(args: argparse.Namespace) -> int:
-    def build(cfg):
-        from april_async.broadcaster.actor import BroadcasterActor
-        from april_async.transport.hub import Hub
-
-        hub = Hub(cfg.bind, link=cfg.hub_link, name=cfg.name)
-        return BroadcasterActor(cfg, hub, _peer_factory(cfg))
-
-    return _run_actor(args, build)
+    return import_module(f"april_async.{args.command}.main").main(cfg, args.stop)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -209,32 +114,23 @@ secret files (*.key_secret) are mode 0600; nothing is ever overwritten.
 """
 
 
-def _scorer(args: argparse.Namespace) -> int:
-    def build(cfg):
-        from april_async.scorer.actor import ScorerActor
-
-        return ScorerActor(cfg, _peer_factory(cfg))
-
-    return _run_actor(args, build)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="april", description="Active Partial Rollouts (APRIL), fully asynchronous.")
     p.add_argument("--version", action="version", version=f"april-async {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, func, text in [
-        ("broker", _broker, "the rollout broker (ROUTER; the source of truth)"),
-        ("generator", _generator, "a generator: takes leases and runs them on an engine"),
-        ("scorer", _scorer, "a scorer: rewards finished samples"),
-        ("learner", _learner, "the learner: GRPO/DAPO/GSPO on batches from the broker"),
-        ("broadcaster", _broadcaster, "the broadcaster: fans new weights out to the generators"),
+    for name, text in [
+        ("broker", "the rollout broker (ROUTER; the source of truth)"),
+        ("generator", "a generator: takes leases and runs them on an engine"),
+        ("scorer", "a scorer: rewards finished samples"),
+        ("learner", "the learner: GRPO/DAPO/GSPO on batches from the broker"),
+        ("broadcaster", "the broadcaster: fans new weights out to the generators"),
     ]:
         a = sub.add_parser(name, help=text)
         a.add_argument("--config", type=Path, help=f"TOML file; its [{name}] section is read")
         a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override one setting (dotted keys, TOML values), repeatable")
         a.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-        a.set_defaults(func=func)
+        a.set_defaults(func=_actor)
     u = sub.add_parser("up", help="start every actor of a run on this machine, with a live console view")
     u.add_argument("--config", type=Path, help="TOML file: [run] plus one section per actor")
     u.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -145,12 +145,13 @@ def resolve(model: type[M], *, file: Path | None = None, section: str | None = N
     return validate(model, data, section or model.__name__)
 
 
-def error_line(e: ValidationError) -> str:
-    """A pydantic ``ValidationError`` as one line naming each offending field and value."""
+def error_line(e: ValidationError | list[dict]) -> str:
+    """A pydantic ``ValidationError`` (or some of its ``errors()``) as one line naming each offending
+    field and value."""
     return "; ".join(
         f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})" if err["loc"]
         else err["msg"].removeprefix("Value error, ")
-        for err in e.errors())
+        for err in (e.errors() if isinstance(e, ValidationError) else e))
 
 
 def validate(model: type[M], data: dict, section: str) -> M:

@@ -1,5 +1,5 @@
-"""What every actor process shares: a stop flag set by SIGINT/SIGTERM, the error that stops one, and
-the tie that makes a child process die with its parent."""
+"""What every actor process shares: a stop flag set by SIGINT/SIGTERM, the error that stops one, the
+common run of an actor (``run_actor``), and the tie that makes a child process die with its parent."""
 
 from __future__ import annotations
 
@@ -32,6 +32,29 @@ class StopFlag:
 class ActorFailed(RuntimeError):
     """Raised out of an actor's loop for a failure that retrying cannot mend (a server that refuses
     every request as configured); the actor's command prints it and exits with status 2."""
+
+
+def run_actor(command: str, cfg, build, stop: StopFlag) -> int:
+    """``april <command>`` once its config ``cfg`` is resolved: set up logging (``cfg.log``), build the
+    actor (``build(cfg)``, from ``<actor>/main.py``) and run it until ``stop``. Returns 0, or 2 after one
+    line naming what stopped it: a setting that only fails when used (a reward path, a journal
+    directory: ``ValueError``, ``OSError``) or a peer that refuses its work for good (``ActorFailed``)."""
+    import sys
+
+    from april_async.logs import configure
+
+    configure(json=cfg.log.json_lines, level=cfg.log.level)
+    try:
+        actor = build(cfg)
+    except (ValueError, OSError) as e:
+        print(f"april {command}: {e}", file=sys.stderr)
+        return 2
+    try:
+        actor.run(stop)
+    except ActorFailed as e:
+        print(f"april {command}: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def die_with_parent(sig: int = signal.SIGTERM, *, own_group: bool = False) -> None:

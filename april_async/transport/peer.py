@@ -164,3 +164,13 @@ class Peer:
     def close(self) -> None:
         if self.sock is not None:
             self._close_socket()
+
+
+def peer_factory(endpoint: str, sender: str, link: LinkConfig) -> Callable[[Callable[[Peer], None]], Peer]:
+    """What an actor's link (to the broker, to the broadcaster) makes its peer with, given its
+    ``on_connect``: a ``Peer`` to ``endpoint`` named ``sender``, timed by ``link``."""
+
+    def make(on_connect: Callable[[Peer], None]) -> Peer:
+        return Peer(endpoint, sender, link=link, on_connect=on_connect)
+
+    return make

@@ -32,7 +32,7 @@ def learner_group(tmp_path, *codes: str) -> list[Child]:
 
 
 def supervisor(tmp_path, children, **run) -> Supervisor:
-    sup = Supervisor(RunConfig(dir=tmp_path, console=False, **run), children, {c.name: {} for c in children}, {})
+    sup = Supervisor(RunConfig(dir=tmp_path, console=False, **run), children, {c.name: {} for c in children})
     sup.start()
     return sup
 
@@ -90,6 +90,29 @@ def test_learner_ranks_come_from_actors_or_the_learner_section_and_must_agree(no
     for bad in ("broker:2", "learner:0", "scorer:3"):
         with pytest.raises(ConfigError, match="only generators and learners come in numbers"):
             plan(load_document(None, []), bad)
+
+
+def test_the_run_file_fills_in_what_the_run_decides_for_its_actors(tmp_path, no_cluster_env):
+    from april_async.up import RunFile
+
+    files = RunFile.load(load_document(None, [f"run.dir='{tmp_path}'", "run.node=n1", "run.host='10.0.0.2'",
+                                              "broker.rollout.sampling.temperature=0.7", "run.max_steps=9",
+                                              "learner.broadcaster='not an endpoint'"]), "generator:2")
+    init = str(tmp_path.resolve() / "init")
+    assert {files.broker.link.broker, files.learner.link.broker, files.generator.link.broker,
+            files.scorer.link.broker, files.broadcaster.link.broker} == {"tcp://10.0.0.2:5555"}
+    # the run's endpoint, not the file's
+    assert files.learner.broadcaster == files.generator.broadcaster == "tcp://10.0.0.2:5556"
+    assert files.learner.checkpoint == files.generator.torch.checkpoint == init
+    assert files.scorer.tokenizer == files.broker.prompts.tokenizer == init
+    assert files.learner.temperature == 0.7 and files.learner.max_steps == 9
+    assert files.learner.name == "n1-learner-0"
+    assert files.init_warm_start == files.warmstart
+    assert [files.generator_of(i, 2).name for i in range(2)] == ["n1-gen-0", "n1-gen-1"]
+    named = RunFile.load(load_document(None, ["learner.checkpoint='/ckpt'",
+                                              "generator.torch.checkpoint='/gen'"]))
+    assert named.init_warm_start is None and named.scorer.tokenizer == "/ckpt"
+    assert named.learner.checkpoint == "/ckpt" and named.generator.torch.checkpoint == "/gen"
 
 
 def test_dry_run_prints_every_rank_with_its_environment(tmp_path, capsys, no_cluster_env):
@@ -243,7 +266,7 @@ def broadcaster_status(tmp_path, version: int, members: dict[str, int], failing:
 
 
 def test_weights_that_never_leave_the_head_stop_the_run_naming_the_failing_generators(tmp_path, capsys):
-    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {}, {})
+    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {})
     sup.head = True  # the host that runs the broker (and here the broadcaster)
     broadcaster_status(tmp_path, 1, {"gen-0": 0, "gen-1": 1})
     sup._watch_weights(100.0)  # gen-1 holds a new version: progress
@@ -259,7 +282,7 @@ def test_weights_that_never_leave_the_head_stop_the_run_naming_the_failing_gener
 
 
 def test_generators_that_hold_the_newest_version_are_no_stall_however_long_the_step(tmp_path):
-    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {}, {})
+    sup = Supervisor(RunConfig(dir=tmp_path, weights_stall_s=5.0), [], {})
     sup.head = True
     broadcaster_status(tmp_path, 4, {"gen-0": 4, "gen-1": 4})  # a slow learner: everyone is up to date
     for now in (100.0, 200.0, 300.0):
