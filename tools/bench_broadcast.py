@@ -207,7 +207,8 @@ def member_main(argv: list[str]) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sub = WeightSubscriber(args.name, args.endpoint, LINK, LoadingEngine(args.size, DTYPES[args.dtype], device))
+    sub = WeightSubscriber(args.name, args.endpoint, LINK, LoadingEngine(args.size, DTYPES[args.dtype], device),
+                           device=device)
     try:
         while not stop:
             sub.poll(MEMBER_POLL_S)

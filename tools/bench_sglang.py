@@ -37,8 +37,8 @@ from bench_engine import MODELS  # noqa: E402
 from april_async.broadcaster.config import SGLangFanoutConfig  # noqa: E402
 from april_async.broadcaster.sglang import SGLangFanout  # noqa: E402
 from april_async.engines.base import EngineRequest  # noqa: E402
-from april_async.generator.config import SGLangEngineConfig  # noqa: E402
-from april_async.generator.sglang_engine import SGLangEngine  # noqa: E402
+from april_async.engines.config import SGLangEngineConfig  # noqa: E402
+from april_async.engines.sglang_engine import SGLangEngine  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.weights.flat import flatten  # noqa: E402

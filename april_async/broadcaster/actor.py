@@ -9,18 +9,10 @@ is ignored. A generator acknowledges each version with ``heartbeat`` ``policy_ve
 in one message is held as it arrived, without a copy: the hub takes large bulk frames as views of
 ZeroMQ's own message (``Hub._recv_frames``), which lives until a newer version replaces it.
 
-Parts (protocol 1.4). A version may come as ``parts`` messages, consecutive byte ranges of its
-buffer. Part 0 (layout, ``total_bytes``) starts an assembly in a receive buffer, abandoning any
-unfinished one; each later part is copied in at its offset; the last one hands the whole buffer
-to the planner exactly as a one-part update; each bucket (``bucket_mb``) is hashed for the
-announce's digests as soon as its last byte is in, while later parts still arrive, so the digests
-are ready almost with the last part. A part that does not fit the sequence (another
-version or part count, no part 0 before it, out of turn, a gap or an overlap, bytes past
-``total_bytes`` or a last part ending short of it, a layout in a later part) drops the assembly
-and is answered with ``error`` ``refused`` naming the field, once per version: that version's later
-parts are dropped unanswered. A ``total_bytes`` over ``max_update_bytes`` is ``too_large``. Receive
-buffers are reused between versions of one size: on nccl the one buffer (its bytes are copied to
-the GPU), on gloo two in turn (the held version's is read by the broadcast while the next arrives).
+Parts (protocol 1.4). A version may also come as ``parts`` messages, consecutive byte ranges of
+its buffer: they are assembled, checked and refused by ``weights.handoff_recv`` (the receiving half
+of the hand-off, beside its sending half, ``weights.handoff``), which hands the whole version on
+exactly as a one-part update, with its digests hashed while the parts came.
 
 A round, top to bottom (``tick``):
 
@@ -38,7 +30,8 @@ A round, top to bottom (``tick``):
 Generators on SGLang servers (their ``hello`` names the servers) take part differently: the same
 round pushes the version to their servers through SGLang's own distributed weight update
 (``broadcaster/sglang.py``), after the group broadcast, on the same worker thread; such a member
-is acked when its servers took the version, and counts as failed (to be retried) otherwise.
+is acked when its servers took the version (and sent a ``heartbeat`` naming it at once: its
+generator reads its servers' versions then), and counts as failed (to be retried) otherwise.
 
 With no generator the version is published at once. A late-joining generator makes the next
 round re-form the group, so it gets the held version before its first lease (the generator
@@ -93,8 +86,8 @@ import secrets
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -120,8 +113,9 @@ from april_async.broadcaster.rounds import (
 from april_async.broadcaster.sglang import SGLangFanout
 from april_async.logs import get_logger
 from april_async.weights import shm
-from april_async.weights.flat import HASH_THREADS_MAX, bucket_digests, check_layout, digest
+from april_async.weights.flat import bucket_digests, check_layout
 from april_async.weights.group import GroupError, WeightGroup
+from april_async.weights.handoff_recv import PartRefused, PartsReceiver, Whole
 from april_async.wire import messages as m
 from april_async.wire.version import parse
 
@@ -176,29 +170,6 @@ class Buffer:
     """``(digest_alg, one future per bucket)``: the digests of an assembly, hashed as its parts came."""
 
 
-@dataclass
-class Assembly:
-    """A version arriving in parts: where its bytes go, and what must come next."""
-
-    sender: str
-    version: int
-    parts: int
-    tensors: list[m.TensorSpec]
-    data: np.ndarray  # total_bytes long; [0, filled) has arrived
-    filled: int = 0
-    next_part: int = 1
-    digest_alg: str = m.BLAKE2B_128
-    """What ``digests`` are hashed with: the planner's choice for a round starting at part 0."""
-    digests: list[Future] = field(default_factory=list)
-    """The digests of the buckets already complete, being hashed while later parts arrive."""
-
-
-class PartRefused(Exception):
-    """A ``weights_update`` part that does not fit the sequence: the error code and field to answer."""
-
-    def __init__(self, field: str, why: str, code: str = "refused"):
-        super().__init__(why)
-        self.field, self.why, self.code = field, why, code
 
 
 class _Job:
@@ -288,11 +259,9 @@ class BroadcasterActor:
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
         self._job_buffer: Buffer | None = None  # what the job reads
         self._digest_job: tuple[int, str, _Job] | None = None  # (version, digest_alg, job): being hashed
-        self._assembly: Assembly | None = None  # a version arriving in parts
-        self._refused_parts: tuple[str, int] | None = None  # (sender, version) whose later parts are dropped
-        self._spare: np.ndarray | None = None  # a receive buffer free for the next assembly
-        self._pending_spare: np.ndarray | None = None  # free once the held version's digests are in (nccl)
-        self._hasher: ThreadPoolExecutor | None = None  # hashes an assembly's buckets as its parts arrive
+        self.parts = PartsReceiver(  # versions in parts, assembled; the receive buffers, reused
+            bucket_bytes=cfg.bucket_bytes, max_update_bytes=cfg.max_update_bytes, log=self.log,
+            reading=lambda: self._job_buffer.owned if self._job_buffer is not None else None)
         self.host_id = shm.host_id() if cfg.handoff == "auto" else None  # offered to learners in welcome
         self.regions = shm.RegionCache()
         self._region_learner: str | None = None  # the learner whose regions this process reads
@@ -334,8 +303,7 @@ class BroadcasterActor:
         self.hub.close()
         self.held = self._job_buffer = None
         self.regions.clear()
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=False, cancel_futures=True)
+        self.parts.close()
         self._write_status()
         p = self.planner
         self.log.info("stopped", held=p.held_version, published=p.published, rounds=p.rounds,
@@ -392,41 +360,21 @@ class BroadcasterActor:
             self._update_region(sender, identity, msg, now)
             return
         try:
-            if body.part == 0:
-                self._drop_assembly("superseded", by=body.version)
-                self._refused_parts = None
-                if body.parts == 1:  # the whole version in one message: no copy
-                    if body.offset != 0:
-                        raise PartRefused("offset", f"part 0 starts at offset {body.offset}, not 0")
-                    if body.total_bytes not in (0, len(body.data)):
-                        raise PartRefused("total_bytes", f"total_bytes {body.total_bytes} but the one part "
-                                                         f"has {len(body.data)} bytes")
-                    self._complete(sender, body.version, body.tensors, body.data, False, identity, msg, now)
-                    return
-                self._start_assembly(sender, body, now)
-            elif self._refused_parts == (sender, body.version):  # refused once: the rest goes unanswered
-                self.log.debug("update_part_dropped", version=body.version, part=body.part, learner=sender)
-            else:
-                a = self._continue_assembly(sender, body)
-                if a is not None:
-                    self._assembly = None
-                    self._complete(sender, a.version, a.tensors, a.data, True, identity, msg, now,
-                                   prehashed=(a.digest_alg, a.digests))
+            whole = self.parts.take(sender, body, lambda: self.planner.digest_alg(now))
         except PartRefused as e:
-            if self._assembly is not None and self._assembly.sender == sender:
-                self._drop_assembly("refused")
-            self._refused_parts = (sender, body.version)
             self.log.warning("update_part_refused", version=body.version, part=body.part, parts=body.parts,
                              field=e.field, error=e.why, learner=sender)
             why = f"weights_update {body.version} part {body.part} of {body.parts}: {e.why}"[:500]
             self._send(sender, m.Error(code=e.code, message=why, field=f"$.body.{e.field}"), parent_id=msg.msg_id)
+            return
+        if whole is not None:
+            self._complete(sender, whole, identity, msg, now)
 
     def _update_region(self, sender: str, identity: bytes, msg, now: float) -> None:
         """A version in the learner's shared-memory region: mapped, checked and held in place."""
         body: m.WeightsUpdate = msg.body
         region = body.region
-        self._drop_assembly("superseded", by=body.version)
-        self._refused_parts = None
+        self.parts.supersede(body.version)
         if region.nbytes > self.cfg.max_update_bytes:
             why = f"region of {region.nbytes} bytes is over the broadcaster's max_update_bytes {self.cfg.max_update_bytes}"
             self._send(sender, m.Error(code="too_large", message=why, field="$.body.region.nbytes"),
@@ -447,7 +395,7 @@ class BroadcasterActor:
                        parent_id=msg.msg_id)
             return
         self._region_learner = sender
-        self._complete(sender, body.version, body.tensors, mapped.array, False, identity, msg, now, region=mapped)
+        self._complete(sender, Whole(body.version, body.tensors, mapped.array), identity, msg, now, region=mapped)
 
     def _regions_in_use(self) -> tuple[m.SharedRegion, ...]:
         """The learner's regions this process still reads: the held version's, a broadcast's."""
@@ -467,123 +415,40 @@ class BroadcasterActor:
             self._send(self._region_learner, m.Heartbeat(policy_version=self.planner.held_version,
                                                          regions=list(regions)))
 
-    def _start_assembly(self, sender: str, body: m.WeightsUpdate, now: float) -> None:
-        total = body.total_bytes or len(body.data)
-        if body.offset != 0:
-            raise PartRefused("offset", f"part 0 starts at offset {body.offset}, not 0")
-        if total > self.cfg.max_update_bytes:
-            raise PartRefused("total_bytes", f"total_bytes {total} is over the broadcaster's max_update_bytes "
-                                             f"{self.cfg.max_update_bytes}", code="too_large")
-        if len(body.data) > total:
-            raise PartRefused("data", f"bytes [0, {len(body.data)}) run past total_bytes {total}")
-        a = Assembly(sender, body.version, body.parts, list(body.tensors), self._buffer(total),
-                     digest_alg=self.planner.digest_alg(now))
-        a.data[: len(body.data)] = body.data
-        a.filled = len(body.data)
-        self._assembly = a
-        self._hash_complete_buckets(a)
-
-    def _hash_complete_buckets(self, a: Assembly) -> None:
-        """Start hashing every bucket of ``a`` that has fully arrived (on a small thread pool), so
-        that the digests are in hand almost as soon as the last part is: the hashing overlaps the
-        receiving of the later parts instead of following it. They are hashed with the algorithm a
-        round starting at part 0 would use; should the round need the other one, they are hashed
-        again (``_hash``)."""
-        bucket, total = self.cfg.bucket_bytes, len(a.data)
-        while (start := len(a.digests) * bucket) < total and min(start + bucket, total) <= a.filled:
-            if self._hasher is None:
-                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-                self._hasher = ThreadPoolExecutor(max(1, min(HASH_THREADS_MAX, cpus)),
-                                                  thread_name_prefix="bcast-digest")
-            a.digests.append(self._hasher.submit(digest, memoryview(a.data[start:min(start + bucket, total)]),
-                                                 a.digest_alg))
-
-    def _continue_assembly(self, sender: str, body: m.WeightsUpdate) -> Assembly | None:
-        """Copy a later part in; the assembly when it is complete."""
-        a = self._assembly
-        if a is None or a.sender != sender:
-            raise PartRefused("part", f"no part 0 of version {body.version} came before")
-        if body.version != a.version:
-            raise PartRefused("version", f"version {body.version} while version {a.version} is being assembled")
-        if body.parts != a.parts:
-            raise PartRefused("parts", f"parts {body.parts}, but part 0 of version {a.version} said {a.parts}")
-        if body.part != a.next_part:
-            raise PartRefused("part", f"part {body.part} out of turn: part {a.next_part} comes next")
-        if body.tensors:
-            raise PartRefused("tensors", "only part 0 carries the layout")
-        if body.offset > a.filled:
-            raise PartRefused("offset", f"offset {body.offset} leaves a gap: bytes [{a.filled}, {body.offset}) "
-                                        f"never came")
-        if body.offset < a.filled:
-            raise PartRefused("offset", f"offset {body.offset} overlaps bytes [{body.offset}, {a.filled}) "
-                                        f"that came before")
-        end = body.offset + len(body.data)
-        total = len(a.data)
-        if end > total:
-            raise PartRefused("data", f"bytes [{body.offset}, {end}) run past total_bytes {total}")
-        if body.part == a.parts - 1 and end != total:
-            raise PartRefused("data", f"the last part ends at byte {end}, short of total_bytes {total}")
-        a.data[body.offset:end] = body.data
-        a.filled, a.next_part = end, a.next_part + 1
-        self._hash_complete_buckets(a)
-        return a if body.part == a.parts - 1 else None
-
-    def _complete(self, sender: str, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool,
-                  identity: bytes, msg, now: float, region: shm.MappedRegion | None = None,
-                  prehashed: tuple[str, list[Future]] | None = None) -> None:
+    def _complete(self, sender: str, whole: Whole, identity: bytes, msg, now: float,
+                  region: shm.MappedRegion | None = None) -> None:
         """A whole version is in hand: the planner decides, as for any update."""
         try:
-            check_layout(tensors, len(data))
+            check_layout(whole.tensors, len(whole.data))
             layout_error = None
         except ValueError as e:
             layout_error = str(e)
-        effects = self.planner.update(sender, version, tensors, len(data), layout_error, now, digests=None)
-        self._apply(effects, identity, msg, update=(tensors, data, owned, region, prehashed))
-        if owned and not any(isinstance(e, Keep) for e in effects):
-            for job in prehashed[1] if prehashed else ():
-                job.cancel()
-            self._spare = data  # ignored or refused: the buffer is free again (a hash running on it is unused)
+        effects = self.planner.update(sender, whole.version, whole.tensors, len(whole.data), layout_error, now,
+                                      digests=None)
+        self._apply(effects, identity, msg, update=(whole, region))
+        if whole.owned and not any(isinstance(e, Keep) for e in effects):
+            self.parts.unused(whole)  # ignored or refused: the buffer is free again
 
-    def _drop_assembly(self, reason: str, **fields) -> None:
-        a, self._assembly = self._assembly, None
-        if a is None:
-            return
-        for job in a.digests:  # a hash already running ends, its result unused
-            job.cancel()
-        self._spare = a.data
-        if reason != "refused":  # a refusal logs itself
-            self.log.warning("assembly_abandoned", version=a.version, parts_received=a.next_part, parts=a.parts,
-                             reason=reason, **fields)
-
-    def _buffer(self, num_bytes: int) -> np.ndarray:
-        """A receive buffer: the spare one when it has this size and no collective reads it."""
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.nbytes == num_bytes:
-            job = self._job_buffer
-            if job is None or job.owned is not spare:
-                return spare
-            self._spare = spare  # still broadcast from: kept for later
-        return np.empty(num_bytes, dtype=np.uint8)
-
-    def _keep(self, version: int, tensors: list[m.TensorSpec], data: np.ndarray, owned: bool,
-              region: shm.MappedRegion | None = None,
-              prehashed: tuple[str, list[Future]] | None = None) -> None:
+    def _keep(self, version: int, whole: Whole, region: shm.MappedRegion | None) -> None:
         """The update in hand is held: its bytes as a tensor (on the GPU for nccl). Its digests
         are computed when the planner says under which algorithm (``Hash``, next)."""
+        data, owned = whole.data, whole.owned
         with warnings.catch_warnings():  # a read-only view of the received frame; rank 0 only reads it
             warnings.simplefilter("ignore", UserWarning)
             held = torch.from_numpy(data)
         replaced = self.held
         if self.backend == "nccl":
             held = held.to(self.group.device or torch.device("cuda", torch.cuda.current_device()))
-            if owned and prehashed:  # copied to the GPU; free again once its buckets are hashed
-                self._pending_spare, owned = data, False
+            if owned and whole.prehashed:  # copied to the GPU; free again once its buckets are hashed
+                self.parts.free_after_hashing(data)
+                owned = False
             elif owned:
-                self._spare, owned = data, False  # copied to the GPU: the receive buffer is free again
+                self.parts.free(data)  # copied to the GPU: the receive buffer is free again
+                owned = False
             region = None  # copied to the GPU: the learner's region is free again
-        self.held = Buffer(version, list(tensors), held, data if owned else None, region, prehashed)
+        self.held = Buffer(version, list(whole.tensors), held, data if owned else None, region, whole.prehashed)
         if replaced is not None and replaced.owned is not None:
-            self._spare = replaced.owned  # reused once no collective reads it (``_buffer``)
+            self.parts.free(replaced.owned)  # reused once no collective reads it (``PartsReceiver._buffer``)
 
     def _hash(self, version: int, alg: str) -> None:
         """Compute the held version's digests under ``alg`` on a thread of their own: those hashed
@@ -612,8 +477,7 @@ class BroadcasterActor:
 
     def _apply(self, effects, identity: bytes | None = None, msg=None, update=None) -> None:
         """Carry out the planner's effects in order; ``identity``/``msg``: the message in hand;
-        ``update``: ``(tensors, data, owned, region, prehashed)`` of the whole version in hand, for
-        ``Keep``."""
+        ``update``: ``(whole, region)``, the version in hand, for ``Keep``."""
         for e in effects:
             if isinstance(e, Send):
                 self._send(e.name, e.body, parent_id=msg.msg_id if e.reply and msg is not None else None)
@@ -694,8 +558,7 @@ class BroadcasterActor:
         if self._digest_job is None or not self._digest_job[2].done:
             return
         (version, alg, job), self._digest_job = self._digest_job, None
-        if self._pending_spare is not None:  # nothing hashes it any more
-            self._spare, self._pending_spare = self._pending_spare, None
+        self.parts.hashed()  # nothing hashes a receive buffer any more
         if job.error is not None:
             raise RuntimeError(f"hashing the buckets of version {version} failed") from job.error
         held = self.held

@@ -26,7 +26,9 @@ someone; it waits for each member's answer up to ``timeout_s`` after the collect
 members that neither acked nor failed by then are forgotten and benched for ``2 × timeout_s``;
 after a round that lost someone the next starts no earlier than ``peer_timeout_s / 2`` later.
 A member that says hello again mid-round is answered for at once by what its hello says it
-holds, or, while the collective still runs, sent its announce again.
+holds, or, while the collective still runs, sent its announce again. A member on SGLang servers
+is sent a ``heartbeat`` naming the version as soon as its servers took it: that heartbeat is its
+generator's notice of the version (``weights.link``).
 """
 
 from __future__ import annotations
@@ -386,11 +388,15 @@ class RoundPlanner:
             return []
         r.timings = (result.join_s, result.bcast_s)
         r.failed = result.failed
+        out: list[Effect] = []
         for name, why in result.pushed.items():  # SGLang members answer through the push itself
             if why is None and name in self.sessions:
                 self.sessions[name].version = r.version
+                # Its servers hold the version now: told at once (the generator reads their versions
+                # then), rather than by the next heartbeat, since this is where its versions come from.
+                out.append(Send(name, m.Heartbeat(policy_version=r.version)))
             (r.acked if why is None else r.nacked).add(name)
-        return []
+        return out
 
     # ------------------------------------------------------------------ tick
 

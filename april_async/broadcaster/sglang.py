@@ -52,7 +52,7 @@ from april_async.logs import get_logger
 from april_async.sglang.api import SGLangError
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
-from april_async.weights.flat import unflatten
+from april_async.weights.flat import tensor_buckets, unflatten
 from april_async.wire.messages import TensorSpec
 
 SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
@@ -73,21 +73,6 @@ def flushes_while_paused(version: str) -> bool:
     """Whether the server's flush ignores waiting requests while paused (0.5.23's
     ``Scheduler.flush_cache``); unknown versions are taken to be as strict as 0.5.15."""
     return version_tuple(version) >= (0, 5, 23)
-
-
-def tensor_buckets(tensors: list[TensorSpec], sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``tensors`` in consecutive buckets of at most ``bucket_bytes`` (a larger tensor
-    goes alone)."""
-    out: list[list[int]] = []
-    size = 0
-    for i, n in enumerate(sizes):
-        if out and size + n <= bucket_bytes:
-            out[-1].append(i)
-            size += n
-        else:
-            out.append([i])
-            size = n
-    return out
 
 
 class SGLangFanout:
@@ -236,8 +221,7 @@ class SGLangFanout:
         note(errors)
         with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
         views = unflatten(tensors, buffer)
-        sizes = [views[t.name].numel() * views[t.name].element_size() for t in tensors]
-        parts = tensor_buckets(tensors, sizes, bucket_bytes)
+        parts = [indices for _, _, indices in tensor_buckets(tensors, bucket_bytes)]  # whole tensors each
         sent = False  # once a bucket went out, a failed server's weights may be half new
         try:
             for i, part in enumerate(parts):

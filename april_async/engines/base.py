@@ -14,12 +14,31 @@ A request ends with ``finish = "error"`` (and ``error`` set) when the engine ref
 for a reason of its own (a prompt longer than the context allows): the generator reports it to the
 broker, which retires the sample's group rather than lease it again. A refusal that every request
 would get is no ``"error"``: the engine raises ``ActorFailed`` and the generator stops.
+
+What an engine can do beyond that contract it declares in ``caps`` (``EngineCaps``), once, as a
+class attribute; the generator reads it when it starts and never probes for a method:
+
+    weights        how new policy versions reach it: ``in_process`` (this process loads them,
+                   ``load_weights``, onto ``device``: the torch engine), ``pushed`` (the
+                   broadcaster pushes them to the engine's servers, ``server_urls``, and the
+                   engine reads their versions, ``refresh_versions``: sglang), ``none`` (it holds
+                   no weights, and its version is whatever the broker says: the scripted engine);
+    batched_abort  ``abort_all`` stops every request with one call per server, rather than one
+                   ``abort`` each (sglang).
+
+``Engine`` is the base every engine subclasses: the members that only some kinds have answer
+for the others by refusing (``NotImplementedError`` naming the engine and its ``caps``), which the
+generator never meets because it chose by ``caps``; ``close`` is a no-op for an engine that holds
+nothing to release. ``build_engine`` (``engines.factory``) makes the one a generator config names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:  # the engines that hold weights import torch; this module does not
+    import torch
 
 
 @dataclass(frozen=True)
@@ -48,21 +67,68 @@ class EngineOutput:
     error: str | None = None  # with finish "error": why the engine refused the request for good
 
 
-class Engine(Protocol):
+WeightsArrival = Literal["in_process", "pushed", "none"]
+"""How new policy versions reach an engine (``EngineCaps.weights``)."""
+
+
+@dataclass(frozen=True)
+class EngineCaps:
+    """What an engine can do beyond the decode contract (see the module docstring)."""
+
+    weights: WeightsArrival
+    batched_abort: bool = False
+
+
+class Engine:
+    """The base of every engine: the decode contract, and the members its ``caps`` promise."""
+
     name: str
     slots: int
     policy_version: int
+    caps: ClassVar[EngineCaps] = EngineCaps(weights="none")
+    device: torch.device | None = None
+    """Where an ``in_process`` engine keeps its weights (a version is received there); None otherwise."""
 
-    def submit(self, request: EngineRequest) -> None: ...
+    def submit(self, request: EngineRequest) -> None:
+        raise NotImplementedError
 
     def step(self) -> list[EngineOutput]:
         """One decode step for every active request; outputs only for requests that made tokens."""
+        raise NotImplementedError
 
     def abort(self, lease_id: int) -> EngineOutput | None:
         """Stop a request. Its last output (finish = "abort") now, or None when the engine reports
         the end later through ``step`` (a server engine, whose server may still send tokens)."""
+        raise NotImplementedError
 
-    def active(self) -> int: ...
+    def active(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the engine holds (threads, connections); nothing, by default."""
+
+    # ------------------------------------------------------------------ by capability
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """``caps.weights == "in_process"``: swap weights between decode steps; tokens from now on
+        carry ``version``. The tensors may view a buffer a later version is received into: copy."""
+        raise self._cannot("load_weights")
+
+    def server_urls(self) -> list[str]:
+        """``caps.weights == "pushed"``: the servers the broadcaster pushes versions to."""
+        raise self._cannot("server_urls")
+
+    def refresh_versions(self) -> None:
+        """``caps.weights == "pushed"``: read the servers' versions soon (a version was pushed)."""
+        raise self._cannot("refresh_versions")
+
+    def abort_all(self) -> None:
+        """``caps.batched_abort``: abort every request, one call per server; each end comes through
+        ``step``."""
+        raise self._cannot("abort_all")
+
+    def _cannot(self, member: str) -> NotImplementedError:
+        return NotImplementedError(f"the {self.name} engine has no {member} (its caps: {self.caps})")
 
 
 def version_runs(versions: list[int]) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""Settings of the embedded engine (imports no torch: the CLI and ``april up`` read it)."""
+"""Settings of the engines, one model each (imports no torch: the CLI and ``april up`` read them):
+the ``[generator.torch]``, ``[generator.sglang]`` and ``[generator.scripted]`` sections."""
 
 from __future__ import annotations
 
@@ -25,3 +26,55 @@ class TorchEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights, activations and KV cache; ``auto`` is bfloat16 on CUDA, float32 on the CPU.
     Sampling always works on float32 logits."""
+
+
+class ScriptedEngineConfig(BaseModel):
+    """Settings of the scripted test engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slots: int = Field(8, ge=1)
+    """Concurrent requests (decode slots)."""
+    lengths: tuple[int, ...] = (8, 8, 12, 16, 24, 64)
+    """True response lengths, cycled by sample id."""
+    vocab: int = Field(1000, ge=2)
+    step_s_fixed: float = Field(0.0, ge=0)
+    """Seconds of one decode step, fixed part."""
+    step_s_per_seq: float = Field(0.0, ge=0)
+    """Seconds of one decode step per active request."""
+
+
+class SGLangEngineConfig(BaseModel):
+    """Settings of the ``sglang`` engine (``[generator.sglang]``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    servers: list[str] = []
+    """Base URLs of the SGLang servers this generator owns, e.g. ``http://10.0.0.5:30000``; the
+    broadcaster updates their weights at the same URLs, so they must be reachable from it too."""
+    slots_per_server: int = Field(64, ge=1)
+    """Requests in flight per server (SGLang queues what it cannot run at once)."""
+    stream: bool = True
+    """Stream tokens (reported as they come; aborts keep more); false: one answer per request."""
+    call_timeout_s: float = Field(10.0, gt=0)
+    """Limit of every control call: liveness probe, abort."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    stream_idle_s: float = Field(600.0, gt=0)
+    """Longest silence inside one generate call (a server paused for a weight update holds its
+    requests meanwhile; a non-streamed request is silent until it ends)."""
+    health_interval_s: float = Field(2.0, gt=0)
+    """Seconds between liveness probes (``GET /model_info``) of each server."""
+    dead_after: int = Field(3, ge=1)
+    """Failed probes in a row after which a server counts as down."""
+    abort_wait_s: float = Field(5.0, gt=0)
+    """After asking SGLang to abort a request, wait this long for its answer (with the tokens it
+    made), then close the request here, keeping the tokens already received."""
+    max_resumes: int = Field(32, ge=0)
+    """How often one lease is resumed after the server aborted it on its own (weight updates)."""
+    send_seed: bool = False
+    """Send each request's seed as ``sampling_seed`` (honoured only by a server started with
+    ``--enable-deterministic-inference``)."""
+    initial_version: int = Field(0, ge=0)
+    """The policy version of a server that has never been updated (weight version ``default``)."""
+    step_wait_s: float = Field(0.02, gt=0)
+    """How long ``step`` waits for output when none has arrived."""

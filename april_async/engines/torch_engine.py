@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from april_async.engines.base import EngineOutput, EngineRequest
+from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest
 from april_async.engines.config import TorchEngineConfig
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
@@ -39,8 +39,9 @@ class _Slot:
     pending: int = -1  # the token sampled this step, fed to the next forward
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     name = "torch"
+    caps = EngineCaps(weights="in_process")
 
     def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0):
         self.model = model.eval()

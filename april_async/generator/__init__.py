@@ -1,2 +1,2 @@
-"""The generator actor (``actor``) and the engines only it uses (``scripted``, ``sglang_engine``); the
-embedded PyTorch engine is shared, in ``april_async.engines``."""
+"""The generator actor (``actor``); its engines are ``april_async.engines``'s, made by
+``engines.factory.build_engine``."""

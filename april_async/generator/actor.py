@@ -14,6 +14,12 @@ Tokens go to the broker in flushes: every ``progress_interval_s`` (or once ``pro
 wait) one ``progress`` message carries the new tokens of every lease (protocol 1.7), so the
 broker's cost per message is paid once per flush, not once per lease. A broker older than 1.7
 gets one ``token_chunk`` per lease every ``chunk_tokens`` tokens instead, as before.
+
+What the engine can do it says in ``engine.caps``, read here once: how its weights arrive picks
+the one source of its versions (``weights_link``: the broadcaster when there is one, else the
+broker's ``weights_published``; ``weights.link``) and whether a lease waits for the
+``min_policy_version`` the broker leased it with; ``batched_abort`` whether an abort of every
+lease is one call per server.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
 from april_async.transport.peer import wait_any
+from april_async.weights.link import BrokerNotices, WeightsLink
 from april_async.wire import messages as m
 from april_async.wire.version import parse
 
@@ -66,6 +73,24 @@ class LeaseWork:
     sent: int = 0  # tokens of this lease already sent
 
 
+def weights_link(cfg: GeneratorConfig, engine: Engine, log) -> WeightsLink:
+    """Where the generator's versions come from (``weights.link``), chosen once by the engine's
+    ``caps.weights``: with a broadcaster, its group (``in_process``) or its pushes to the engine's
+    servers (``pushed``); without one, or for an engine with no weights, the broker's notices."""
+    if cfg.broadcaster is not None and engine.caps.weights == "in_process":
+        from april_async.weights.subscriber import WeightSubscriber
+
+        return WeightSubscriber(cfg.name, cfg.broadcaster, cfg.link, engine, device=engine.device,
+                                address=cfg.weights_address)
+    if cfg.broadcaster is not None and engine.caps.weights == "pushed":
+        from april_async.weights.subscriber import ServerWeightsLink
+
+        return ServerWeightsLink(cfg.name, cfg.broadcaster, cfg.link, engine)
+    if cfg.broadcaster is not None:
+        log.warning("broadcaster_ignored", reason=f"the {engine.name} engine holds no weights")
+    return BrokerNotices(engine, log)
+
+
 def spans_of(versions: list[int]) -> list[m.VersionSpan]:
     return [m.VersionSpan(v, c) for v, c in version_runs(versions)]
 
@@ -87,19 +112,8 @@ class GeneratorActor:
         self.broker_proto: str | None = None  # the broker's proto_version, from its last message
         self.flush_due: float | None = None  # progress: when the oldest unsent token must go out
         self.resend = False  # a new session: send every lease's tokens again, at once
-        self.holds_weights = getattr(engine, "load_weights", None) is not None
-        self.server_engine = getattr(engine, "servers", None) is not None  # its servers hold the weights
-        self.weights = None
-        if cfg.broadcaster is not None and self.server_engine:
-            from april_async.weights.subscriber import ServerWeightsLink
-
-            self.weights = ServerWeightsLink(cfg.name, cfg.broadcaster, cfg.link, engine)
-        elif cfg.broadcaster is not None and not self.holds_weights:
-            self.log.warning("broadcaster_ignored", reason=f"the {engine.name} engine holds no weights")
-        elif cfg.broadcaster is not None:
-            from april_async.weights.subscriber import WeightSubscriber
-
-            self.weights = WeightSubscriber(cfg.name, cfg.broadcaster, cfg.link, engine, address=cfg.weights_address)
+        self.gated = engine.caps.weights != "none"  # a lease waits for the version it needs
+        self.weights = weights_link(cfg, engine, self.log)  # the one source of versions
         self.peer = peer_factory(self._on_connect)
 
     # ------------------------------------------------------------------ session
@@ -158,8 +172,7 @@ class GeneratorActor:
             while msg is not None:
                 self.handle(msg)
                 msg = self.peer.poll(0.0)
-            if self.weights is not None:
-                self.weights.poll(0.0)  # a new version loads here, between decode steps
+            self.weights.poll(0.0)  # a new version loads here, between decode steps
             if self.engine.slots != self.capacity:  # a server engine lost or regained a server
                 self._capacity_changed()
             self._start_waiting()
@@ -174,11 +187,8 @@ class GeneratorActor:
         self._log_busy(busy)
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
-        if self.weights is not None:
-            self.weights.close()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.weights.close()
+        self.engine.close()
         self.log.info("stopped", leases=len(self.work), version=self.engine.policy_version)
 
     def _wait(self, timeout_s: float) -> None:
@@ -186,8 +196,7 @@ class GeneratorActor:
         version received), at most ``timeout_s``. Waiting on the broker alone left a new version
         unnoticed until the wait ran out, twice a version (its announce, then its receipt): up to
         a quarter of a second of every sync step on the development machine."""
-        handles = [self.peer.sock] + (self.weights.waitables() if self.weights is not None else [])
-        wait_any(handles, timeout_s)
+        wait_any([self.peer.sock, *self.weights.waitables()], timeout_s)
 
     def _log_busy(self, busy: BusyClock) -> None:
         self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,
@@ -197,9 +206,9 @@ class GeneratorActor:
         self.broker_proto = msg.proto_version
         body = msg.body
         if isinstance(body, m.Generate):
-            if self.holds_weights or self.server_engine:
+            if self.gated:
                 self.min_version[body.lease_id] = body.min_policy_version
-            else:  # the scripted test engine has no weights to wait for
+            else:  # an engine with no weights (the scripted test engine) has none to wait for
                 self.engine.policy_version = max(self.engine.policy_version, body.min_policy_version)
             sp = body.sampling
             self.waiting.append(EngineRequest(
@@ -208,7 +217,7 @@ class GeneratorActor:
                 stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed))
             self.work[body.lease_id] = LeaseWork(body.lease_id, body.sample_id, len(body.resume))
         elif isinstance(body, m.Abort):
-            if body.all and getattr(self.engine, "abort_all", None) is not None:
+            if body.all and self.engine.caps.batched_abort:
                 self._abort_all()
             for lid in list(self.work) if body.all else body.lease_ids:
                 self._abort(lid)
@@ -218,31 +227,9 @@ class GeneratorActor:
                 self.unacked = [self.unacked[i] for i in keep]
                 self.unacked_seq = [self.unacked_seq[i] for i in keep]
         elif isinstance(body, m.WeightsPublished):
-            self._new_weights(body)
+            self.weights.published(body)  # a version notice only when no broadcaster is the source
         elif isinstance(body, m.Error):
             self.log.warning("broker_error", code=body.code, message=body.message, field=body.field)
-
-    def _new_weights(self, body: m.WeightsPublished) -> None:
-        """Load policy ``body.version`` from its checkpoint directory (between decode steps)."""
-        if body.version <= self.engine.policy_version:
-            return
-        if self.server_engine:  # its servers get weights from the broadcaster: read their versions now
-            self.engine.refresh_versions()
-            return
-        if not self.holds_weights:  # the scripted test engine holds no weights
-            self.engine.policy_version = body.version
-            return
-        if body.source is None:  # the weights come from the broadcaster
-            return
-        from april_async.model.decoder import CausalLM, CheckpointError
-
-        try:
-            state = CausalLM.from_pretrained(body.source).state_dict()
-        except CheckpointError as e:
-            self.log.error("weights_not_loaded", version=body.version, source=body.source, error=str(e))
-            return
-        self.engine.load_weights(state, body.version)
-        self.log.info("weights_loaded", version=body.version, source=body.source)
 
     def _start_waiting(self) -> None:
         """Start waiting leases while slots are free, in order; a lease that needs newer weights

@@ -2,7 +2,7 @@
 
 Every call has a time limit and either returns the parsed answer or raises ``SGLangError``
 naming the server and the endpoint; none retries (the callers decide). Generation itself is
-streamed by the generator's engine (``april_async.generator.sglang_engine``).
+streamed by the generator's engine (``april_async.engines.sglang_engine``).
 
 Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.post1, 0.5.23):
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from april_async.config import LinkConfig
-from april_async.generator.scripted import scripted_logprob, scripted_token
+from april_async.engines.scripted import scripted_logprob, scripted_token
 from april_async.testing.procs import free_port, spawn, stop
 from april_async.learner.client import BatchClient
 from april_async.transport.peer import Peer

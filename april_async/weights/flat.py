@@ -16,7 +16,8 @@ tensor's bytes, in native little-endian order, at the byte ``offset`` its ``Tens
 - ``buckets`` cuts ``num_bytes`` into consecutive ``bucket_bytes`` ranges (the last one shorter):
   the pieces the broadcaster sends one collective at a time.
 - ``tensor_buckets`` cuts a layout at tensor boundaries instead, into ranges of whole tensors: the
-  parts of a ``weights_update`` that a sharded learner gathers and sends one at a time.
+  parts of a ``weights_update`` that a sharded learner gathers and sends one at a time, and the
+  buckets the broadcaster pushes to SGLang's servers one update call at a time.
 - ``bucket_digests`` hashes each of those ``buckets`` (``weights_announce.digests``, protocol 1.6),
   and ``check_digests`` compares a received buffer with them: a member refuses bytes that do not
   match what the broadcaster announced over the authenticated channel (``DigestMismatch``). Both

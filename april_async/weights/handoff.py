@@ -1,4 +1,5 @@
-"""The learner's side of the weight hand-off: one session on the broadcaster's hub.
+"""The learner's side of the weight hand-off: one session on the broadcaster's hub. The receiving
+half, the broadcaster's, is ``weights.handoff_recv``.
 
 Two ways to hand a version over:
 

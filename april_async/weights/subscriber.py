@@ -43,6 +43,7 @@ import torch
 
 from april_async.weights.flat import DigestMismatch, check_digests, unflatten
 from april_async.weights.group import WeightGroup
+from april_async.weights.link import WeightsLink
 from april_async.config import LinkConfig
 from april_async.logs import get_logger
 from april_async.wire import messages as m
@@ -102,20 +103,20 @@ def _broadcaster_peer(endpoint: str, name: str, link: LinkConfig):
     return make
 
 
-class WeightSubscriber:
+class WeightSubscriber(WeightsLink):
     """``engine`` has ``policy_version`` (int) and ``load_weights(state_dict, version)``; the
     tensors it is given view a receive buffer that a later version is received into
     (``BufferPool``), so ``load_weights`` copies what it keeps (``load_state_dict`` does)."""
 
     def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *,
                  device: torch.device | str | None = None, peer_factory=None, address: str | None = None):
-        """``address``: the address this member advertises to the group (``weights_address`` of the
-        generator's config; default: found, ``weights.routes``). The group's rendezvous store is
-        reached with ``link.keys``, like the broadcaster's hub."""
+        """``device``: where a version is received (the engine's, ``Engine.device``; None: the
+        group's default, the CPU for gloo). ``address``: the address this member advertises to the
+        group (``weights_address`` of the generator's config; default: found, ``weights.routes``).
+        The group's rendezvous store is reached with ``link.keys``, like the broadcaster's hub."""
         self.name, self.engine = name, engine
         self.log = get_logger(actor="generator", instance=name, component="weights")
-        self.group = WeightGroup(device=device if device is not None else getattr(engine, "device", None),
-                                 keys=link.keys, address=address)
+        self.group = WeightGroup(device=device, keys=link.keys, address=address)
         self.loaded = 0  # versions loaded
         self.failures = 0  # announces whose receive failed (refusals included)
         self.refused = 0  # announces whose bytes did not match their digests
@@ -278,14 +279,15 @@ class WeightSubscriber:
                           why="the announce carries no digests (a broadcaster older than protocol 1.6)")
 
 
-class ServerWeightsLink:
-    """A server engine's session with the broadcaster (``engine.servers``: the SGLang servers).
+class ServerWeightsLink(WeightsLink):
+    """A server engine's session with the broadcaster (``engine.server_urls()``: the SGLang servers).
 
     ``hello`` names the servers' URLs; the broadcaster then updates their weights itself, through
     SGLang's distributed weight update, and this process receives nothing. A broadcaster heartbeat
     naming a version newer than the engine's makes the engine read its servers' versions at once
     (``refresh_versions``), so leases waiting for that version start without waiting for the next
-    liveness probe.
+    liveness probe; the broadcaster sends one as soon as a push to these servers succeeded. It is
+    the generator's one source of versions (``weights.link``): the broker's copy is ignored.
     """
 
     def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *, peer_factory=None):
@@ -295,7 +297,7 @@ class ServerWeightsLink:
 
     def _on_connect(self, peer) -> None:
         peer.send(m.Hello(role="generator", instance=self.name, engine=self.engine.name,
-                          policy_version=self.engine.policy_version, servers=[s.url for s in self.engine.servers]))
+                          policy_version=self.engine.policy_version, servers=self.engine.server_urls()))
 
     def waitables(self) -> list:
         """The broadcaster session's socket (``WeightSubscriber.waitables``)."""

@@ -436,13 +436,13 @@ def test_receive_buffers_are_reused_between_versions_of_one_size():
         assert c is not a and c is not b
         # a refused assembly hands its buffer back: the next version of that size takes it
         handle(update(6, np.zeros(64, np.uint8), tensors=[], parts=2, total_bytes=128))
-        spare = actor._assembly.data
+        spare = actor.parts.assembly.data
         handle(update(6, np.zeros(32, np.uint8), part=1, parts=2, offset=96))  # a gap
         assert isinstance(hub.sent[-1], m.Error) and hub.sent[-1].field == "$.body.offset"
-        assert actor._assembly is None and actor._spare is spare
+        assert actor.parts.assembly is None and actor.parts.spare is spare
         assert version(7, size=128) is spare
         # a buffer a collective still broadcasts from is not written into: version 8 gets a new one
-        assert actor._spare is c
+        assert actor.parts.spare is c
         actor._job_buffer = SimpleNamespace(owned=c)
         new = version(8, size=128)
         assert new is not c and new is not spare

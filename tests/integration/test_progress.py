@@ -17,9 +17,10 @@ from april_async.broker.config import BrokerServiceConfig
 from april_async.broker.journal import Journal
 from april_async.broker.service import BrokerService, replay
 from april_async.config import LinkConfig
+from april_async.engines.config import ScriptedEngineConfig
+from april_async.engines.scripted import ScriptedEngine, scripted_logprob, scripted_token
 from april_async.generator.actor import GeneratorActor
-from april_async.generator.config import GeneratorConfig, ScriptedEngineConfig
-from april_async.generator.scripted import ScriptedEngine, scripted_logprob, scripted_token
+from april_async.generator.config import GeneratorConfig
 from april_async.testing.fake_broker import FakeBroker
 from april_async.transport.hub import Hub
 from april_async.transport.peer import Peer

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.broadcaster.sglang import SGLangFanout
-from april_async.engines.base import EngineOutput, EngineRequest
+from april_async.engines.base import Engine, EngineOutput, EngineRequest
+from april_async.engines.config import SGLangEngineConfig
+from april_async.engines.sglang_engine import SGLangEngine
 from april_async.engines.torch_engine import TorchEngine
-from april_async.generator.config import SGLangEngineConfig
-from april_async.generator.sglang_engine import SGLangEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.procs import free_port
 from april_async.testing.standin import start_standin
@@ -329,7 +329,7 @@ def test_a_broker_older_than_1_5_cannot_take_a_refusal():
     from april_async.generator.config import GeneratorConfig
     from april_async.runtime import ActorFailed
 
-    class Quiet:
+    class Quiet(Engine):  # caps: no weights
         name, slots, policy_version = "scripted", 1, 0
 
     actor = GeneratorActor(GeneratorConfig(), Quiet(), lambda on_connect: None)

@@ -34,7 +34,8 @@ TORCH_FREE = [
     "april_async.broker.service",
     "april_async.broker.journal",
     "april_async.generator.actor",
-    "april_async.generator.scripted",
+    "april_async.engines.scripted",
+    "april_async.engines.factory",
     "april_async.sim.simulation",
     "april_async.sim.report",
 ]

@@ -2,11 +2,11 @@
 0.5.15.post1 and 0.5.23: ``managers/tokenizer_manager.py``, ``managers/schedule_batch.py``)."""
 
 import pytest
+import torch
 
-from april_async.broadcaster.sglang import tensor_buckets
 from april_async.sglang import api
 from april_async.sglang.api import SGLangError
-from april_async.wire.messages import TensorSpec
+from april_async.weights.flat import layout, tensor_buckets
 
 TOKENS = [(-0.5, 7), (-1.25, 3), (-0.125, 9), (-2.0, 2), (-0.75, 11)]
 
@@ -89,11 +89,15 @@ def test_weight_versions_parse_to_policy_versions():
 
 
 def test_tensor_buckets_keep_whole_tensors_within_the_size():
-    specs = [TensorSpec(f"t{i}", "float32", [n], 0) for i, n in enumerate([4, 4, 10, 1, 1])]
-    sizes = [16, 16, 40, 4, 4]
-    assert tensor_buckets(specs, sizes, 32) == [[0, 1], [2], [3, 4]]
-    assert tensor_buckets(specs, sizes, 1) == [[0], [1], [2], [3], [4]]
-    assert tensor_buckets(specs, sizes, 1 << 20) == [[0, 1, 2, 3, 4]]
+    """The push to SGLang's servers sends ``flat.tensor_buckets``' tensors, one bucket per call."""
+    specs, _ = layout((f"t{i}", torch.float32, [n]) for i, n in enumerate([4, 4, 10, 1, 1]))  # 16, 16, 40, 4, 4 B
+
+    def indices(bucket_bytes):
+        return [idx for _, _, idx in tensor_buckets(specs, bucket_bytes)]
+
+    assert indices(32) == [[0, 1], [2], [3, 4]]
+    assert indices(1) == [[0], [1], [2], [3], [4]]
+    assert indices(1 << 20) == [[0, 1, 2, 3, 4]]
 
 
 def test_a_refusal_is_typed_and_read_by_its_message():

@@ -1,0 +1,428 @@
+"""The ``sglang`` engine: the generator's leases run on SGLang servers over their HTTP API.
+
+One asyncio loop (a daemon thread) streams every request; ``step`` hands the actor what arrived
+since its last call, so the generator's loop, its broker session and the contract of
+``Engine`` stay as they are for the embedded engine.
+
+Per lease, top to bottom:
+
+    submit   the least-loaded live server gets ``POST /generate`` with ``input_ids = prompt +
+             resumed tokens``, the remaining budget, ``return_logprob`` and a prefix-free request
+             id (``april_async.sglang.api``); streamed unless ``stream = false``;
+    tokens   each event's new tokens go out with their log-probs, each tagged with the policy
+             version that made it: its span in ``meta_info.weight_versions`` where the server
+             sends them (0.5.23), else the event's ``meta_info.weight_version``;
+    resume   a request the server aborted on its own *without* a ``status_code`` — a weight
+             update's ``pause_generation`` in ``abort`` mode — is sent again with ``input_ids =
+             prompt + every token so far`` and what is left of the budget, so the tokens after
+             the update carry the new version and nothing is lost (at most ``max_resumes``
+             times; then it ends as ``abort``, a partial);
+    refused  an abort the scheduler made with a ``status_code`` is never sent again here: 400
+             (input too long) ends the lease with ``finish = "error"`` and the server's message;
+             503 (waited too long) and 500 (out of memory) end it as ``abort`` with its tokens, a
+             partial the broker may lease elsewhere (its ``max_attempts`` bounds how often),
+             and the reason is logged;
+    abort    ``POST /abort_request`` by request id; SGLang answers the request itself with the
+             tokens it made (``finish_reason.type = "abort"``), which ``step`` then reports. A
+             failing abort call is logged and tolerated (a server that is going away: slime
+             #1615); a request that has not ended ``abort_wait_s`` later is closed locally with
+             the tokens already received;
+    down     every ``health_interval_s`` each server is asked for ``/model_info`` (its liveness
+             and weight version). After ``dead_after`` failed probes in a row, or at once when a
+             stream breaks and the next probe fails, the server is down: its requests end as
+             ``abort`` with their tokens (the broker recycles them as partials) and ``slots``
+             shrinks, which the actor tells the broker. It comes back when a probe succeeds.
+
+A server that refuses a request answers a streamed one with HTTP 200 and an ``{"error": ...}``
+event, a whole answer with HTTP 400 (``april_async.sglang.api``). The refusal is read by its
+message (``api.refusal_is_per_request``): one about this request's own length or rid (the prompt
+and budget over the context length, a duplicate rid) ends the lease with ``finish = "error"``
+and the message, which the generator reports to the broker (it retires the group: no server
+would take it). Any other refusal — a sampling value, a field — would be given to every request
+(all bodies share the broker's sampling settings): ``step`` raises ``ActorFailed`` naming the
+server's message and the generator stops, as for any other HTTP 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest
+from april_async.engines.config import SGLangEngineConfig
+from april_async.logs import get_logger
+from april_async.runtime import ActorFailed
+from april_async.sglang import api
+from april_async.sglang.api import Refused, SGLangError
+from april_async.sglang.client import ServerClient
+
+
+@dataclass
+class _Server:
+    url: str
+    client: ServerClient
+    alive: bool = True
+    failures: int = 0
+    version: int = 0
+    running: int = 0  # requests in flight here
+    http: httpx.AsyncClient | None = None  # streams; made on the loop, connections reused
+
+
+@dataclass
+class _Req:
+    request: EngineRequest
+    server: _Server
+    tokens: list[int] = field(default_factory=list)  # generated under this lease so far
+    attempt: int = 0
+    abort_asked: bool = False
+    task: asyncio.Task | None = None
+    rid: str = ""
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+    caps = EngineCaps(weights="pushed", batched_abort=True)  # the broadcaster updates its servers
+
+    def __init__(self, cfg: SGLangEngineConfig, *, instance: str = "gen"):
+        if not cfg.servers:
+            raise ValueError("sglang.servers is empty: give the base URL of at least one SGLang server")
+        self.cfg = cfg
+        self.log = get_logger(actor="generator", instance=instance, component="sglang")
+        self.prefix = f"april-{instance}-{time.monotonic_ns() % 10**9}"  # a restarted process aborts none of its old ids
+        self.servers = [_Server(u.rstrip("/"), ServerClient(u, timeout_s=cfg.call_timeout_s,
+                                                               connect_timeout_s=cfg.connect_timeout_s),
+                                version=cfg.initial_version) for u in cfg.servers]
+        self._reqs: dict[int, _Req] = {}  # lease -> request, until step() reported its end
+        self._out: queue.SimpleQueue[EngineOutput] = queue.SimpleQueue()
+        self._fatal: ActorFailed | None = None
+        self.resumed = 0  # requests sent again after the server aborted them on its own
+        self.lost = 0  # requests ended early by a failure (server down, broken stream)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"{instance}-sglang")
+        self._thread.start()
+        self._wake = asyncio.Event()  # set on the loop: probe every server now
+        self._health = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
+        self._probe_all()  # liveness and versions before the first hello
+
+    # ------------------------------------------------------------------ the actor's thread
+
+    @property
+    def slots(self) -> int:
+        return self.cfg.slots_per_server * sum(s.alive for s in self.servers)
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest version a live server holds: a lease may start on any of them."""
+        live = [s.version for s in self.servers if s.alive]
+        return min(live) if live else min(s.version for s in self.servers)
+
+    def active(self) -> int:
+        return len(self._reqs)
+
+    def submit(self, request: EngineRequest) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        live = [s for s in self.servers if s.alive] or self.servers
+        server = min(live, key=lambda s: s.running)
+        r = _Req(request, server)
+        self._reqs[request.lease_id] = r
+        server.running += 1
+        asyncio.run_coroutine_threadsafe(self._start(r), self._loop)
+
+    def step(self) -> list[EngineOutput]:
+        if self._fatal is not None:
+            raise self._fatal
+        try:
+            first = self._out.get(timeout=self.cfg.step_wait_s if self._reqs else 0.001)
+        except queue.Empty:
+            return []
+        merged: dict[int, EngineOutput] = {}
+        item: EngineOutput | None = first
+        while item is not None:
+            out = merged.setdefault(item.lease_id, EngineOutput(item.lease_id))
+            out.tokens += item.tokens
+            out.logprobs += item.logprobs
+            out.versions += item.versions
+            out.finish = out.finish or item.finish
+            out.error = out.error or item.error
+            try:
+                item = self._out.get_nowait()
+            except queue.Empty:
+                item = None
+        if self._fatal is not None:  # set before the refused request's end was queued
+            raise self._fatal
+        for lid, out in merged.items():
+            if out.finish:
+                r = self._reqs.pop(lid, None)
+                if r is not None:
+                    r.server.running -= 1
+        return list(merged.values())
+
+    def abort(self, lease_id: int) -> None:
+        """Ask the server to stop the lease; its end (with the tokens made) comes through ``step``."""
+        r = self._reqs.get(lease_id)
+        if r is not None and not r.abort_asked:
+            r.abort_asked = True
+            asyncio.run_coroutine_threadsafe(self._abort(r), self._loop)
+        return None
+
+    def abort_all(self) -> None:
+        """Abort every request on every server (``abort_all``: the servers must be this generator's
+        own); each end comes through ``step``."""
+        reqs = list(self._reqs.values())
+        for r in reqs:
+            r.abort_asked = True
+        asyncio.run_coroutine_threadsafe(self._abort_all(reqs), self._loop)
+
+    def server_urls(self) -> list[str]:
+        """The servers' base URLs: the broadcaster pushes each version to them."""
+        return [s.url for s in self.servers]
+
+    def refresh_versions(self) -> None:
+        """Probe every server now (a weight update was announced)."""
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    def close(self) -> None:
+        """Read the servers' versions a last time (the actor logs the one it stops on), abort what
+        is still running (the servers stop generating for us) and stop the loop."""
+        try:
+            self._probe_all()
+        except Exception:  # a server that is gone: its version is the last one read
+            pass
+        if self._reqs:
+            try:
+                self._call(self._abort_all([]), timeout=self.cfg.call_timeout_s + 1)
+            except Exception:  # already logged per server
+                pass
+        self._health.cancel()
+        try:
+            self._call(self._shutdown(), timeout=5.0)
+        except Exception:  # closing connections to a dead server: nothing to save
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2.0)
+        for s in self.servers:
+            s.client.close()
+
+    # ------------------------------------------------------------------ helpers for the loop
+
+    def _call(self, coro, timeout: float | None = 10.0):
+        """Run ``coro`` on the loop and wait for its result (from the actor's thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _control(self, s: _Server, fn, *args):
+        """A blocking control call on a worker thread; errors are logged and returned, not raised."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        except SGLangError as e:
+            self.log.warning("control_call_failed", server=s.url, endpoint=e.endpoint, error=str(e))
+            return e
+
+    def _probe_all(self) -> None:
+        self._call(self._probe_each(), timeout=self.cfg.call_timeout_s + self.cfg.connect_timeout_s + 1)
+
+    async def _probe_each(self) -> None:
+        await asyncio.gather(*(self._probe(s) for s in self.servers))
+
+    async def _shutdown(self) -> None:
+        """End the requests here (the actor is gone: nobody reads their ends), then the connections."""
+        tasks = [r.task for r in list(self._reqs.values()) if r.task is not None and not r.task.done()]
+        for r in list(self._reqs.values()):
+            r.abort_asked = True  # asked for: not counted as lost
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.http.aclose() for s in self.servers if s.http is not None))
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.cfg.health_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            await self._probe_each()
+
+    async def _probe(self, s: _Server) -> None:
+        try:
+            version = await asyncio.get_running_loop().run_in_executor(None, s.client.weight_version)
+        except SGLangError as e:
+            s.failures += 1
+            if s.alive and s.failures >= self.cfg.dead_after:
+                self._server_down(s, str(e))
+            elif s.failures == 1:
+                self.log.warning("probe_failed", server=s.url, error=str(e))
+            return
+        s.version = self.cfg.initial_version if version is None else version
+        s.failures = 0
+        if not s.alive:
+            s.alive = True
+            self.log.info("server_up", server=s.url, version=s.version)
+
+    def _server_down(self, s: _Server, why: str) -> None:
+        s.alive = False
+        lost = [r for r in self._reqs.values() if r.server is s and r.task is not None]
+        self.log.error("server_down", server=s.url, error=why, requests=len(lost))
+        for r in lost:  # each ends as an abort with the tokens it has: partials for the broker
+            r.task.cancel()
+
+    # ------------------------------------------------------------------ one request
+
+    async def _start(self, r: _Req) -> None:
+        r.task = asyncio.current_task()
+        error = None
+        try:
+            finish, error = await self._run(r)
+        except asyncio.CancelledError:  # server down, or no answer to an abort in time
+            finish = "abort"
+            if not r.abort_asked:
+                self.lost += 1
+        self._out.put(EngineOutput(r.request.lease_id, finish=finish, error=error))
+
+    def _refused(self, r: _Req, message: str) -> tuple[str, str]:
+        self.log.warning("request_refused", server=r.server.url, lease=r.request.lease_id, tokens=len(r.tokens),
+                         error=message)
+        return "error", message
+
+    async def _run(self, r: _Req) -> tuple[str, str | None]:
+        """The lease's end: ``(finish, error)``, ``error`` set with ``finish == "error"`` only."""
+        req = r.request
+        while True:
+            left = req.max_new_tokens - len(r.tokens)
+            if left <= 0:
+                return "length", None
+            if r.abort_asked:
+                return "abort", None
+            r.rid = api.request_id(self.prefix, req.lease_id, r.attempt)
+            params = api.sampling_params(max_new_tokens=left, temperature=req.temperature, top_p=req.top_p,
+                                         top_k=req.top_k, stop_token_ids=req.stop_token_ids, seed=req.seed,
+                                         send_seed=self.cfg.send_seed)
+            body = api.generate_body(req.prompt + req.resume + r.tokens, params, r.rid,
+                                     stream=self.cfg.stream)
+            stream = api.Stream(r.server.url, r.rid)
+            last = None
+            try:
+                async with contextlib.aclosing(self._events(r.server, body, r.rid)) as events:
+                    async for event in events:
+                        delta = stream.take(event)
+                        self._emit(r, delta)
+                        if delta.finish:
+                            last = delta
+                            break
+                if last is None:
+                    raise SGLangError(r.server.url, "/generate", f"request {r.rid}: the answer ended without a "
+                                                                 f"finish_reason")
+            except Refused as e:
+                if r.abort_asked:
+                    return "abort", None
+                if e.per_request:
+                    return self._refused(r, e.message)
+                self._fatal = ActorFailed(f"the SGLang server refused a request as it would refuse every request "
+                                          f"(check [broker.rollout] sampling and the server's settings): {e}")
+                return "abort", None
+            except SGLangError as e:
+                if e.status is not None and 400 <= e.status < 500 and not r.abort_asked:
+                    self._fatal = ActorFailed(f"the SGLang server refused a request (it would refuse it anywhere; "
+                                              f"check the server's context length and [broker.rollout] sampling): {e}")
+                    return "abort", None
+                self.lost += 1
+                self.log.warning("request_failed", server=r.server.url, lease=req.lease_id, tokens=len(r.tokens),
+                                 error=str(e))
+                self._wake.set()  # probe the servers now
+                return "abort", None
+            if last.finish != "abort" or r.abort_asked:
+                return last.finish, None
+            code, why = last.status_code, (last.finish_detail or {}).get("message")
+            if code == 400:  # the scheduler refused it (input too long): nowhere else would take it
+                return self._refused(r, str(why))
+            if code is not None:  # 503 waited too long, 500 out of memory: a partial, not resent here
+                self.log.warning("server_aborted", server=r.server.url, lease=req.lease_id, tokens=len(r.tokens),
+                                 status_code=code, reason=why)
+                return "abort", None
+            if r.attempt < self.cfg.max_resumes and r.server.alive:
+                r.attempt += 1  # a pause in abort mode (a weight update): carry on from here
+                self.resumed += 1
+                self.log.debug("resumed", lease=req.lease_id, tokens=len(r.tokens), attempt=r.attempt)
+                continue
+            return "abort", None
+
+    def _emit(self, r: _Req, delta: api.Delta) -> None:
+        if delta.weight_version is not None:
+            r.server.version = max(r.server.version, delta.weight_version)
+        if not delta.tokens:
+            return
+        version = delta.weight_version if delta.weight_version is not None else r.server.version
+        versions = [self._span_version(v, version) for v in delta.versions] or [version] * len(delta.tokens)
+        r.tokens += delta.tokens
+        self._out.put(EngineOutput(r.request.lease_id, delta.tokens, delta.logprobs, versions))
+
+    def _span_version(self, raw, fallback: int) -> int:
+        """A token's version from its ``weight_versions`` span: ``"default"`` (never updated) is the
+        configured initial version; no span at all, the event's version (``fallback``)."""
+        if raw is None:
+            return fallback
+        version = api.parse_weight_version(raw)
+        return self.cfg.initial_version if version is None else version
+
+    async def _events(self, s: _Server, body: dict, rid: str = ""):
+        """The answer's events as parsed JSON: one per server-sent event, or the whole answer.
+        ``Refused`` for an HTTP 400 with SGLang's error body (a whole answer refused)."""
+        timeout = httpx.Timeout(self.cfg.stream_idle_s, connect=self.cfg.connect_timeout_s)
+        if s.http is None:
+            s.http = httpx.AsyncClient(base_url=s.url, limits=httpx.Limits(max_connections=None,
+                                                                           max_keepalive_connections=64))
+        try:
+            async with s.http.stream("POST", "/generate", json=body, timeout=timeout) as resp:
+                if resp.status_code != 200:
+                    raw = await resp.aread()
+                    with contextlib.suppress(ValueError):
+                        message = api.error_message(json.loads(raw))
+                        if resp.status_code == 400 and message is not None:
+                            raise Refused(s.url, "/generate", message, rid=rid)
+                    text = raw.decode(errors="replace")[:300]
+                    raise SGLangError(s.url, "/generate", f"HTTP {resp.status_code}: {text}", status=resp.status_code)
+                if not body["stream"]:
+                    yield json.loads(await resp.aread())
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield json.loads(data)
+        except httpx.TimeoutException as e:
+            raise SGLangError(s.url, "/generate", f"silent for {self.cfg.stream_idle_s:g} s ({type(e).__name__})") from None
+        except httpx.HTTPError as e:
+            raise SGLangError(s.url, "/generate", f"{type(e).__name__}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise SGLangError(s.url, "/generate", f"an event is not JSON: {e}") from None
+
+    async def _abort(self, r: _Req) -> None:
+        err = await self._control(r.server, r.server.client.abort, r.rid)
+        if isinstance(err, SGLangError):
+            self.log.info("abort_call_failed", lease=r.request.lease_id, note="closing the request here")
+        await self._close_after(r, self.cfg.abort_wait_s)
+
+    async def _abort_all(self, reqs: list[_Req]) -> None:
+        await asyncio.gather(*(self._control(s, s.client.abort_all) for s in self.servers if s.alive))
+        await asyncio.gather(*(self._close_after(r, self.cfg.abort_wait_s) for r in reqs))
+
+    async def _close_after(self, r: _Req, wait_s: float) -> None:
+        """Give an aborted request ``wait_s`` to end with the server's answer, then close it here."""
+        task = r.task
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        if not done:
+            self.log.warning("abort_unanswered", server=r.server.url, lease=r.request.lease_id, wait_s=wait_s)
+            task.cancel()
+
