@@ -7,9 +7,6 @@ parts they do not run. Not used by any actor.
     fake_broker    a ``Hub`` standing in for the broker where a test needs only its replies
     models         a tiny model shape and a learner's log-probs of a delivered sample
     strategies     hypothesis strategies of malformed frames
-    sglang_standin a stand-in SGLang server (SGLang's HTTP contract on the embedded engine)
-    standin        starting and stopping that server as a process
     rewards        reward plug-ins the live-swap tests name
     weights        the broadcaster's test cluster: members over a recording engine, small policies
-    learner_ranks  the learner's step on one process or a group of ranks, with synthetic batches
 """

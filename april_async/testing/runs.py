@@ -71,10 +71,8 @@ def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
 def up(config: Path, *args: str, log: Path) -> subprocess.Popen:
     """``april up --config config *args`` as a process, its output in ``log`` (not tied to this
     process's life: the tests that kill or signal it check what it leaves behind)."""
-    with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "april_async.cli", "up", "--config", str(config), *args],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                cwd=ROOT)
+    return spawn([sys.executable, "-m", "april_async.cli", "up", "--config", str(config), *args], log=log,
+                 tied=False)
 
 
 def children_of(run_dir: Path) -> list[int]:

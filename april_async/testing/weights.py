@@ -202,8 +202,7 @@ class Weights:
         log = self.tmp / f"{name}.log"
         cmd = [sys.executable, "-m", "april_async.testing.weights", "member", "--name", name,
                "--endpoint", self.endpoint, "--out", str(self.loads_file(name))]
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+        proc = spawn(cmd, log=log)
         self.cluster.procs[name], self.cluster.logs[name] = proc, log
         return proc
 
