@@ -11,7 +11,7 @@ from pathlib import Path
 
 from april_async.runfiles import read_metrics
 from april_async.testing.cluster import TINY_POLICY_TOML
-from april_async.testing.procs import ROOT, free_port
+from april_async.testing.procs import free_port, spawn
 
 STEPS = 4
 ETA = 1
@@ -28,7 +28,7 @@ max_steps = {steps}
 duration_s = 240
 final_sync_s = 30
 
-""" + TINY_POLICY_TOML + """[broker.rollout]
+[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2
@@ -44,6 +44,7 @@ lr = 1e-4
 save_every = 2
 checkpoint = "{checkpoint}"   # empty: the warm start makes one
 """
+"""A tiny run, as a ``str.format`` template; ``write_config`` appends ``TINY_POLICY_TOML``."""
 
 
 def tiny_policy(out: Path, *, num_layers: int = 1) -> Path:
@@ -63,6 +64,7 @@ def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
     when ``checkpoint`` is empty)."""
     text = TINY_RUN.format(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(),
                            store_port=free_port(), learner_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
+    text += "\n" + TINY_POLICY_TOML
     path = tmp / "run.toml"
     path.write_text(text)
     return path

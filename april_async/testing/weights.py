@@ -12,7 +12,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from april_async.config import LinkConfig
 from april_async.testing.cluster import FAST_LINK, Cluster
 from april_async.testing.fake_broker import FakeBroker
-from april_async.testing.procs import ROOT, free_port
+from april_async.testing.procs import free_port, spawn
 from april_async.transport.peer import Peer
 from april_async.weights.flat import flatten
 from april_async.wire import messages as m
