@@ -81,7 +81,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from april_async.config import LinkConfig  # noqa: E402
+from april_async.config import LinkConfig, toml_value  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.runtime import ChildFailed, Children, free_port  # noqa: E402
 from april_async.weights.flat import buckets, tensor_buckets  # noqa: E402
@@ -187,7 +187,9 @@ class LoadingEngine:
         _report(event="loaded", version=version, t=t, ok=marked(self.model, version))
 
 
-def member_main(argv: list[str]) -> int:
+def loading_member_main(argv: list[str]) -> int:
+    """A member of the bench (``_member``): a ``WeightSubscriber`` over a ``LoadingEngine`` that reports
+    each load on its stdout, until SIGTERM."""
     from april_async.weights.subscriber import WeightSubscriber
     from april_async.logs import configure
     from april_async.runtime import StopFlag
@@ -457,7 +459,7 @@ def _actor(kind: str, sets: dict) -> list[str]:
     """The command of ``april <kind>`` with ``sets`` as ``--set`` flags."""
     cmd = [sys.executable, "-m", "april_async.cli", kind]
     for k, v in sets.items():
-        cmd += ["--set", f"{k}={json.dumps(v)}"]  # JSON strings, numbers and booleans are TOML values
+        cmd += ["--set", f"{k}={toml_value(v)}"]
     return cmd
 
 
@@ -733,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_member"]:
-        sys.exit(member_main(sys.argv[2:]))
+        sys.exit(loading_member_main(sys.argv[2:]))
     if sys.argv[1:2] == ["_raw"]:
         sys.exit(raw_main(sys.argv[2:]))
     sys.exit(main())

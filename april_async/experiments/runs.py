@@ -12,15 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from april_async.config import ConfigError, validate
+from april_async.config import ConfigError, toml_value, validate
 from april_async.experiments.grid import Cell, ExperimentError, Settings
 from april_async.experiments.numbers import run_numbers
 from april_async.runtime import free_port, spawn
-
-
-def toml_value(value) -> str:
-    """``value`` as a TOML value for ``--set``: strings and paths quoted, numbers as Python writes them."""
-    return json.dumps(str(value)) if isinstance(value, (str, Path)) else repr(value)
 
 
 def up_command(base: Path, sets: list[str]) -> list[str]:

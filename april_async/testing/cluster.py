@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from april_async.config import LinkConfig
+from april_async.config import LinkConfig, toml_value
 from april_async.generator.scripted import scripted_logprob, scripted_token
 from april_async.testing.procs import ROOT, free_port, spawn, stop
 from april_async.learner.client import BatchClient
@@ -31,17 +31,7 @@ for the tests that start whole runs to append to their run file."""
 
 def link_sets(endpoint: str, extra: dict | None = None) -> list[str]:
     sets = {**FAST_LINK, "link.broker": endpoint, **(extra or {})}
-    return [f"{k}={_toml(v)}" for k, v in sets.items()]
-
-
-def _toml(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return repr(v)
+    return [f"{k}={toml_value(v)}" for k, v in sets.items()]
 
 
 @dataclass
@@ -59,7 +49,7 @@ class Cluster:
         n = self.starts.get(name, 0)
         self.starts[name] = n + 1
         log = self.tmp / f"{name}.{n}.log"
-        sets = [f"{k}={_toml(v)}" for k, v in settings.items()]
+        sets = [f"{k}={toml_value(v)}" for k, v in settings.items()]
         cmd = [sys.executable, "-m", "april_async.cli", actor]
         for s in sets:
             cmd += ["--set", s]

@@ -1,9 +1,12 @@
 """Child processes for tests: ``april_async.runtime``'s helpers (free ports, children that die with
-their parent), with the checkout as the children's directory."""
+their parent), with the checkout as the children's directory, and waiting on what they do."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from april_async import runtime
@@ -15,4 +18,29 @@ ROOT = Path(__file__).resolve().parents[2]
 spawn = functools.partial(runtime.spawn, cwd=ROOT)
 """``runtime.spawn`` from the checkout."""
 
-__all__ = ["FREE_PORTS", "ROOT", "ChildFailed", "free_port", "spawn", "stop"]
+
+
+def wait_for(what: str, cond: Callable[[], object], timeout: float, proc: subprocess.Popen | None = None,
+             log: Path | None = None, *, alive: Callable[[], None] | None = None, logs: Callable[[], str] | None = None,
+             pump: Callable[[], None] | None = None, interval_s: float = 0.1) -> None:
+    """Poll ``cond()`` until it holds, calling ``pump()`` between polls; fail naming ``what`` if
+    ``proc`` (an ``april up``) exits first, if ``alive()`` raises, or once ``timeout`` seconds have
+    passed. A failure shows the end of ``log`` (or what ``logs()`` returns)."""
+
+    def tail() -> str:
+        return log.read_text(errors="replace")[-4000:] if log is not None else (logs() if logs else "")
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"april up exited ({proc.returncode}) before {what}:\n{tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:g} s:\n{tail()}")
+        if alive is not None:
+            alive()
+        if pump is not None:
+            pump()
+        time.sleep(interval_s)
+
+
+__all__ = ["FREE_PORTS", "ROOT", "ChildFailed", "free_port", "spawn", "stop", "wait_for"]

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from april_async.runfiles import read_metrics
 from april_async.testing.cluster import TINY_POLICY_TOML
-from april_async.testing.procs import free_port, spawn
+from april_async.testing.procs import free_port, spawn, wait_for  # noqa: F401  (wait_for: for the tests of runs)
 
 STEPS = 4
 ETA = 1
@@ -91,17 +90,6 @@ def children_of(run_dir: Path) -> list[int]:
         if str(run_dir / "config") in cmd and "april_async.cli" in cmd and "zombie" not in state:
             pids.append(int(entry.name))
     return pids
-
-
-def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    """Poll ``cond()`` until it holds; fail naming ``what`` if ``april up`` exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"april up exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:g} s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.1)
 
 
 def metrics(run_dir: Path) -> list[dict]:

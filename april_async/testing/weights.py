@@ -3,7 +3,7 @@ weights handed over in parts: a real broadcaster process (``april broadcaster``)
 generator-side member processes (a ``WeightSubscriber`` over a ``RecordingEngine``, started from
 this module: ``python -m april_async.testing.weights member ...``), and in the test process the
 learner (a ``Peer`` on the broadcaster's hub) and the broker (a ``FakeBroker``). Also a small
-random ``policy`` per version and the ``digest`` that compares what the members loaded.
+random ``policy`` per version and the ``state_fingerprint`` that compares what the members loaded.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ TIMEOUT_S = 4.0  # the broadcaster's collective / ack limit in these tests
 LINK = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
 
 
-def digest(state: dict[str, torch.Tensor]) -> str:
-    """Names, dtypes, shapes and bytes of a state dict, in name order."""
+def state_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """A SHA-256 of a state dict's names, dtypes, shapes and bytes, in name order: what a member loaded,
+    compared with what was handed over (not the wire's bucket digests, ``weights.flat.digest``)."""
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach().contiguous().cpu()
@@ -82,7 +83,7 @@ class RecordingEngine:
         self.out = out
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        line = {"version": version, "digest": digest(state_dict), "pid": os.getpid()}
+        line = {"version": version, "digest": state_fingerprint(state_dict), "pid": os.getpid()}
         with self.out.open("a") as f:
             f.write(json.dumps(line) + "\n")
         self.policy_version = version
@@ -231,7 +232,7 @@ class Weights:
         specs, buf = flatten(policy(version))
         self.last_update = m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy())
         self.learner.send(self.last_update)
-        return digest(policy(version))
+        return state_fingerprint(policy(version))
 
     def status(self) -> dict:
         try:
