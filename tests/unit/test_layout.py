@@ -5,8 +5,8 @@
   serves again before its peers time out. Each is imported in a fresh interpreter.
 - Actors never import each other: code two of them share lives in a neutral package (``engines/``,
   ``weights/``, ``model/``, ``warmstart/``, ``testing/``, ...). ``up.py`` imports no actor's runtime,
-  ``sim/`` nothing from ``generator/``, ``tools/`` nothing from ``tests/``, and no test module imports
-  another test module. Read from the source with ``ast``, so a lazy import inside a function counts.
+  ``sim/`` nothing from ``generator/``, ``tools/`` nothing from ``tests/`` or the testing kit, nothing
+  shipped anything from the kit or ``standins/``, and no test module imports another test module. Read from the source with ``ast``, so a lazy import inside a function counts.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ TORCH_FREE = [
     "april_async.generator.scripted",
     "april_async.sim.simulation",
     "april_async.sim.report",
+    "april_async.experiments.cli",  # tools/experiment.py and tools/sweep.py: torch only in the runs they start
 ]
 
 
@@ -94,7 +95,7 @@ def test_an_actor_imports_no_other_actor(actor):
     ("april_async/engines", tuple(f"april_async.{a}" for a in ACTORS)),
     ("april_async/weights", tuple(f"april_async.{a}" for a in ACTORS)),
     ("april_async/warmstart", tuple(f"april_async.{a}" for a in ACTORS)),
-    ("tools", ("tests",)),
+    ("tools", ("tests", "april_async.testing")),  # the kit is not shipped; tools use the package
     ("april_async", ("tests",)),
 ])
 def test_import_rules(where, forbidden):
@@ -102,6 +103,14 @@ def test_import_rules(where, forbidden):
     files = [path] if path.is_file() else _modules(path)
     bad = [(str(p.relative_to(ROOT)), name) for p in files for name in imports_of(p)
            if any(name == f.rstrip(".") or name.startswith(f.rstrip(".") + ".") for f in forbidden)]
+    assert not bad, bad
+
+
+def test_only_the_kit_imports_the_kit():
+    """The testing kit and the stand-ins stay out of the wheel: nothing shipped may import them."""
+    bad = [(str(p.relative_to(ROOT)), name) for p in _modules(PACKAGE) if "testing" not in p.relative_to(PACKAGE).parts
+           for name in imports_of(p)
+           if name.startswith(("april_async.testing", "standins")) or name in ("april_async.testing", "standins")]
     assert not bad, bad
 
 
