@@ -1,7 +1,7 @@
-"""The testing kit: what the tests and the tools use to start real processes and stand in for the
-parts they do not run. Not used by any actor.
+"""The testing kit: what the tests use to start real processes and stand in for the parts they do
+not run. Not used by any actor or tool, and not in the wheel (``pyproject.toml`` excludes it).
 
-    procs          free ports, child processes that die with their parent, a group of them
+    procs          ``april_async.runtime``'s child processes, from the checkout; ``wait_for``
     cluster        actor processes on loopback through the real CLI, the scripted engine's check
     runs           whole ``april up`` runs: a tiny run's config, its children, its metrics
     fake_broker    a ``Hub`` standing in for the broker where a test needs only its replies
