@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.runtime import resolve_device
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"ranks{ranks}"
             spec = {"checkpoint": str(init), "run_dir": str(work / name / "run"), "learner": learner,
                     "batches": batches, "threads": threads}
-            r = run_steps(spec, ranks, work / name, timeout_s=3600)
+            r = run_steps(spec, ranks, work / name, timeout_s=3600, cwd=ROOT)  # the ranks import this checkout
             final = load_file(str(max((work / name / "run" / "checkpoints").iterdir()) / "model.safetensors"))
             first = first or final
             train = [row["train_s"] for row in r["rows"]][1:] or [row["train_s"] for row in r["rows"]]

@@ -75,9 +75,9 @@ class RecordingPeer:
         pass
 
 
-def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0) -> dict:
-    """Run ``spec`` on ``ranks`` processes; returns rank 0's ``result.json``. A rank that fails
-    raises ``RuntimeError`` with the end of its log."""
+def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0, cwd: Path | None = None) -> dict:
+    """Run ``spec`` on ``ranks`` processes (started from ``cwd``, default this process's); returns
+    rank 0's ``result.json``. A rank that fails raises ``RuntimeError`` with the end of its log."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -87,7 +87,7 @@ def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0) -
         env = {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(spawn([sys.executable, "-m", "april_async.learner.offline", str(spec_path)],
-                           log=workdir / f"rank{rank}.log", env=env))
+                           log=workdir / f"rank{rank}.log", env=env, cwd=cwd))
     deadline = time.monotonic() + timeout_s
     codes = []
     for p in procs:
