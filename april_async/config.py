@@ -107,6 +107,20 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def toml_value(value: Any) -> str:
+    """``value`` written as ``--set KEY=VALUE`` takes it (``parse_override`` reads it back): strings
+    and paths quoted, booleans ``true``/``false``, numbers as Python writes them, lists of these."""
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in value) + "]"
+    return repr(value)
+
+
 def set_path(base: dict, path: list[str], value: Any) -> None:
     """``base[a][b][c] = value`` for ``path = [a, b, c]``, making the sections on the way."""
     for part in path[:-1]:

@@ -10,9 +10,10 @@ Every piece is the real one, each in its own process:
 - k generator-side members: a real ``WeightSubscriber`` each (``_member`` below), whose engine
   loads every version the way ``TorchEngine.load_weights`` does (``load_state_dict`` into the
   tensors of a model of the same shape) and reports the moment it holds it;
+- the broker: ``april broker``, to which the broadcaster reports each version it published (its
+  ``version`` log line says when);
 - the learner: this process, handing each version over with the learner's own ``WeightHandoff``
-  (``april_async/weights/handoff.py``) over a real ``Peer``; a stand-in broker (``FakeBroker``, a
-  ``Hub``) notes when the broadcaster publishes. ``--handoff`` picks how: ``auto`` (the default)
+  (``april_async/weights/handoff.py``) over a real ``Peer``. ``--handoff`` picks how: ``auto`` (the default)
   through a ``/dev/shm`` region that the ``weights_update`` names (protocol 1.7, ``weights/shm.py``:
   learner and broadcaster share this host), ``zmq`` as the bytes of a ZeroMQ message over loopback
   TCP (the only way before 1.7). ``--parts-mb`` hands each version over in parts, as the sharded
@@ -80,10 +81,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from april_async.config import LinkConfig  # noqa: E402
+from april_async.config import LinkConfig, toml_value  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
-from april_async.testing.fake_broker import FakeBroker  # noqa: E402
-from april_async.testing.procs import ChildFailed, Children, free_port  # noqa: E402
+from april_async.runtime import ChildFailed, Children, free_port  # noqa: E402
 from april_async.weights.flat import buckets, tensor_buckets  # noqa: E402
 from april_async.weights.flat import layout as flat_layout  # noqa: E402
 from april_async.weights.handoff import WeightHandoff  # noqa: E402
@@ -187,7 +187,9 @@ class LoadingEngine:
         _report(event="loaded", version=version, t=t, ok=marked(self.model, version))
 
 
-def member_main(argv: list[str]) -> int:
+def loading_member_main(argv: list[str]) -> int:
+    """A member of the bench (``_member``): a ``WeightSubscriber`` over a ``LoadingEngine`` that reports
+    each load on its stdout, until SIGTERM."""
     from april_async.weights.subscriber import WeightSubscriber
     from april_async.logs import configure
     from april_async.runtime import StopFlag
@@ -373,28 +375,29 @@ def run_raw(children: Children, size: str, num_bytes: int, args) -> dict:
 
 
 def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int, args) -> list[dict]:
-    """Broadcaster + k members + the learner's hand-off; one row per version (warm-ups too)."""
-    broker = FakeBroker(LINK)
+    """Broker + broadcaster + k members + the learner's hand-off; one row per version (warm-ups too)."""
+    broker_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    broker = f"{size}-broker"
+    children.start(broker, _actor("broker", {"bind": broker_endpoint, **link_sets(), "log.json_lines": True,
+                                             "log.level": "info"}), reports=False)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     status_file = children.logs / f"{size}-broadcaster.status.json"
     bname = f"{size}-broadcaster"
-    sets = {"name": "broadcaster", "bind": endpoint, "link.broker": broker.hub.endpoint,
+    sets = {"name": "broadcaster", "bind": endpoint, "link.broker": broker_endpoint,
             "link.heartbeat_interval_s": LINK.heartbeat_interval_s, "link.peer_timeout_s": LINK.peer_timeout_s,
             "max_update_bytes": max(1 << 30, num_bytes + (1 << 20)), "store_port": free_port(),
             "backend": args.backend, "bucket_mb": args.bucket_mb, "timeout_s": hang_limit_s(num_bytes),
             "status_file": str(status_file), "log.json_lines": True, "log.level": "info",
             "handoff": "zmq" if args.handoff == "zmq" else "auto"}
-    cmd = [sys.executable, "-m", "april_async.cli", "broadcaster"]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={json.dumps(v)}"]  # JSON strings, numbers and booleans are TOML values
-    children.start(bname, cmd, reports=False)
+    children.start(bname, _actor("broadcaster", sets), reports=False)
     members = {f"gen-{i}": f"{size}-gen-{i}" for i in range(args.k)}
     for i, (member, proc_name) in enumerate(members.items()):
         device = f"cuda:{i + 1}" if args.backend == "nccl" else "cpu"
         children.start(proc_name, [sys.executable, str(Path(__file__).resolve()), "_member", "--name", member,
                                    "--endpoint", endpoint, "--size", size, "--dtype", args.dtype,
                                    "--device", device, "--threads", str(args.member_threads)], reports=True)
-    names = [bname, *members.values()]
+    names = [broker, bname, *members.values()]
+    broker_log = children.logs / f"{broker}.log"
     by_proc = {v: k for k, v in members.items()}
     learner = None
     rows: list[dict] = []
@@ -404,7 +407,7 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
             if time.monotonic() > deadline:
                 raise RunFailed(f"the members' sessions did not open; status {_status(status_file)}\n"
                                 f"{children.tails(names)}")
-            broker.pump(0.05)
+            time.sleep(0.05)
             children.check_alive(names)
         learner = Learner(model, "learner-bench", endpoint, mode=args.handoff,
                           parts_bytes=int(args.parts_mb * (1 << 20)) if args.parts_mb else 0)
@@ -423,13 +426,12 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
             loaded: dict[str, float] = {}
             ok = True
             deadline = time.monotonic() + hang_limit_s(num_bytes) * (3 if version == 1 else 1)
-            while len(loaded) < args.k or version not in broker.published_at:
+            while len(loaded) < args.k or ("version", version) not in _events(broker_log, ("version",)):
                 if time.monotonic() > deadline:
-                    raise RunFailed(f"version {version} of {size} did not reach every member in time: loaded "
-                                    f"{sorted(loaded)}, status {_status(status_file)}\n{children.tails(names)}")
-                broker.pump(0.01)
+                    raise RunFailed(f"version {version} of {size} did not reach every member (and the broker) in "
+                                    f"time: loaded {sorted(loaded)}, status {_status(status_file)}\n{children.tails(names)}")
                 learner.pump()
-                while (got := children.next_report(0.0)) is not None:
+                while (got := children.next_report(0.01)) is not None:
                     proc_name, rep = got
                     if proc_name in by_proc and rep.get("event") == "loaded" and rep["version"] == version:
                         loaded[by_proc[proc_name]] = rep["t"]
@@ -439,16 +441,27 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
                          "stall_s": stall_s, "send_s": learner.send_s, "mode": learner.handoff.last_mode,
                          "end_to_end_s": max(loaded.values()) - t0,
                          "member_s": {n: t - t0 for n, t in sorted(loaded.items())},
-                         "published_s": broker.published_at[version] - t0, "verified": ok, "_wall0": wall0})
+                         "verified": ok, "_wall0": wall0})
     finally:
         if learner is not None:
             learner.close()
         codes = children.stop(names)
-        broker.close()
     if any(codes.values()):
         raise RunFailed(f"exit codes {codes} after the {size} run\n{children.tails(names)}")
-    _add_broadcaster_timings(rows, children.logs / f"{bname}.log")
+    _add_broadcaster_timings(rows, children.logs / f"{bname}.log", broker_log)
     return rows
+
+
+def link_sets() -> dict:
+    return {"link.heartbeat_interval_s": LINK.heartbeat_interval_s, "link.peer_timeout_s": LINK.peer_timeout_s}
+
+
+def _actor(kind: str, sets: dict) -> list[str]:
+    """The command of ``april <kind>`` with ``sets`` as ``--set`` flags."""
+    cmd = [sys.executable, "-m", "april_async.cli", kind]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={toml_value(v)}"]
+    return cmd
 
 
 def _status(path: Path) -> dict:
@@ -458,19 +471,29 @@ def _status(path: Path) -> dict:
         return {}
 
 
-def _add_broadcaster_timings(rows: list[dict], log: Path) -> None:
-    """From the broadcaster's JSON log: when it held each version (``update``) and its collective's
-    time (``round``: ``bcast_s``, ``join_s``)."""
+def _events(log: Path, names: tuple[str, ...]) -> dict[tuple[str, int], dict]:
+    """The first record of each (event, version) of ``names`` in an actor's JSON log."""
     events: dict[tuple[str, int], dict] = {}
     for line in log.read_text(errors="replace").splitlines():
         try:
             e = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(e, dict) and e.get("event") in ("update", "round") and "version" in e:
+        if isinstance(e, dict) and e.get("event") in names and "version" in e:
             events.setdefault((e["event"], e["version"]), e)
+    return events
+
+
+def _add_broadcaster_timings(rows: list[dict], log: Path, broker_log: Path) -> None:
+    """From the broadcaster's JSON log: when it held each version (``update``) and its collective's
+    time (``round``: ``bcast_s``, ``join_s``); from the broker's, when it heard the version published."""
+    events = _events(log, ("update", "round"))
+    published = _events(broker_log, ("version",))
     for row in rows:
         wall0 = row.pop("_wall0")
+        heard = published.get(("version", row["version"]))
+        row["published_s"] = (datetime.datetime.fromisoformat(heard["timestamp"]).timestamp() - wall0
+                              if heard else None)
         update, rnd = events.get(("update", row["version"])), events.get(("round", row["version"]))
         held_at = datetime.datetime.fromisoformat(update["timestamp"]).timestamp() if update else None
         row["handoff_s"] = held_at - wall0 if held_at is not None else None
@@ -713,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_member"]:
-        sys.exit(member_main(sys.argv[2:]))
+        sys.exit(loading_member_main(sys.argv[2:]))
     if sys.argv[1:2] == ["_raw"]:
         sys.exit(raw_main(sys.argv[2:]))
     sys.exit(main())

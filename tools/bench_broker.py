@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from april_async.runtime import free_port, spawn  # noqa: E402
 from april_async.wire import messages as m  # noqa: E402
 from april_async.wire.codec import decode, encode  # noqa: E402
 
@@ -70,11 +70,7 @@ while True:
 
 
 def free_endpoint() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def chunk_frames(lease_id: int, sample_id: int, offset: int, tokens: int, seq: int) -> list:
@@ -113,7 +109,7 @@ def run_case(name: str, kind: str, n: int, tokens: int, entries: int, journal: b
     endpoint = free_endpoint()
     tmp = Path(tempfile.mkdtemp(prefix="bench-broker-"))
     if name == "raw":
-        proc = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, endpoint])
+        proc = spawn([sys.executable, "-c", RAW_RECEIVER, endpoint], cwd=ROOT)
     else:
         group_size = min(leases_wanted, 8)
         groups = math.ceil(leases_wanted / group_size)
@@ -125,7 +121,7 @@ def run_case(name: str, kind: str, n: int, tokens: int, entries: int, journal: b
         cmd = [sys.executable, "-m", "april_async.cli", "broker"]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
-        proc = subprocess.Popen(cmd, cwd=ROOT)
+        proc = spawn(cmd, cwd=ROOT)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"bench-gen")
     sock.setsockopt(zmq.LINGER, 0)

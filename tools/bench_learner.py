@@ -6,7 +6,7 @@
     python3 tools/bench_learner.py --device cuda --params 0.5B --ranks 1 --dtype bfloat16 --response-len 256
 
 Every configuration runs the real learner (``LearnerActor`` on rank 0, ``RankWorker`` on the
-others, ``april_async/testing/learner_ranks.py``) in its own processes, side by side in one run, on
+others, ``april_async/learner/offline.py``) in its own processes, side by side in one run, on
 the same synthetic batches: ``--groups`` groups of ``--group-size`` samples, prompts of
 ``--prompt-len`` tokens, responses of 1 to ``--response-len``. The model is a random Qwen2-shaped
 decoder with tied embeddings (``SIZES``; ``0.5B`` is Qwen2-0.5B's shape). ``--device`` is the
@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.runtime import resolve_device
-from april_async.testing.learner_ranks import run_steps
+from april_async.learner.offline import run_steps
 
 SIZES = {
     # The main job's policy (launch/addchain.toml's warm start: 1.2M parameters, a 52-token vocabulary).
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"ranks{ranks}"
             spec = {"checkpoint": str(init), "run_dir": str(work / name / "run"), "learner": learner,
                     "batches": batches, "threads": threads}
-            r = run_steps(spec, ranks, work / name, timeout_s=3600)
+            r = run_steps(spec, ranks, work / name, timeout_s=3600, cwd=ROOT)  # the ranks import this checkout
             final = load_file(str(max((work / name / "run" / "checkpoints").iterdir()) / "model.safetensors"))
             first = first or final
             train = [row["train_s"] for row in r["rows"]][1:] or [row["train_s"] for row in r["rows"]]

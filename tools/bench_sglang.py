@@ -6,7 +6,7 @@
 Two measurements, side by side in one run:
 
 - decode: the same requests (greedy, one batch of ``--requests``) through the embedded engine in
-  this process, and through ``SGLangEngine`` against a stand-in server (``april_async/testing/sglang_standin.py``:
+  this process, and through ``SGLangEngine`` against a stand-in server (``standins/sglang_server.py``:
   the same embedded engine behind SGLang's HTTP API, in its own process). The stand-in decodes
   exactly as the embedded engine does, so the ratio is the price of the HTTP streaming path —
   JSON events, a second process, the client's loop — on this machine. It says nothing about real
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools"))  # bench_engine: the model sizes
 
 from bench_engine import MODELS  # noqa: E402
 
@@ -42,8 +42,8 @@ from april_async.engines.sglang_engine import SGLangEngine  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.weights.flat import flatten  # noqa: E402
-from april_async.testing.procs import free_port  # noqa: E402
-from april_async.testing.standin import start_standin  # noqa: E402
+from april_async.runtime import free_port  # noqa: E402
+from standins.launch import start_standin  # noqa: E402
 
 SMOKE = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)

@@ -46,8 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from april_async.runfiles import read_children, read_json, read_metrics  # noqa: E402
-from april_async.testing.cluster import TINY_POLICY_TOML  # noqa: E402
-from april_async.testing.procs import free_port  # noqa: E402
+from april_async.runtime import free_port, spawn  # noqa: E402
 
 KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
 HELD = ("queued", "leased", "partial", "finished", "scored")
@@ -65,7 +64,7 @@ restart_delay_s = 0.5
 final_sync_s = 30
 console = false
 
-""" + TINY_POLICY_TOML + """[broker.rollout]
+[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2
@@ -83,6 +82,9 @@ slots = 8
 lr = 1e-4
 save_every = {save_every}
 """
+"""The run, as a ``str.format`` template; the tiny policy's sections (``TINY_POLICY``) are appended."""
+
+TINY_POLICY = ROOT / "launch" / "tiny_policy.toml"
 
 
 def learner_step(run_dir: Path) -> int:
@@ -109,11 +111,11 @@ class Chaos:
         self.dir.mkdir(parents=True, exist_ok=True)
         config = self.dir / "run.toml"
         config.write_text(RUN_TOML.format(dir=self.run_dir, broker_port=free_port(), broadcaster_port=free_port(),
-                                          store_port=free_port(), eta=self.args.eta, save_every=self.args.save_every))
+                                          store_port=free_port(), eta=self.args.eta, save_every=self.args.save_every)
+                          + "\n" + TINY_POLICY.read_text())
         self.up_log = self.dir / "up.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.up = subprocess.Popen([sys.executable, "-m", "april_async.cli", "up", "--config", str(config)],
-                                   stdout=self.up_log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.up = spawn([sys.executable, "-m", "april_async.cli", "up", "--config", str(config)], log=self.up_log,
+                        cwd=ROOT, tied=False)
         self.say(f"april up started; everything in {self.dir}")
 
     def wait(self, what: str, cond, timeout_s: float) -> None:

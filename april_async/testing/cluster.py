@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from april_async.config import LinkConfig
+from april_async.config import LinkConfig, toml_value
 from april_async.engines.scripted import scripted_logprob, scripted_token
-from april_async.testing.procs import free_port, spawn, stop
+from april_async.testing.procs import ROOT, free_port, spawn, stop
 from april_async.learner.client import BatchClient
 from april_async.transport.peer import Peer
 
@@ -24,38 +24,14 @@ from april_async.transport.peer import Peer
 FAST_LINK = {"link.heartbeat_interval_s": 0.1, "link.peer_timeout_s": 0.8}
 
 
-TINY_POLICY_TOML = """[warmstart]      # a tiny policy in seconds: these tests are about the plumbing, not the reward
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-max_steps = 4
-eval_problems = 4
-max_response_tokens = 32
-prompts = {{ kind = "addchain", seed = 1000 }}
-
-[broker]
-prompts = {{ kind = "addchain", seed = 0 }}
-
-"""
-"""The ``[warmstart]`` and ``[broker]`` sections of a tiny ``april up`` run, as a ``str.format``
-template piece (braces doubled) for the tests that start whole runs."""
+TINY_POLICY_TOML = (ROOT / "launch" / "tiny_policy.toml").read_text()
+"""The ``[warmstart]`` and ``[broker]`` sections of a tiny ``april up`` run (``launch/tiny_policy.toml``),
+for the tests that start whole runs to append to their run file."""
 
 
 def link_sets(endpoint: str, extra: dict | None = None) -> list[str]:
     sets = {**FAST_LINK, "link.broker": endpoint, **(extra or {})}
-    return [f"{k}={_toml(v)}" for k, v in sets.items()]
-
-
-def _toml(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return repr(v)
+    return [f"{k}={toml_value(v)}" for k, v in sets.items()]
 
 
 @dataclass
@@ -73,7 +49,7 @@ class Cluster:
         n = self.starts.get(name, 0)
         self.starts[name] = n + 1
         log = self.tmp / f"{name}.{n}.log"
-        sets = [f"{k}={_toml(v)}" for k, v in settings.items()]
+        sets = [f"{k}={toml_value(v)}" for k, v in settings.items()]
         cmd = [sys.executable, "-m", "april_async.cli", actor]
         for s in sets:
             cmd += ["--set", s]

@@ -75,9 +75,6 @@ class Hosts:
         """``argv`` in host ``i``'s namespace, to the end."""
         return subprocess.run(["ip", "netns", "exec", self.names[i], *argv], **kw)
 
-    def popen(self, i: int, *argv: str, **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.names[i], *argv], **kw)
-
     def pids(self, i: int) -> list[int]:
         """Processes running in host ``i``'s namespace."""
         r = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True, text=True)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from april_async.runfiles import read_metrics
 from april_async.testing.cluster import TINY_POLICY_TOML
-from april_async.testing.procs import ROOT, free_port
+from april_async.testing.procs import free_port, spawn, wait_for  # noqa: F401  (wait_for: for the tests of runs)
 
 STEPS = 4
 ETA = 1
@@ -28,7 +27,7 @@ max_steps = {steps}
 duration_s = 240
 final_sync_s = 30
 
-""" + TINY_POLICY_TOML + """[broker.rollout]
+[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2
@@ -44,6 +43,7 @@ lr = 1e-4
 save_every = 2
 checkpoint = "{checkpoint}"   # empty: the warm start makes one
 """
+"""A tiny run, as a ``str.format`` template; ``write_config`` appends ``TINY_POLICY_TOML``."""
 
 
 def tiny_policy(out: Path, *, num_layers: int = 1) -> Path:
@@ -63,6 +63,7 @@ def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
     when ``checkpoint`` is empty)."""
     text = TINY_RUN.format(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(),
                            store_port=free_port(), learner_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
+    text += "\n" + TINY_POLICY_TOML
     path = tmp / "run.toml"
     path.write_text(text)
     return path
@@ -71,10 +72,8 @@ def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
 def up(config: Path, *args: str, log: Path) -> subprocess.Popen:
     """``april up --config config *args`` as a process, its output in ``log`` (not tied to this
     process's life: the tests that kill or signal it check what it leaves behind)."""
-    with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "april_async.cli", "up", "--config", str(config), *args],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                cwd=ROOT)
+    return spawn([sys.executable, "-m", "april_async.cli", "up", "--config", str(config), *args], log=log,
+                 tied=False)
 
 
 def children_of(run_dir: Path) -> list[int]:
@@ -91,17 +90,6 @@ def children_of(run_dir: Path) -> list[int]:
         if str(run_dir / "config") in cmd and "april_async.cli" in cmd and "zombie" not in state:
             pids.append(int(entry.name))
     return pids
-
-
-def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    """Poll ``cond()`` until it holds; fail naming ``what`` if ``april up`` exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"april up exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:g} s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.1)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -3,7 +3,7 @@ weights handed over in parts: a real broadcaster process (``april broadcaster``)
 generator-side member processes (a ``WeightSubscriber`` over a ``RecordingEngine``, started from
 this module: ``python -m april_async.testing.weights member ...``), and in the test process the
 learner (a ``Peer`` on the broadcaster's hub) and the broker (a ``FakeBroker``). Also a small
-random ``policy`` per version and the ``digest`` that compares what the members loaded.
+random ``policy`` per version and the ``state_fingerprint`` that compares what the members loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from april_async.config import LinkConfig
 from april_async.testing.cluster import FAST_LINK, Cluster
 from april_async.testing.fake_broker import FakeBroker
-from april_async.testing.procs import ROOT, free_port
+from april_async.testing.procs import free_port, spawn
 from april_async.transport.peer import Peer
 from april_async.weights.flat import flatten
 from april_async.wire import messages as m
@@ -32,8 +31,9 @@ TIMEOUT_S = 4.0  # the broadcaster's collective / ack limit in these tests
 LINK = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
 
 
-def digest(state: dict[str, torch.Tensor]) -> str:
-    """Names, dtypes, shapes and bytes of a state dict, in name order."""
+def state_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """A SHA-256 of a state dict's names, dtypes, shapes and bytes, in name order: what a member loaded,
+    compared with what was handed over (not the wire's bucket digests, ``weights.flat.digest``)."""
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach().contiguous().cpu()
@@ -83,7 +83,7 @@ class RecordingEngine:
         self.out = out
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        line = {"version": version, "digest": digest(state_dict), "pid": os.getpid()}
+        line = {"version": version, "digest": state_fingerprint(state_dict), "pid": os.getpid()}
         with self.out.open("a") as f:
             f.write(json.dumps(line) + "\n")
         self.policy_version = version
@@ -202,8 +202,7 @@ class Weights:
         log = self.tmp / f"{name}.log"
         cmd = [sys.executable, "-m", "april_async.testing.weights", "member", "--name", name,
                "--endpoint", self.endpoint, "--out", str(self.loads_file(name))]
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+        proc = spawn(cmd, log=log)
         self.cluster.procs[name], self.cluster.logs[name] = proc, log
         return proc
 
@@ -233,7 +232,7 @@ class Weights:
         specs, buf = flatten(policy(version))
         self.last_update = m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy())
         self.learner.send(self.last_update)
-        return digest(policy(version))
+        return state_fingerprint(policy(version))
 
     def status(self) -> dict:
         try:

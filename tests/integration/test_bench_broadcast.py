@@ -48,8 +48,8 @@ def test_smoke_writes_positive_figures_for_each_size_and_leaves_no_process(tmp_p
         assert r["verified"] and r["k"] == 1 and r["bytes"] > 0
         assert [v["version"] for v in r["versions"]] == [1, 2, 3] and r["versions"][0]["warmup"]
         assert len(r["raw"]["flat_s"]) == len(r["raw"]["bucketed_s"]) == 2
-    # per size: two raw ranks, a broadcaster and a member
-    assert len(data["pids"]) == 8
+    # per size: two raw ranks, a broker, a broadcaster and a member
+    assert len(data["pids"]) == 10
     assert not [pid for pid in data["pids"] if ours_alive(pid)]
 
 

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RawGenerator, RecordingEngine, ScriptedSession, digest, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, RawGenerator, RecordingEngine, ScriptedSession, state_fingerprint, policy
 from april_async.weights.flat import flatten
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.wire import messages as m
@@ -70,7 +70,7 @@ def test_versions_are_published_at_once_without_generators(weights):
     w.wait("published 5", lambda: 5 in w.broker.published, timeout_s=10)
     # a generator that comes later still gets it before anything else
     w.start_member("gen-0")
-    v5 = digest(policy(5))
+    v5 = state_fingerprint(policy(5))
     w.wait("version 5 on gen-0", lambda: w.holds("gen-0", 5, v5))
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from april_async.experiments.grid import Cell, ExperimentError, experiment_cells, load_experiment
+from april_async.experiments.runs import resumable
+
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 PRESET = ROOT / "launch/experiments/time_to_reward.toml"
@@ -171,12 +174,11 @@ def test_bad_experiment_configs_are_one_line_errors(tmp_path, capsys, text, name
 def test_resume_keeps_finished_runs_of_the_same_settings_only(tmp_path):
     """``--resume``: a run is kept when it finished, its directory is still there and it is in the
     grid; results made with other settings or another initial policy are refused, not mixed in."""
-    tool = _load_tool()
     out = tmp_path / "out"
     settings = {"duration_s": 90, "eval_problems": 256, "levels": [0.5]}
     meta = {"settings": settings, "initial_policy": "/init", "eval_initial": 0.625, "smoke": False}
-    cells = [tool.Cell(mode="sync"), tool.Cell(mode="april", r=2.0, eta=4)]
-    assert tool.resumable(out, meta, cells, [0, 1]) == {}  # nothing yet: every run is to do
+    cells = [Cell(mode="sync"), Cell(mode="april", r=2.0, eta=4)]
+    assert resumable(out, meta, cells, [0, 1]) == {}  # nothing yet: every run is to do
     runs = [{"cell": "sync", "seed": 0, "status": "ok"}, {"cell": "sync", "seed": 1, "status": "failed (exit 1)"},
             {"cell": "april-r2-eta4", "seed": 0, "status": "ok"}, {"cell": "april-r2-eta4", "seed": 1, "status": "ok"},
             {"cell": "async-r2-eta4", "seed": 0, "status": "ok"}]
@@ -186,17 +188,17 @@ def test_resume_keeps_finished_runs_of_the_same_settings_only(tmp_path):
         (d / "metrics.jsonl").write_text("{}\n")
     (out / "results.json").write_text(json.dumps({**meta, "eval_initial": 0.625 + 1 / 256, "runs": runs}))
     (out / "cells" / "april-r2-eta4" / "seed1" / "metrics.jsonl").unlink()  # its run directory is gone
-    kept = tool.resumable(out, meta, cells, [0, 1])
+    kept = resumable(out, meta, cells, [0, 1])
     assert sorted(kept) == [("april-r2-eta4", 0), ("sync", 0)]  # not failed, not gone, not outside the grid
-    assert tool.resumable(out, {**meta, "settings": {**settings, "levels": [0.7]}}, cells, [0, 1]) == kept  # report-only
+    assert resumable(out, {**meta, "settings": {**settings, "levels": [0.7]}}, cells, [0, 1]) == kept  # report-only
 
     for key, value in (("settings", {**settings, "duration_s": 60}), ("initial_policy", "/other"),
                        ("eval_initial", 0.7), ("smoke", True)):
-        with pytest.raises(tool.ExperimentError, match=f"another {key}"):
-            tool.resumable(out, {**meta, key: value}, cells, [0, 1])
+        with pytest.raises(ExperimentError, match=f"another {key}"):
+            resumable(out, {**meta, key: value}, cells, [0, 1])
     (out / "results.json").write_text("{not json")
-    with pytest.raises(tool.ExperimentError, match="not readable JSON"):
-        tool.resumable(out, meta, cells, [0, 1])
+    with pytest.raises(ExperimentError, match="not readable JSON"):
+        resumable(out, meta, cells, [0, 1])
 
 
 @pytest.mark.parametrize("preset", sorted((ROOT / "launch/experiments").glob("*.toml")), ids=lambda p: p.stem)
@@ -206,9 +208,9 @@ def test_every_preset_loads_and_plans_one_april_up_per_cell_and_seed(preset, cap
     from april_async.up import load_document, plan
 
     tool = _load_tool()
-    cfg, _ = tool.load(preset, False)
+    cfg, _ = load_experiment(preset, False)
     plan(load_document(cfg.base, cfg.set), None)  # the base with the preset's sets: every section valid
     assert tool.main([str(preset), "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(tool.cells_of(cfg)) * len(cfg.seeds)
+    assert len(lines) == len(experiment_cells(cfg)) * len(cfg.seeds)
     assert all(" -m april_async.cli up --config " in line for line in lines)

@@ -19,7 +19,7 @@ import zmq
 from april_async.config import LinkConfig
 from april_async.testing.cluster import FAST_LINK
 from april_async.testing.procs import free_port
-from april_async.testing.weights import LINK, TIMEOUT_S, Weights, digest, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, Weights, state_fingerprint, policy
 from april_async.transport.peer import Peer
 from april_async.weights.flat import flatten, layout, tensor_buckets
 from april_async.weights.handoff import WeightHandoff
@@ -131,7 +131,7 @@ def test_a_three_part_handoff_is_held_and_broadcast_as_the_same_bytes(weights):
         wait(w, "gen-0 and the learner", lambda: "gen-0" in w.status().get("members", {}), handoff=handoff)
 
         handoff.send(1, policy(1))  # one part, as before 1.4
-        wait(w, "version 1 on gen-0", lambda: w.holds("gen-0", 1, digest(policy(1))), handoff=handoff)
+        wait(w, "version 1 on gen-0", lambda: w.holds("gen-0", 1, state_fingerprint(policy(1))), handoff=handoff)
 
         specs, total, parts, n = state_parts(policy(2), bucket_bytes=1 << 19)
         assert n == 3
@@ -139,12 +139,12 @@ def test_a_three_part_handoff_is_held_and_broadcast_as_the_same_bytes(weights):
         assert (specs, total) == (flat_specs, flat.numel())  # the layout of the one-part hand-off
         handoff.send_parts(2, specs, total, parts, n)
         held["version"] = 2
-        wait(w, "version 2 on gen-0", lambda: w.holds("gen-0", 2, digest(policy(2))), handoff=handoff)
+        wait(w, "version 2 on gen-0", lambda: w.holds("gen-0", 2, state_fingerprint(policy(2))), handoff=handoff)
         wait(w, "published 2", lambda: 2 in w.broker.published, handoff=handoff)
         assert handoff.unreleased == 0
 
         handoff.send(3, policy(3))  # and one part again
-        wait(w, "version 3 on gen-0", lambda: w.holds("gen-0", 3, digest(policy(3))), handoff=handoff)
+        wait(w, "version 3 on gen-0", lambda: w.holds("gen-0", 3, state_fingerprint(policy(3))), handoff=handoff)
         assert [x["version"] for x in w.loads("gen-0")] == [1, 2, 3]
         log = w.cluster.logs["broadcaster"].read_text()
         assert "update_part_refused" not in log and "assembly_abandoned" not in log
@@ -226,7 +226,7 @@ def test_a_newer_part_zero_abandons_an_unfinished_version(weights):
         for k, (offset, data) in enumerate(ranges):
             raw.send(update(2, data, part=k, parts=3, offset=offset,
                             **({"tensors": specs, "total_bytes": total} if k == 0 else {})))
-        wait(w, "version 2 on gen-0", lambda: w.holds("gen-0", 2, digest(policy(2))), raw=raw)
+        wait(w, "version 2 on gen-0", lambda: w.holds("gen-0", 2, state_fingerprint(policy(2))), raw=raw)
         assert not raw.errors and [x["version"] for x in w.loads("gen-0")] == [2]
         assert "assembly_abandoned" in w.cluster.logs["broadcaster"].read_text()
     finally:

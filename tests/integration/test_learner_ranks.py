@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from april_async.learner.step import plan_step
 from april_async.model.decoder import CausalLM, ModelConfig
-from april_async.testing.learner_ranks import run_steps, synthetic_batch
+from april_async.learner.offline import run_steps, synthetic_batch
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ against the JSON Schemas of ``proto/schemas``, and the message types seen must b
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -29,7 +28,7 @@ import zmq
 
 from april_async.config import LinkConfig
 from april_async.testing.cluster import FAST_LINK, Cluster
-from april_async.testing.procs import free_port
+from april_async.testing.procs import free_port, spawn, wait_for
 from april_async.transport.peer import Peer
 from april_async.wire import messages as m
 
@@ -103,35 +102,6 @@ class Relay:
         self.ctx.term()
 
 
-class NullEngine:
-    """A generator's engine that only keeps the version of the weights it was given."""
-
-    def __init__(self):
-        self.policy_version = 0
-
-    def load_weights(self, state_dict, version: int) -> None:
-        self.policy_version = version
-
-
-def member_main(argv: list[str]) -> int:
-    """A generator-side weight subscriber, as its own process (the broadcaster's gloo rank 1)."""
-    from april_async.logs import configure
-    from april_async.runtime import StopFlag
-    from april_async.weights.subscriber import WeightSubscriber
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--name", required=True)
-    p.add_argument("--endpoint", required=True)
-    args = p.parse_args(argv)
-    stop = StopFlag()
-    configure(level="info")
-    sub = WeightSubscriber(args.name, args.endpoint, LINK, NullEngine())
-    while not stop:
-        sub.poll(0.05)
-    sub.close()
-    return 0
-
-
 def role_of(sender: str) -> str:
     for prefix, role in (("gen", "generator"), ("scorer", "scorer"), ("learner", "learner"),
                          ("broadcaster", "broadcaster"), ("broker", "broker")):
@@ -140,15 +110,8 @@ def role_of(sender: str) -> str:
     raise AssertionError(f"unexpected sender {sender!r}")
 
 
-def wait_for(what: str, cond, cluster: Cluster, timeout_s: float = 30.0, pump=None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{cluster.dump_logs()}")
-        cluster.assert_alive()
-        if pump is not None:
-            pump()
-        time.sleep(0.02)
+def wait_in(cluster: Cluster, what: str, cond, pump) -> None:
+    wait_for(what, cond, 30.0, alive=cluster.assert_alive, logs=cluster.dump_logs, pump=pump, interval_s=0.02)
 
 
 @pytest.fixture
@@ -183,11 +146,10 @@ def drive(cluster: Cluster, broker_bind: str, weights_relay: Relay, weights_bind
                                          "scripted.slots": 2, "scripted.lengths": [4, 4, 200, 200],
                                          "scripted.step_s_fixed": 0.01})
     cluster.scorer("scorer-0")
-    member = tmp / "gen-w.log"
-    from april_async.testing.procs import spawn
-
-    cluster.procs["gen-w"] = spawn([sys.executable, "-m", "tests.integration.test_plain_decoder", "member",
-                                    "--name", "gen-w", "--endpoint", weights_relay.endpoint], log=member)
+    member = tmp / "gen-w.log"  # a generator-side weight subscriber (the broadcaster's gloo rank 1)
+    cluster.procs["gen-w"] = spawn([sys.executable, "-m", "april_async.testing.weights", "member", "--name", "gen-w",
+                                    "--endpoint", weights_relay.endpoint, "--out", str(tmp / "gen-w.loads.jsonl")],
+                                   log=member)
     cluster.logs["gen-w"] = member
 
     learner = cluster.learner()
@@ -211,14 +173,13 @@ def drive(cluster: Cluster, broker_bind: str, weights_relay: Relay, weights_bind
                     replies.append(msg.msg_type)
                 learner.next_batch(0.0)
 
-            wait_for("the broadcaster's welcome", lambda: "welcome" in replies, cluster, pump=pump)
-            wait_for("the weight subscriber's session", lambda: _sent(weights_relay, "gen-w", "hello"),
-                     cluster, pump=pump)
+            wait_in(cluster, "the broadcaster's welcome", lambda: "welcome" in replies, pump)
+            wait_in(cluster, "the weight subscriber's session", lambda: _sent(weights_relay, "gen-w", "hello"), pump)
             data = np.arange(64, dtype="<f4")
             hub_peer.send(m.WeightsUpdate(version=1, tensors=[m.TensorSpec("w", "float32", [64], 0)],
                                           data=data.view(np.uint8)))
-            wait_for("version 1 at the subscriber", lambda: _heartbeat_version(weights_relay, "gen-w") == 1,
-                     cluster, pump=pump)
+            wait_in(cluster, "version 1 at the subscriber", lambda: _heartbeat_version(weights_relay, "gen-w") == 1,
+                    pump)
             learner.publish(2)  # the learner's own announcement to the broker
             time.sleep(0.5)
             pump()
@@ -285,9 +246,3 @@ def test_every_message_type_sent_in_a_real_run_reads_with_plain_msgpack(run, tmp
 def test_the_role_table_names_every_message_type():
     """A message type added to the protocol must be added to what this test expects to see."""
     assert set().union(*ROLE_SENDS.values()) == set(m.MESSAGE_TYPES)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["member"]:
-        sys.exit(member_main(sys.argv[2:]))
-    sys.exit(f"usage: python -m {__spec__.name if __spec__ else __file__} member --name N --endpoint E")

@@ -1,7 +1,7 @@
 """The ``sglang`` engine and the broadcaster's SGLang push, against stand-in SGLang servers.
 
 SGLang cannot run on the CPU-only CI machines. These tests run the real client code against
-``april_async/testing/sglang_standin.py``: a **stand-in** HTTP server (named so everywhere) that implements
+``standins/sglang_server.py``: a **stand-in** HTTP server (named so everywhere) that implements
 SGLang's documented HTTP contract on top of the embedded engine. The contract was read from
 SGLang 0.5.10.post1, 0.5.15.post1 and 0.5.23 (``python/sglang/srt/entrypoints/http_server.py``,
 ``managers/io_struct.py``, ``managers/tokenizer_manager.py``, ``utils/common.py``). Endpoints
@@ -35,7 +35,7 @@ from april_async.engines.sglang_engine import SGLangEngine
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.procs import free_port
-from april_async.testing.standin import start_standin
+from standins.launch import start_standin
 from april_async.weights.flat import flatten
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

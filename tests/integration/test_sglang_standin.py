@@ -1,4 +1,4 @@
-"""The SGLang stand-in (``april_async/testing/sglang_standin.py``) as a real process, checked with plain HTTP.
+"""The SGLang stand-in (``standins/sglang_server.py``) as a real process, checked with plain HTTP.
 
 These tests pin the stand-in to SGLang's contract (see its docstring), so that tests of our SGLang
 client against it mean something. Two servers serve the module: ``server`` (defaults: cumulative
@@ -76,13 +76,13 @@ def ckpt(tmp_path_factory) -> Model:
 
 
 class Standin:
-    """One ``python -m april_async.testing.sglang_standin`` process; stopped with SIGTERM (killed if it hangs)."""
+    """One ``python -m standins.sglang_server`` process; stopped with SIGTERM (killed if it hangs)."""
 
     def __init__(self, checkpoint: Path, log: Path, *flags: str):
         self.log_path = log
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "april_async.testing.sglang_standin", "--checkpoint", str(checkpoint), "--port", "0",
+            [sys.executable, "-m", "standins.sglang_server", "--checkpoint", str(checkpoint), "--port", "0",
              *flags],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
         lines: queue.Queue = queue.Queue()

@@ -41,7 +41,7 @@ actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]
 duration_s = 120
 final_sync_s = 15
 
-""" + TINY_POLICY_TOML + """[broker.rollout]
+[broker.rollout]
 mode = "april"
 batch_groups = 2
 group_size = 2
@@ -148,7 +148,7 @@ def _actors_of(out: Path) -> list[int]:
 @pytest.mark.slow
 def test_an_engine_backed_sweep_runs_each_cell_from_one_initial_policy(tmp_path):
     base = tmp_path / "base.toml"
-    base.write_text(TINY_BASE.format(tmp=tmp_path))
+    base.write_text(TINY_BASE.format(tmp=tmp_path) + "\n" + TINY_POLICY_TOML)
     out = tmp_path / "out"
     cfg = tmp_path / "sweep.toml"
     cfg.write_text(f'[sweep]\nbase = "{base}"\nout = "{out}"\nmodes = ["sync", "april"]\neta = [1]\nr = [2.0]\n'

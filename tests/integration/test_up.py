@@ -6,7 +6,7 @@ steps, end with a balanced ledger (every admitted sample delivered, retired with
 still buffered), keep every delivered token within the staleness bound, and stop with every
 generator holding the learner's last version. It runs once per engine: the embedded ``torch``
 engine (warm start included), and ``sglang`` against two stand-in SGLang servers
-(``april_async/testing/sglang_standin.py``), whose weights the broadcaster pushes over a gloo group. The others
+(``standins/sglang_server.py``), whose weights the broadcaster pushes over a gloo group. The others
 stop runs from outside (Ctrl-C, a killed supervisor, a terminal that hangs up) and check that no
 child outlives them, run the same loop as a two-"host" cluster where both hosts are this machine,
 check that a cluster's hosts share one console and keep their own files, and drive
@@ -44,7 +44,7 @@ from april_async.testing.runs import (
     write_config,
 )
 from april_async.runfiles import read_children
-from april_async.testing.standin import start_standin
+from standins.launch import start_standin
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRESS = re.compile(r"step +\d+ v\d+ \| reward")

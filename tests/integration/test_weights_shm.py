@@ -19,7 +19,7 @@ import pytest
 
 from april_async.testing.cluster import FAST_LINK
 from april_async.testing.procs import ROOT, free_port
-from april_async.testing.weights import LINK, TIMEOUT_S, Weights, digest, policy
+from april_async.testing.weights import LINK, TIMEOUT_S, Weights, state_fingerprint, policy
 from april_async.transport.peer import Peer
 from april_async.weights import shm
 from april_async.weights.flat import buckets, flatten, tensor_buckets
@@ -52,7 +52,7 @@ class Learner:
     def send(self, version: int) -> str:
         self.version = version
         self.handoff.send(version, policy(version))
-        return digest(policy(version))
+        return state_fingerprint(policy(version))
 
 
 def wait(w: Weights, what: str, cond, handoff: WeightHandoff | None = None, timeout_s: float = 25.0) -> None:
@@ -98,7 +98,7 @@ def test_versions_go_through_shared_memory_and_members_load_them_verified(weight
 
         learner.version = 2
         h.send_parts(2, specs, len(data), parts(), len(cuts))
-        wait(w, "gen-0 holding version 2", lambda: w.holds("gen-0", 2, digest(policy(2))), h)
+        wait(w, "gen-0 holding version 2", lambda: w.holds("gen-0", 2, state_fingerprint(policy(2))), h)
         expect = learner.send(3)  # back into version 1's region, once the broadcaster let go of it
         wait(w, "gen-0 holding version 3", lambda: w.holds("gen-0", 3, expect), h)
         assert h.shm_sends == 3 and h.shm_fallbacks == 0 and h.shm_off is None
@@ -188,7 +188,7 @@ def test_no_region_is_left_after_kill_9_of_the_learner_and_a_restart(weights):
     try:
         line = child.stdout.readline().split()
         assert line[:2] == ["sent", "shm"], line
-        wait(w, "gen-0 holding version 1", lambda: w.holds("gen-0", 1, digest(policy(1))))
+        wait(w, "gen-0 holding version 1", lambda: w.holds("gen-0", 1, state_fingerprint(policy(1))))
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
         assert line[2] in names("learner-k9"), "the unmapped region outlives a SIGKILL until a restart"
@@ -225,7 +225,7 @@ def test_parts_sent_as_bytes_are_hashed_as_they_arrive_and_load_verified(weights
             learner.version = version
             h.send_parts(version, specs, len(data), ((start, data[start:stop].copy()) for start, stop in cuts),
                          len(cuts))
-            wait(w, f"gen-0 holding version {version}", lambda v=version: w.holds("gen-0", v, digest(policy(v))), h)
+            wait(w, f"gen-0 holding version {version}", lambda v=version: w.holds("gen-0", v, state_fingerprint(policy(v))), h)
         assert h.last_mode == "zmq" and h.shm_sends == 0
         assert "weights_refused" not in log_of(w, "gen-0")
     finally:

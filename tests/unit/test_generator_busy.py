@@ -1,21 +1,11 @@
 """The generators' busy time: the clock the actor keeps, and the experiment's reading of its log lines."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from april_async.experiments.numbers import generator_shares
 from april_async.generator.actor import BusyClock
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _experiment():
-    spec = importlib.util.spec_from_file_location("experiment_tool", ROOT / "tools" / "experiment.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_busy_time_counts_each_interval_at_the_count_seen_at_its_start():
@@ -28,7 +18,6 @@ def test_busy_time_counts_each_interval_at_the_count_seen_at_its_start():
 
 
 def test_the_experiment_reads_busy_lines_in_the_window_from_either_log_format(tmp_path):
-    tool = _experiment()
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "gen-0.log").write_text(
@@ -41,8 +30,8 @@ def test_the_experiment_reads_busy_lines_in_the_window_from_either_log_format(tm
         {"event": "busy", "busy_s": 0.0, "slot_s": 0.0, "slots": 2, "t": 100.0},
         {"event": "stopped"},
         {"event": "busy", "busy_s": 10.0, "slot_s": 10.0, "slots": 2, "t": 110.0}]) + "\n")
-    shares = tool.generator_shares(tmp_path, 100.0, 110.0)
+    shares = generator_shares(tmp_path, 100.0, 110.0)
     # gen-0: 8 s busy of 10, 20 slot-seconds of 40; n1-gen-0: 10 of 10, 10 of 20.
     assert shares["gen_busy_frac"] == pytest.approx((0.8 + 1.0) / 2)
     assert shares["gen_slot_frac"] == pytest.approx((0.5 + 0.5) / 2)
-    assert tool.generator_shares(tmp_path, 200.0, 300.0) == {}
+    assert generator_shares(tmp_path, 200.0, 300.0) == {}

@@ -5,8 +5,9 @@
   serves again before its peers time out. Each is imported in a fresh interpreter.
 - Actors never import each other: code two of them share lives in a neutral package (``engines/``,
   ``weights/``, ``model/``, ``warmstart/``, ``testing/``, ...). ``up/`` imports no actor's runtime (their
-  config models only), ``sim/`` nothing from ``generator/``, ``tools/`` nothing from ``tests/``, and no
-  test module imports another test module. Read from the source with ``ast``, so a lazy import inside a function counts.
+  config models only), ``sim/`` nothing from ``generator/``, ``tools/`` nothing from ``tests/`` or the
+  testing kit, nothing shipped anything from the kit or ``standins/``, and no test module imports another
+  test module. Read from the source with ``ast``, so a lazy import inside a function counts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ TORCH_FREE = [
     "april_async.engines.factory",
     "april_async.sim.simulation",
     "april_async.sim.report",
+    "april_async.experiments.cli",  # tools/experiment.py and tools/sweep.py: torch only in the runs they start
 ]
 
 
@@ -96,7 +98,7 @@ def test_an_actor_imports_no_other_actor(actor):
     ("april_async/engines", tuple(f"april_async.{a}" for a in ACTORS)),
     ("april_async/weights", tuple(f"april_async.{a}" for a in ACTORS)),
     ("april_async/warmstart", tuple(f"april_async.{a}" for a in ACTORS)),
-    ("tools", ("tests",)),
+    ("tools", ("tests", "april_async.testing")),  # the kit is not shipped; tools use the package
     ("april_async", ("tests",)),
 ])
 def test_import_rules(where, forbidden):
@@ -111,6 +113,14 @@ def test_import_rules(where, forbidden):
 UP_MAY_READ = tuple(f"april_async.{a}.config" for a in ACTORS)
 """The supervisor's one typed model of the run file (``up/config.py``) holds every actor's config model:
 those (torch-free, actor-free) modules are all of an actor that ``april up`` may import."""
+
+
+def test_only_the_kit_imports_the_kit():
+    """The testing kit and the stand-ins stay out of the wheel: nothing shipped may import them."""
+    bad = [(str(p.relative_to(ROOT)), name) for p in _modules(PACKAGE) if "testing" not in p.relative_to(PACKAGE).parts
+           for name in imports_of(p)
+           if name.startswith(("april_async.testing", "standins")) or name in ("april_async.testing", "standins")]
+    assert not bad, bad
 
 
 def test_no_test_module_imports_another():

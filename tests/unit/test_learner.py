@@ -13,7 +13,7 @@ from april_async.learner.actor import LearnerActor, batch_rows
 from april_async.learner.config import LearnerConfig
 from april_async.learner.step import pack
 from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
-from april_async.testing.learner_ranks import RecordingPeer as FakePeer
+from april_async.learner.offline import RecordingPeer as FakePeer
 from april_async.weights.handoff import BroadcastRefused
 from april_async.wire import messages as m
 

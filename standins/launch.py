@@ -1,4 +1,4 @@
-"""Start and stop stand-in SGLang servers (``sglang_standin.py`` beside this file) as real processes."""
+"""Start and stop stand-in SGLang servers (``sglang_server.py`` beside this file) as real processes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from pathlib import Path
 
 import httpx
 
-from april_async.testing.procs import free_port, spawn
+from april_async.runtime import free_port, spawn
 
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout, where ``python -m standins.sglang_server`` finds this package."""
 
 
 @dataclass
@@ -35,8 +37,8 @@ def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "stan
     """A stand-in on ``port`` (default: a free one), once it answers ``/model_info``."""
     port = port or free_port()
     log = log_dir / f"{name}-{port}.log"
-    proc = spawn([sys.executable, "-m", "april_async.testing.sglang_standin", "--checkpoint", str(checkpoint),
-                  "--port", str(port), *args], log=log)
+    proc = spawn([sys.executable, "-m", "standins.sglang_server", "--checkpoint", str(checkpoint),
+                  "--port", str(port), *args], log=log, cwd=ROOT)
     s = StandIn(f"http://127.0.0.1:{port}", proc, log)
     deadline = time.monotonic() + timeout_s
     while True:

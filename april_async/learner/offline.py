@@ -1,8 +1,8 @@
-"""The learner's step on one process or on a group of ranks, driven without a broker: for tests
-and ``tools/bench_learner.py``.
+"""The learner's step on one process or on a group of ranks, driven without a broker, on synthetic
+batches: what ``tools/bench_learner.py`` measures and the learner's tests compare.
 
 ``run_steps(spec, ranks, workdir)`` starts ``ranks`` processes (``python -m
-april_async.testing.learner_ranks SPEC``) with the environment ``april up`` gives learner ranks;
+april_async.learner.offline SPEC``) with the environment ``april up`` gives learner ranks;
 rank 0 trains on the spec's synthetic batches with a ``LearnerActor`` whose broker is a
 recorder and that publishes each version as a checkpoint (a collective save), the other ranks
 follow as ``RankWorker``s. Each version's ``model.safetensors`` under ``run_dir`` is what a test
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from april_async.testing.procs import ROOT, free_port
+from april_async.runtime import free_port, spawn
 from april_async.wire import messages as m
 
 
@@ -75,21 +75,19 @@ class RecordingPeer:
         pass
 
 
-def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0) -> dict:
-    """Run ``spec`` on ``ranks`` processes; returns rank 0's ``result.json``. A rank that fails
-    raises ``RuntimeError`` with the end of its log."""
+def run_steps(spec: dict, ranks: int, workdir: Path, timeout_s: float = 300.0, cwd: Path | None = None) -> dict:
+    """Run ``spec`` on ``ranks`` processes (started from ``cwd``, default this process's); returns
+    rank 0's ``result.json``. A rank that fails raises ``RuntimeError`` with the end of its log."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
     procs = []
     for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONUNBUFFERED": "1"}
-        with open(workdir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "april_async.testing.learner_ranks", str(spec_path)],
-                                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        env = {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(spawn([sys.executable, "-m", "april_async.learner.offline", str(spec_path)],
+                           log=workdir / f"rank{rank}.log", env=env, cwd=cwd))
     deadline = time.monotonic() + timeout_s
     codes = []
     for p in procs:

@@ -8,7 +8,7 @@ with it. The contract was read from sglang 0.5.10.post1, 0.5.15.post1 and 0.5.23
 ``managers/tokenizer_manager.py``, ``sampling/sampling_params.py`` and ``utils/common.py``
 ``init_custom_process_group``).
 
-    python -m april_async.testing.sglang_standin --checkpoint DIR --port PORT [options]
+    python -m standins.sglang_server --checkpoint DIR --port PORT [options]
 
 prints ``standin listening on http://HOST:PORT`` once it serves (``--port 0``: any free port).
 
@@ -851,7 +851,7 @@ ROUTES = {  # path -> (methods, kind, handler)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m april_async.testing.sglang_standin", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m standins.sglang_server", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--port", type=int, required=True, help="0: any free port")
     ap.add_argument("--host", default="127.0.0.1")

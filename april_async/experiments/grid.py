@@ -1,0 +1,231 @@
+"""The grids of cells that ``tools/experiment.py`` and ``tools/sweep.py`` run: their config files
+(``[experiment]``/``[smoke]``, ``[sweep]``, and ``[sim]`` for both), read and checked, and the cells
+they name. A cell is a setting of the broker's knobs (mode, r, η, boundary, over_bound); its name
+is its directory and its row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from april_async.config import ConfigError, read_config_file, validate
+from april_async.sim.config import SimSettings
+
+
+class ExperimentError(ValueError):
+    """An experiment or sweep that cannot run as configured; the message names the setting."""
+
+
+def _listed(v: Any) -> Any:
+    return v if isinstance(v, list) else [v]
+
+class CellGrid(BaseModel):
+    """One entry of ``cells``: every combination of its lists is a cell (sync ignores r and η)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["sync", "april", "async"]
+    r: list[float] = [2.0]
+    """Over-provisioning (``broker.rollout.over_provision``)."""
+    eta: list[int] = [4]
+    """Staleness bound η (``broker.rollout.staleness_bound``)."""
+    boundary: list[Literal["abort", "continue"]] = ["abort"]
+    """april only: what happens to leases in flight at a step boundary (``broker.rollout.boundary``)."""
+    over_bound: list[Literal["restart", "drop"]] = ["restart"]
+    """What happens to a sample that would break η (``broker.rollout.over_bound``)."""
+
+    _scalars = field_validator("r", "eta", "boundary", "over_bound", mode="before")(lambda cls, v: _listed(v))
+
+class Settings(BaseModel):
+    """The ``[experiment]`` table (and, field by field, ``[smoke]``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z0-9_]+$")
+    """The experiment's name: its block in ``docs/experiments.md``."""
+    title: str = ""
+    base: Path
+    """The ``april up`` config every run starts from."""
+    out: Path = Path("runs/experiment")
+    init: Path | None = None
+    """Where the warm start is made once and read by every run (default ``<out>/init``); two
+    experiments naming the same directory share one initial policy."""
+    docs: Path | None = None
+    """Where ``--docs`` copies the figures (e.g. ``docs/experiments/time_to_reward``)."""
+    cells: list[CellGrid] = Field(min_length=1)
+    seeds: list[int] = Field([0, 1, 2], min_length=1)
+    """Prompt streams (``broker.prompts.seed``), one run each per cell."""
+    duration_s: float = Field(120.0, gt=0)
+    """Training window per run, from the end of its first learner step."""
+    levels: list[float] = [0.5, 0.6]
+    """Reward levels the moving average is timed to."""
+    sync_levels: list[float] = []
+    """More levels, read off the sync cell: its start (the first full moving average) plus these
+    fractions of its climb to its final reward (1.0: where sync ends), means over its seeds."""
+    ma_steps: int = Field(20, ge=1)
+    """Steps in the moving average of the batch reward."""
+    set: list[str] = []
+    """Extra ``april up --set`` overrides for every run (and the warm start)."""
+    timeout_s: float = Field(900.0, gt=0)
+    """A run still going this long after its start is stopped and marked failed."""
+    max_cells: int | None = Field(None, ge=1)
+    """Run only the first this many cells (``[smoke]``)."""
+    sim_train_share: float | None = Field(None, ge=0, lt=1)
+    """``--sim``: the learner's share of a sync step (0.1: rollout is 90 %); None: ``[sim] train_s`` as given."""
+    eval_every_steps: int | None = Field(None, ge=1)
+    """The learner saves a checkpoint every this many steps, and after the run ``eval_points`` of
+    those inside the window are evaluated on held-out problems. The batch reward is of the groups a
+    mode delivers, and a mode chooses them: april delivers the B groups that finish first, ``drop``
+    retires the slow ones. The held-out reward of the policy is what no scheduler can bias. None:
+    no evaluation."""
+    eval_points: int = Field(4, ge=1)
+    """Checkpoints evaluated per run, spread evenly over the window (the last one always)."""
+    eval_problems: int = Field(256, ge=1)
+    """Held-out problems: the warm start's evaluation stream (its prompt seed + 1), none of which a
+    run trains on (the runs' streams are the seeds)."""
+    eval_temperature: float = Field(0.0, ge=0)
+    """0: greedy, so the same policy always scores the same: the differences are the policies'."""
+
+class SweepConfig(BaseModel):
+    """The ``[sweep]`` table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: Path
+    """The ``april up`` config every engine-backed cell starts from."""
+    out: Path = Path("runs/sweep")
+    modes: list[Literal["sync", "april", "async"]] = Field(["sync", "april", "async"], min_length=1)
+    eta: list[int] = Field([0, 1, 2, 4], min_length=1)
+    """Staleness bounds η of the april and async cells."""
+    r: list[float] = Field([1.5, 2.0], min_length=1)
+    """Over-provisioning of the april and async cells."""
+    steps: int = Field(20, ge=2)
+    """Learner steps per engine-backed cell (throughput is measured from the first to the last)."""
+    set: list[str] = []
+    """Extra ``april up --set`` overrides for every engine-backed cell, e.g. ``run.duration_s=300``."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """An engine-backed cell still running after this long is stopped and marked failed."""
+
+class Cell(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    mode: str
+    r: float = 1.0
+    eta: int = 0
+    boundary: str = "abort"
+    over_bound: str = "restart"
+
+    @property
+    def name(self) -> str:
+        if self.mode == "sync":
+            return "sync"
+        name = f"{self.mode}-r{self.r:g}-eta{self.eta}"
+        if self.boundary != "abort":
+            name += f"-{self.boundary}"
+        if self.over_bound != "restart":
+            name += f"-{self.over_bound}"
+        return name
+
+    @property
+    def label(self) -> str:
+        if self.mode == "sync":
+            return "sync"
+        extra = "".join(f", {x}" for x in (self.boundary, self.over_bound) if x not in ("abort", "restart"))
+        return f"{self.mode} r={self.r:g} η={self.eta}{extra}"
+
+    def sets(self) -> dict[str, Any]:
+        rollout = {"mode": self.mode, "over_provision": self.r, "staleness_bound": self.eta,
+                   "over_bound": self.over_bound}
+        if self.mode == "april":
+            rollout["boundary"] = self.boundary
+        return {f"broker.rollout.{k}": v for k, v in rollout.items()}
+
+# ---------------------------------------------------------------------- config files
+
+
+def read_tables(path: Path, known: tuple[str, ...]) -> dict:
+    """The tables of the TOML file ``path``: only ``known`` ones, the first of them present."""
+    try:
+        doc = read_config_file(path)
+    except ConfigError as e:
+        raise ExperimentError(str(e)) from None
+    unknown = sorted(set(doc) - set(known))
+    if unknown:
+        raise ExperimentError(f"{str(path)!r}: unknown table [{unknown[0]}] (known: {', '.join(known)})")
+    if known[0] not in doc:
+        raise ExperimentError(f"{str(path)!r} has no [{known[0]}] table")
+    return doc
+
+
+def load_experiment(path: Path, smoke: bool) -> tuple[Settings, SimSettings]:
+    """An experiment's file; with ``smoke``, ``[smoke]`` over ``[experiment]``, into ``<out>-smoke``."""
+    doc = read_tables(path, ("experiment", "smoke", "sim"))
+    values = dict(doc["experiment"])
+    if smoke:
+        values.pop("init", None)  # never the reference's initial policy: the smoke makes its own, tiny
+        values.update(doc.get("smoke", {}))
+        values["out"] = str(values.get("out", "runs/experiment")) + "-smoke"
+    try:
+        cfg = validate(Settings, values, "experiment")
+        sim = validate(SimSettings, doc.get("sim", {}), "sim")
+    except ConfigError as e:
+        raise ExperimentError(str(e)) from None
+    if not cfg.base.is_file():
+        raise ExperimentError(f"[experiment] base: the config file {str(cfg.base)!r} does not exist")
+    for g in cfg.cells:
+        for r in g.r:
+            if not 1.0 <= r <= 16.0:
+                raise ExperimentError(f"[experiment] cells: r = {r:g} is outside 1..16 (over_provision)")
+        for eta in g.eta:
+            if eta < 0:
+                raise ExperimentError(f"[experiment] cells: η = {eta} is negative")
+    return cfg, sim
+
+
+def load_sweep(path: Path) -> tuple[SweepConfig, SimSettings]:
+    """A sweep's file."""
+    doc = read_tables(path, ("sweep", "sim"))
+    try:
+        sweep = validate(SweepConfig, doc["sweep"], "sweep")
+        sim = validate(SimSettings, doc.get("sim", {}), "sim")
+    except ConfigError as e:
+        raise ExperimentError(str(e)) from None
+    for eta in sweep.eta:
+        if eta < 0:
+            raise ExperimentError(f"[sweep] eta: {eta} is negative (η is a number of versions, at least 0)")
+    for r in sweep.r:
+        if not 1.0 <= r <= 16.0:
+            raise ExperimentError(f"[sweep] r: {r:g} is outside 1..16 (over_provision)")
+    if not sweep.base.is_file():
+        raise ExperimentError(f"[sweep] base: the config file {str(sweep.base)!r} does not exist")
+    return sweep, sim
+
+
+# ---------------------------------------------------------------------- cells
+
+
+def cells_of(grids: list[CellGrid], max_cells: int | None = None) -> list[Cell]:
+    """Every combination of each grid's lists (sync is one cell), in order, each name once; the
+    first ``max_cells`` of them when that is set."""
+    out: dict[str, Cell] = {}
+    for g in grids:
+        if g.mode == "sync":
+            combos = [Cell(mode="sync")]
+        else:
+            combos = [Cell(mode=g.mode, r=r, eta=eta, boundary=b if g.mode == "april" else "abort", over_bound=ob)
+                      for r in g.r for eta in g.eta for b in g.boundary for ob in g.over_bound]
+        for c in combos:
+            out.setdefault(c.name, c)
+    cells = list(out.values())
+    return cells[:max_cells] if max_cells else cells
+
+
+def experiment_cells(cfg: Settings) -> list[Cell]:
+    return cells_of(cfg.cells, cfg.max_cells)
+
+
+def sweep_cells(sweep: SweepConfig) -> list[Cell]:
+    """``modes`` × ``r`` × ``eta`` (sync: one cell, r = 1 and η = 0)."""
+    return cells_of([CellGrid(mode=mode, r=sweep.r, eta=sweep.eta) for mode in sweep.modes])

@@ -1,0 +1,251 @@
+"""What a run left in its directory, as numbers: an experiment's run over its training window
+(``run_numbers``; the module docstring of ``tools/experiment.py`` defines each), a sweep's cell
+(``engine_numbers``); reward levels and the times to reach them; a cell's mean and spread over seeds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from april_async.experiments.grid import Cell, Settings
+
+COLUMNS = ("cell", "backend", "mode", "r", "eta", "status", "tokens_per_s", "groups_per_s", "off_policy_frac",
+           "discarded_frac", "reward_mean", "reward_last", "steps", "wall_s")
+
+
+@dataclass
+class Row:
+    """One cell of a sweep: its numbers, staleness histogram and reward curve."""
+
+    cell: Cell
+    backend: str
+    status: str = "ok"
+    values: dict = field(default_factory=dict)
+    staleness: dict[int, int] = field(default_factory=dict)  # lag -> delivered tokens
+    rewards: list[float] = field(default_factory=list)  # reward_mean per learner step
+
+    def flat(self) -> dict:
+        out = {"cell": self.cell.name, "backend": self.backend, "mode": self.cell.mode, "r": self.cell.r,
+               "eta": self.cell.eta, "status": self.status}
+        for key in COLUMNS:
+            out.setdefault(key, self.values.get(key))
+        return out
+
+
+def engine_numbers(run_dir: Path) -> tuple[dict, dict[int, int], list[float]]:
+    """Throughput, off-policy and discarded shares, rewards: from what ``april up`` left in ``run_dir``."""
+    from april_async.runfiles import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        raise ValueError("metrics.jsonl has no learner step")
+    ledger = json.loads((run_dir / "broker_state.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    c = ledger["counters"]
+    rewards = [float(r["reward_mean"]) for r in rows]
+    k = max(1, len(rows) // 4)
+    values = {"steps": len(rows), "wall_s": summary.get("wall_s"),
+              "reward_mean": sum(rewards) / len(rewards), "reward_last": sum(rewards[-k:]) / k,
+              "off_policy_frac": c["off_policy_tokens"] / max(1, c["tokens_delivered"]),
+              "discarded_frac": c["tokens_discarded"] / max(1, c["tokens_generated"])}
+    span = rows[-1]["time"] - rows[0]["time"]
+    if len(rows) >= 2 and span > 0:  # from the end of the first step to the end of the last
+        values["tokens_per_s"] = sum(r["tokens"] for r in rows[1:]) / span
+        values["groups_per_s"] = sum(r["groups"] for r in rows[1:]) / span
+    staleness = {int(lag): int(n) for lag, n in c.get("staleness_tokens", {}).items()}
+    return values, staleness, rewards
+
+
+# ---------------------------------------------------------------------- an experiment's run
+
+
+def run_numbers(run_dir: Path, cfg: Settings) -> dict:
+    """One run's numbers over its window (see the module's docstring)."""
+    from april_async.runfiles import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if len(rows) < 2:
+        raise ValueError(f"metrics.jsonl has {len(rows)} learner steps (2 or more needed)")
+    n = json.loads((run_dir / "config" / "broker.json").read_text())["rollout"]["group_size"]
+    t_first = rows[0]["time"]
+    rows = [r for r in rows if r["time"] - t_first <= cfg.duration_s + 1e-6]
+    win = rows[1:]  # the steps that end inside the window
+    span = cfg.duration_s
+    t = [r["time"] - t_first for r in rows]
+    rewards = [float(r["reward_mean"]) for r in rows]
+    samples = []
+    acc = 0
+    for r in rows:
+        acc += int(r["groups"]) * n
+        samples.append(acc)
+    tokens = sum(int(r["tokens"]) for r in win)
+    out: dict[str, Any] = {
+        "steps": len(win), "tokens_per_s": tokens / span, "samples": samples[-1] - samples[0],
+        "reward_first": statistics.fmean(rewards[:cfg.ma_steps]),
+        "reward_final": statistics.fmean(rewards[-cfg.ma_steps:]),
+        "off_policy_frac": sum(float(r.get("off_policy_frac", 0.0)) * int(r["tokens"]) for r in win) / max(1, tokens),
+        "ess": statistics.fmean(float(r["ess"]) for r in win) if all("ess" in r for r in win) else None,
+        "ess_min": min(float(r["ess"]) for r in win) if all("ess" in r for r in win) else None,
+        "lag_mean": sum(float(r.get("lag_mean", 0.0)) * int(r["tokens"]) for r in win) / max(1, tokens),
+        "wait_frac": sum(float(r["wait_s"]) for r in win) / span,
+        "train_frac": sum(float(r["train_s"]) for r in win) / span,
+        "handoff_frac": sum(float(r["step_s"]) - float(r["train_s"]) for r in win) / span,
+        "step_s_mean": statistics.fmean(float(r["wait_s"]) + float(r["step_s"]) for r in win),
+    }
+    for level in cfg.levels:
+        out[f"t_{level:g}"] = time_to(list(zip(t, rewards)), level, cfg.ma_steps)
+    first, last = rows[0], rows[-1]
+    if "tokens_generated" in last and "tokens_generated" in first:
+        gen = last["tokens_generated"] - first["tokens_generated"]
+        out["gen_tokens_per_s"] = gen / span
+        out["discarded_frac"] = (last.get("tokens_discarded", 0) - first.get("tokens_discarded", 0)) / max(1, gen)
+        if "tokens_retired" in last and "tokens_retired" in first:  # a learner before 2026-11-25 left it out
+            out["retired_frac"] = (last["tokens_retired"] - first["tokens_retired"]) / max(1, gen)
+    out.update(generator_shares(run_dir, t_first, t_first + span))
+    ledger_file = run_dir / "broker_state.json"
+    if ledger_file.is_file():
+        c = json.loads(ledger_file.read_text())["counters"]
+        out["staleness_tokens"] = {str(k): int(v) for k, v in sorted(c.get("staleness_tokens", {}).items(),
+                                                                      key=lambda kv: int(kv[0]))}
+        out.setdefault("discarded_frac", c["tokens_discarded"] / max(1, c["tokens_generated"]))
+        out.setdefault("retired_frac", c.get("tokens_retired", 0) / max(1, c["tokens_generated"]))
+    out["curve"] = [[round(ti, 2), s, round(rw, 4)] for ti, s, rw in zip(t, samples, rewards)]
+    return out
+
+
+def busy_lines(log: Path) -> list[dict[str, float]]:
+    """A generator log's ``busy`` records (console or JSON lines), as numbers."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "busy":
+                out.append({k: float(rec[k]) for k in ("busy_s", "slot_s", "slots", "t") if k in rec})
+        elif " busy " in line and "busy_s=" in line:
+            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            try:
+                out.append({k: float(fields[k]) for k in ("busy_s", "slot_s", "slots", "t")})
+            except (KeyError, ValueError):
+                continue
+    return out
+
+
+def generator_shares(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
+    """The generators' side of the time split over the window [t0, t1] (epoch seconds): the share
+    of wall time each had a sequence decoding (``gen_busy_frac``) and its slots' occupancy
+    (``gen_slot_frac``), means over generators; from the first to the last ``busy`` record in the
+    window. Nothing when the logs have none (a run before generators logged them)."""
+    busy, slots = [], []
+    for log in sorted((run_dir / "logs").glob("*gen-*.log")):
+        recs = [r for r in busy_lines(log) if t0 - 1e-6 <= r.get("t", -1) <= t1 + 1e-6]
+        if len(recs) < 2 or recs[-1]["t"] <= recs[0]["t"]:
+            continue
+        a, b = recs[0], recs[-1]
+        dt = b["t"] - a["t"]
+        busy.append((b["busy_s"] - a["busy_s"]) / dt)
+        slots.append((b["slot_s"] - a["slot_s"]) / (dt * max(1.0, b["slots"])))
+    if not busy:
+        return {}
+    return {"gen_busy_frac": statistics.fmean(busy), "gen_slot_frac": statistics.fmean(slots)}
+
+
+# ---------------------------------------------------------------------- levels and times to reach them
+
+
+def moving_average(xs: list[float], k: int) -> list[float | None]:
+    """The mean of the last ``k`` values at each index; None until ``k`` exist."""
+    out: list[float | None] = []
+    acc = 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= k:
+            acc -= xs[i - k]
+        out.append(acc / k if i >= k - 1 else None)
+    return out
+
+
+def time_to(curve: list, level: float, k: int) -> float | None:
+    """The first time in ``curve`` ([t, ..., reward] points) at which the ``k``-step moving average
+    of the reward is at least ``level``; None if it never is."""
+    ma = moving_average([p[-1] for p in curve], k)
+    return next((p[0] for p, m in zip(curve, ma) if m is not None and m >= level - 1e-9), None)
+
+
+def time_to_eval(curve: list, level: float) -> float | None:
+    """The first t at which the held-out reward, linear between evaluated checkpoints, reaches ``level``."""
+    for (t0, _, r0), (t1, _, r1) in zip(curve, curve[1:]):
+        if r0 >= level - 1e-9:
+            return t0
+        if r1 >= level - 1e-9:
+            return t0 + (t1 - t0) * (level - r0) / (r1 - r0)
+    return curve[-1][0] if curve and curve[-1][2] >= level - 1e-9 else None
+
+
+def resolve_levels(cfg: Settings, runs: list[dict]) -> tuple[list[float], list[str]]:
+    """``levels`` plus those ``sync_levels`` makes of the sync runs, sorted; and a note for each of those."""
+    levels, notes = list(cfg.levels), []
+    sync = [r for r in runs if r["cell"] == "sync" and r["status"] == "ok" and len(r.get("curve", ())) >= cfg.ma_steps]
+    if cfg.sync_levels and sync:
+        start = statistics.fmean(moving_average([p[2] for p in r["curve"]], cfg.ma_steps)[cfg.ma_steps - 1]
+                                 for r in sync)
+        final = statistics.fmean(r["reward_final"] for r in sync)
+        for f in cfg.sync_levels:
+            level = round(start + f * (final - start), 3)
+            levels.append(level)
+            notes.append(f"{level:g} = sync's start {start:.3f} + {f:g} × its climb to {final:.3f}")
+    return sorted(set(levels)), notes
+
+
+def resolve_eval_levels(cfg: Settings, runs: list[dict], initial: float | None) -> tuple[list[float], list[str]]:
+    """Held-out reward levels read off the sync cell as ``sync_levels`` are: the initial policy's
+    held-out reward plus those fractions of sync's climb to its last evaluated checkpoint."""
+    sync = [r["eval_curve"][-1][2] for r in runs if r["cell"] == "sync" and r["status"] == "ok" and r.get("eval_curve")]
+    if initial is None or not sync or not cfg.sync_levels:
+        return [], []
+    final = statistics.fmean(sync)
+    levels, notes = [], []
+    for f in cfg.sync_levels:
+        level = round(initial + f * (final - initial), 3)
+        levels.append(level)
+        notes.append(f"{level:g} = the initial policy's {initial:.3f} + {f:g} × sync's climb to {final:.3f}")
+    return sorted(set(levels)), notes
+
+
+# ---------------------------------------------------------------------- cells: mean ± spread over seeds
+
+AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "reward_final", "off_policy_frac", "discarded_frac",
+              "retired_frac", "ess", "ess_min", "lag_mean", "wait_frac", "train_frac", "handoff_frac", "step_s_mean",
+              "eval_final", "gen_busy_frac", "gen_slot_frac")
+
+
+def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_levels: list[float] = ()) -> list[dict]:
+    out = []
+    for cell in cells:
+        ok = [r for r in runs if r["cell"] == cell.name and r["status"] == "ok"]
+        row: dict[str, Any] = {"cell": cell.name, "label": cell.label, **cell.model_dump(),
+                               "runs": len([r for r in runs if r["cell"] == cell.name]), "runs_ok": len(ok)}
+        for key in AGGREGATED:
+            row[key], row[f"{key}_sd"] = _mean_sd([r[key] for r in ok if r.get(key) is not None])
+        for key in [f"t_{lv:g}" for lv in levels] + [f"te_{lv:g}" for lv in eval_levels]:
+            reached = [r[key] for r in ok if r.get(key) is not None]
+            row[key], row[f"{key}_sd"] = _mean_sd(reached)
+            row[f"{key}_reached"] = len(reached)
+        hist: dict[str, int] = {}
+        for r in ok:
+            for lag, n in r.get("staleness_tokens", {}).items():
+                hist[lag] = hist.get(lag, 0) + n
+        row["staleness_tokens"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+        out.append(row)
+    return out

@@ -1,0 +1,133 @@
+"""An experiment's tables (markdown) and its block of ``docs/experiments.md``; a sweep's
+``results.csv`` and ``results.json``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+from april_async.experiments.grid import ExperimentError, Settings
+from april_async.experiments.numbers import COLUMNS, Row
+
+
+def _pm(row: dict, key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+    """``mean ± sd`` of ``row[key]`` (just the mean when the spread is 0 or there is one seed)."""
+    v, sd = row.get(key), row.get(f"{key}_sd")
+    if v is None:
+        return "—"
+    return (f"{v * scale:{fmt}} ± {sd * scale:{fmt}}" if sd else f"{v * scale:{fmt}}") + unit
+
+
+def _time_cell(c: dict, key: str, sync: dict | None) -> str:
+    """A time-to-level cell: mean ± sd, how many seeds reached it when not all, and the ratio to sync."""
+    text = _pm(c, key, ".0f")
+    if c[f"{key}_reached"] < c["runs_ok"]:
+        text += f" ({c[f'{key}_reached']}/{c['runs_ok']})"
+    if sync and c is not sync and c.get(key) is not None and sync.get(key):
+        text += f" [{c[key] / sync[key]:.2f}×]"
+    return text
+
+
+def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, notes: list[str] = ()) -> str:
+    """The results as markdown: time to reward, the time split, and (with ``sim``) the projection;
+    ``notes`` say where levels came from."""
+    sync = next((c for c in cells if c["cell"] == "sync"), None)
+    head = ["cell", "seeds", "steps", "trained tok/s"] + [f"t to {lv:g} (s)" for lv in cfg.levels] + [
+        "final reward", "off-policy", "discarded", "retired", "ESS (min)"]
+    lines = [f"Each run trains for {cfg.duration_s:g} s from the end of its first learner step; "
+             f"mean ± sample sd over seeds. *t to L*: wall time until the {cfg.ma_steps}-step moving average "
+             f"of the batch reward reaches L (k/n: seeds that reached it; the mean is over those); "
+             f"*discarded*: generated tokens dropped by staleness restarts, *retired*: tokens of retired "
+             f"groups (the `drop` policy, failures); "
+             f"*ESS*: the learner's effective sample size of π_prox/μ, mean over steps (lowest step)"
+             + ("; in brackets, relative to sync." if sync else ".")
+             + "".join(f" Level {n}." for n in notes), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        cols = [c["label"], f"{c['runs_ok']}/{c['runs']}", _pm(c, "steps", ".1f"), _pm(c, "tokens_per_s", ",.0f")]
+        cols += [_time_cell(c, f"t_{lv:g}", sync) for lv in cfg.levels]
+        cols += [_pm(c, "reward_final", ".3f"), _pm(c, "off_policy_frac", ".1f", 100, " %"),
+                 _pm(c, "discarded_frac", ".1f", 100, " %"), _pm(c, "retired_frac", ".1f", 100, " %"),
+                 _pm(c, "ess", ".3f") + (f" ({c['ess_min']:.2f})" if c.get("ess_min") is not None else "")]
+        lines.append("| " + " | ".join(cols) + " |")
+    lines += ["", "Where the time goes (fractions of the window, from the learner's per-step `wait_s`, `train_s`, "
+              "`step_s`): *waiting* for a batch (the rollout, in sync and april-abort), *training*, *hand-off* "
+              "(weights out, batch report, checkpoints); from the generators' `busy` log lines, the share of the "
+              "window each had a sequence decoding and the share of its slots in use (means over generators); the "
+              "generators' output per wall second, discarded tokens included.", "",
+              "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s | mean lag |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        cols = [c["label"], *(_pm(c, k, ".0f", 100, " %") for k in ("wait_frac", "train_frac", "handoff_frac")),
+                _pm(c, "step_s_mean", ".2f"), _pm(c, "gen_busy_frac", ".0f", 100, " %"),
+                _pm(c, "gen_slot_frac", ".0f", 100, " %"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f")]
+        lines.append("| " + " | ".join(cols) + " |")
+    if sim:
+        lines += ["", sim_table(sim)]
+    return "\n".join(lines) + "\n"
+
+
+def eval_table(cfg: Settings, cells: list[dict], levels: list[float], notes: list[str], initial: float) -> str:
+    sync = next((c for c in cells if c["cell"] == "sync"), None)
+    head = ["cell", "held-out reward at the window's end"] + [f"t to {lv:g} (s)" for lv in levels]
+    lines = [f"The held-out reward: the policy's checkpoints ({cfg.eval_points} a run, spread over the window) "
+             f"answering {cfg.eval_problems} problems no run trains on, at temperature {cfg.eval_temperature:g}; the "
+             f"initial policy answers {initial:.3f}. Unlike the batch reward it does not depend on which groups a "
+             f"mode delivers. *t to L*: linear between checkpoints; in brackets, relative to sync."
+             + "".join(f" Level {n}." for n in notes), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        cols = [c["label"], _pm(c, "eval_final", ".3f")] + [_time_cell(c, f"te_{lv:g}", sync) for lv in levels]
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def sim_table(sim: list[dict]) -> str:
+    sync = next((s for s in sim if s["cell"] == "sync"), None)
+    lines = [f"The same cells in the simulator (GPU-like costs, learner {sim[0]['train_s']:.3g} s per batch): "
+             "useful tokens per simulated second, relative to sync; *retired*: tokens of retired groups over the whole "
+             "simulated run (the others are over the measured batches).", "",
+             "| cell | tok/s | × sync | off-policy | discarded | retired | idle slots |", "|---|---|---|---|---|---|---|"]
+    for s in sim:
+        rel = f"{s['tokens_per_s'] / sync['tokens_per_s']:.2f}" if sync else "—"
+        lines.append(f"| {s['label']} | {s['tokens_per_s']:,.0f} | {rel} | {s['off_policy_frac']:.1%} | "
+                     f"{s['discarded_frac']:.1%} | {s.get('retired_frac', 0.0):.1%} | "
+                     f"{s['idle_fraction']:.1%} |".replace("%", " %"))
+    return "\n".join(lines)
+
+
+def write_docs(cfg: Settings, text: str, figures: list[str], out: Path, page_path: Path) -> None:
+    """Copy the figures to ``cfg.docs`` and put the tables between the experiment's markers in
+    ``page_path`` (``docs/experiments.md``; the rest of the page is left as it is)."""
+    if cfg.docs is None:
+        raise ExperimentError("[experiment] docs is not set: nowhere to copy the figures")
+    cfg.docs.mkdir(parents=True, exist_ok=True)
+    for name in figures:
+        shutil.copyfile(out / name, cfg.docs / name)
+    begin, end = f"<!-- experiment:{cfg.name}:begin -->", f"<!-- experiment:{cfg.name}:end -->"
+    rel = cfg.docs.resolve().relative_to(page_path.parent.resolve()) if cfg.docs.resolve().is_relative_to(
+        page_path.parent.resolve()) else cfg.docs
+    pics = "\n".join(f"![{Path(n).stem.replace('_', ' ')}]({rel}/{n})" for n in figures)
+    note = "<!-- written by tools/experiment.py --docs: edits here are overwritten -->"
+    block = f"{begin}\n{note}\n\n{text}\n{pics}\n{end}"
+    page = page_path.read_text() if page_path.is_file() else f"# Experiments\n\n{begin}\n{end}\n"
+    if begin not in page or end not in page:
+        page = page.rstrip("\n") + f"\n\n{begin}\n{end}\n"
+    head, rest = page.split(begin, 1)
+    page = head + block + rest.split(end, 1)[1]
+    page_path.write_text(page)
+    print(f"experiment: wrote {len(figures)} figures to {cfg.docs} and the {cfg.name} block of {page_path}")
+
+
+def write_results(rows: list[Row], out: Path, meta: dict) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in row.flat().items() if k in COLUMNS})
+    doc = {**meta, "rows": [{**row.flat(), **{k: v for k, v in row.values.items() if k not in COLUMNS},
+                             "staleness_tokens": {str(k): v for k, v in sorted(row.staleness.items())},
+                             "rewards": row.rewards} for row in rows]}
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
