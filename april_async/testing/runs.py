@@ -43,7 +43,13 @@ lr = 1e-4
 save_every = 2
 checkpoint = "{checkpoint}"   # empty: the warm start makes one
 """
-"""A tiny run, as a ``str.format`` template; ``write_config`` appends ``TINY_POLICY_TOML``."""
+"""A tiny run, as a ``str.format`` template: ``tiny_run`` fills it and adds the tiny policy's sections."""
+
+
+def tiny_run(**fields) -> str:
+    """``TINY_RUN`` with ``fields`` filled in, then ``TINY_POLICY_TOML`` (its inline tables' braces
+    would read as ``str.format`` fields, so it is appended, not templated)."""
+    return TINY_RUN.format(**fields) + "\n" + TINY_POLICY_TOML
 
 
 def tiny_policy(out: Path, *, num_layers: int = 1) -> Path:
@@ -61,9 +67,8 @@ def tiny_policy(out: Path, *, num_layers: int = 1) -> Path:
 def write_config(tmp: Path, run_dir: Path, checkpoint: Path | str = "") -> Path:
     """``tmp/run.toml``: the tiny run in ``run_dir`` on free ports (the warm start makes the policy
     when ``checkpoint`` is empty)."""
-    text = TINY_RUN.format(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(),
-                           store_port=free_port(), learner_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
-    text += "\n" + TINY_POLICY_TOML
+    text = tiny_run(dir=run_dir, broker_port=free_port(), broadcaster_port=free_port(), store_port=free_port(),
+                    learner_port=free_port(), steps=STEPS, eta=ETA, checkpoint=checkpoint)
     path = tmp / "run.toml"
     path.write_text(text)
     return path

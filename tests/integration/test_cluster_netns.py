@@ -26,7 +26,7 @@ import pytest
 from april_async.runfiles import read_metrics
 from april_async.testing.netns import Hosts, unavailable
 from april_async.testing.procs import ROOT
-from april_async.testing.runs import TINY_RUN, tiny_policy
+from april_async.testing.runs import tiny_policy, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ except Exception as e:
 def test_a_run_across_three_namespaces(tmp_path):
     ckpt = tiny_policy(tmp_path / "policy")
     run = tmp_path / "run"
-    config = TINY_RUN.format(dir=run, steps=100000, eta=1, checkpoint=ckpt, **PORTS)
+    config = tiny_run(dir=run, steps=100000, eta=1, checkpoint=ckpt, **PORTS)
     config = config.replace('actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]\n', "")
     config = config.replace("duration_s = 240\n", 'duration_s = 600\nrestart = "on-failure"\n')
     (tmp_path / "run.toml").write_text(config)
