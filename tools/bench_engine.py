@@ -27,18 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from april_async.config import check_device  # noqa: E402
 from april_async.engines.base import EngineRequest  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
-from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.model.decoder import CausalLM  # noqa: E402
+from april_async.model.shapes import BENCH_MODELS  # noqa: E402
 from april_async.runtime import resolve_device  # noqa: E402
 
-MODELS = {
-    "5M": ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "30M": ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                       num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True),
-    "0.5B": ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6,
-                        max_position_embeddings=131072, tie_word_embeddings=True),  # Qwen2-0.5B's config.json
-}
+MODELS = BENCH_MODELS  # Qwen2-shaped by size (april_async/model/shapes.py)
 
 
 def step_seconds(model: CausalLM, batch: int, steps: int) -> float:

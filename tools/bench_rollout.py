@@ -39,7 +39,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -50,16 +50,11 @@ from april_async.broker.config import RolloutConfig  # noqa: E402
 from april_async.broker.core import AbortLease, BrokerCore  # noqa: E402
 from april_async.engines.base import EngineRequest, version_runs  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
-from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.model.decoder import CausalLM  # noqa: E402
+from april_async.model.shapes import BENCH_MODELS  # noqa: E402
 from april_async.sim.workload import WorkloadError, parse_workload  # noqa: E402
 
 PROMPT_TOKENS = 16
-MODELS = {  # Qwen2-shaped, random weights; no end-of-sequence token: lengths come from the workload
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
-    "5M": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-    "30M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4),
-}
 
 
 class BenchError(ValueError):
@@ -259,7 +254,7 @@ def label(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="5M", choices=sorted(MODELS))
+    p.add_argument("--model", default="5M", choices=sorted(BENCH_MODELS))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--workload", default="math", help="a length distribution (april_async/sim/workload.py)")
     p.add_argument("--budget", type=int, default=384, help="max_response_tokens")
@@ -309,8 +304,9 @@ def _run(args) -> int:
 
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    mcfg = ModelConfig(model_type="qwen2", vocab_size=256, max_position_embeddings=PROMPT_TOKENS + args.budget + 8,
-                       tie_word_embeddings=True, eos_token_id=None, **MODELS[args.model])
+    # the benchmarks' shapes (model/shapes.py) over a 256-token vocabulary, no end-of-sequence token
+    mcfg = replace(BENCH_MODELS[args.model], vocab_size=256, max_position_embeddings=PROMPT_TOKENS + args.budget + 8,
+                   eos_token_id=None)
     model = CausalLM(mcfg).to(dtype).eval()
     params = sum(t.numel() for t in model.parameters()) / 1e6
     print(f"engine: {args.model} Qwen2-shaped ({params:.1f}M params, {args.dtype}, {torch.get_num_threads()} threads), "

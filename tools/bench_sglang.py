@@ -30,9 +30,6 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))  # bench_engine: the model sizes
-
-from bench_engine import MODELS  # noqa: E402
 
 from april_async.broadcaster.config import SGLangFanoutConfig  # noqa: E402
 from april_async.broadcaster.sglang import SGLangFanout  # noqa: E402
@@ -41,6 +38,7 @@ from april_async.engines.config import SGLangEngineConfig  # noqa: E402
 from april_async.engines.sglang_engine import SGLangEngine  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
+from april_async.model.shapes import BENCH_MODELS as MODELS  # noqa: E402
 from april_async.weights.flat import flatten  # noqa: E402
 from april_async.runtime import free_port  # noqa: E402
 from standins.launch import start_standin  # noqa: E402

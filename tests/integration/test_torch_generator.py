@@ -16,8 +16,11 @@ def test_torch_generator_end_to_end_with_logprob_agreement_and_a_weight_update(t
     v0 = checkpoint(tmp_path / "v0", 0)
     checkpoint(tmp_path / "v1", 1)
     cluster = Cluster(tmp_path)
+    # The test's learner is a bare client that is silent while the test computes reference log-probs: a
+    # broker that dropped its session for that refused the weights_published sent next (no session), and the
+    # generator never heard of version 1. The broker waits 10 s before it calls a peer gone here.
     cluster.broker({"mode": "async", "batch_groups": 2, "group_size": 2, "max_response_tokens": 12, "staleness_bound": 4},
-                   extra={"prompts.length": 5})
+                   extra={"prompts.length": 5, "link.peer_timeout_s": 10.0})
     cluster.generator("gen-torch", engine="torch", checkpoint=str(tmp_path / "v0"), slots=4, max_seq_len=64)
     cluster.scorer()
     learner = cluster.learner()
