@@ -41,6 +41,12 @@ if TYPE_CHECKING:  # the engines that hold weights import torch; this module doe
     import torch
 
 
+class RequestRefused(ValueError):
+    """``submit`` refused a request the engine can never run (a prompt longer than its context, a
+    token id outside its vocabulary); the message names why. The generator reports the lease
+    ``finished`` with reason ``"error"``, as it does a server's refusal, and goes on."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     lease_id: int

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest
+from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest, RequestRefused
 from april_async.engines.config import TorchEngineConfig
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
@@ -72,7 +72,13 @@ class TorchEngine(Engine):
     def submit(self, request: EngineRequest) -> None:
         tokens = request.prompt + request.resume
         if len(tokens) >= self.max_seq_len:
-            raise ValueError(f"lease {request.lease_id}: {len(tokens)} tokens do not fit max_seq_len={self.max_seq_len}")
+            raise RequestRefused(f"lease {request.lease_id}: {len(tokens)} tokens do not fit "
+                                 f"max_seq_len={self.max_seq_len}")
+        vocab = self.model.config.vocab_size
+        if tokens and not 0 <= min(tokens) <= max(tokens) < vocab:
+            bad = next(t for t in tokens if not 0 <= t < vocab)
+            raise RequestRefused(f"lease {request.lease_id}: token id {bad} is outside the model's vocabulary "
+                                 f"(0..{vocab - 1}): are the prompts tokenized for this checkpoint?")
         if len(self._active) >= self.slots:
             raise RuntimeError(f"torch engine: all {self.slots} slots are busy (lease {request.lease_id})")
         free = len(self._active)  # active requests always hold rows 0..n-1 (see _release)

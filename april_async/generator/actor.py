@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from april_async.engines.base import Engine, EngineOutput, EngineRequest, version_runs
+from april_async.engines.base import Engine, EngineOutput, EngineRequest, RequestRefused, version_runs
 from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
 from april_async.runtime import ActorFailed
@@ -241,7 +241,10 @@ class GeneratorActor:
             self.waiting.popleft()
             self.min_version.pop(req.lease_id, None)
             if req.lease_id in self.work:  # not aborted while it waited
-                self.engine.submit(req)
+                try:
+                    self.engine.submit(req)
+                except RequestRefused as e:  # never runnable here: the broker retires its group
+                    self._progress(EngineOutput(req.lease_id, finish="error", error=str(e)))
 
     def _abort_all(self) -> None:
         """Every started lease at once, with one call per server (a server engine's ``abort_all``);

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from april_async.engines.base import EngineRequest
+from april_async.engines.base import EngineRequest, RequestRefused
 from april_async.engines.config import TorchEngineConfig
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
@@ -130,8 +130,13 @@ def test_weights_swap_between_steps_and_later_tokens_carry_the_new_version():
 
 def test_requests_that_do_not_fit_are_refused_clearly():
     engine = TorchEngine(model(), slots=1, max_seq_len=8)
-    with pytest.raises(ValueError, match="do not fit max_seq_len=8"):
+    with pytest.raises(RequestRefused, match="do not fit max_seq_len=8"):
         engine.submit(req(1, list(range(8)), 4))
+    vocab = engine.model.config.vocab_size
+    for bad in (vocab, -1):  # a prompt tokenized for another model: refused, not an IndexError inside the model
+        with pytest.raises(RequestRefused, match=f"token id {bad} is outside the model's vocabulary"):
+            engine.submit(req(1, [1, bad], 4))
+    assert engine.active() == 0
     engine.submit(req(2, [1, 2], 4))
     with pytest.raises(RuntimeError, match="all 1 slots are busy"):
         engine.submit(req(3, [1, 2], 4))
