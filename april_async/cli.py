@@ -164,11 +164,17 @@ ACTORS = ("broker", "generator", "scorer", "learner", "broadcaster")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command in ACTORS and not args.dry_run:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    stop = None
+    if argv[:1] and argv[0] in ACTORS and "--dry-run" not in argv:
         from april_async.runtime import StopFlag
 
-        args.stop = StopFlag()  # first: a SIGTERM during start-up still stops the actor cleanly
+        # First, before the parser (which imports pydantic and the simulator's settings): a SIGTERM
+        # during start-up then stops the actor cleanly (exit 0) instead of killing it (-15), which a
+        # supervisor stopping a run early took for a crash.
+        stop = StopFlag()
+    args = build_parser().parse_args(argv)
+    args.stop = stop
     return args.func(args)
 
 
