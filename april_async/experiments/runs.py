@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from april_async.config import ConfigError, toml_value, validate
+from april_async.config import ConfigError, toml_value
 from april_async.experiments.grid import Cell, ExperimentError, Settings
 from april_async.experiments.numbers import run_numbers
 from april_async.runtime import free_port, spawn
@@ -51,34 +51,35 @@ def finished_dir(out: Path, run: dict) -> bool:
     return run.get("status") == "ok" and (run_dir_of(out, run["cell"], run["seed"]) / "metrics.jsonl").is_file()
 
 
+def base_run_file(base: Path, sets: list[str], where: str):
+    """The base run file with ``sets``, checked whole (every section, and the children it plans)
+    before anything runs: its ``RunFile``."""
+    from april_async.up import RunFile, load_document, plan_run
+
+    try:
+        files = RunFile.load(load_document(base, sets))
+        plan_run(files)
+    except ConfigError as e:
+        raise ExperimentError(f"{where} {str(base)!r}: {e}") from None
+    return files
+
+
 def warm_start(base: Path, sets: list[str], out: Path, who: str = "sweep", where: str = "[sweep] base",
                init: Path | None = None) -> Path:
     """The initial policy of every cell: ``base``'s ``learner.checkpoint`` (after ``sets``), else
     one warm start made once into ``init`` (default ``<out>/init``) and reused by later invocations."""
-    from april_async.up import load_document, plan
-
-    try:
-        doc = load_document(base, sets)
-        plan(doc, None)  # every section of the base is valid before anything runs
-    except ConfigError as e:
-        raise ExperimentError(f"{where} {str(base)!r}: {e}") from None
-    given = doc.get("learner", {}).get("checkpoint")
-    if given:
-        return Path(given).resolve()
+    files = base_run_file(base, sets, where)
+    if files.init_warm_start is None:  # the base names its initial policy
+        return Path(files.learner.checkpoint).resolve()
     init = (init or out / "init").resolve()
     if (init / "model.safetensors").is_file():
         print(f"{who}: reusing the initial policy {init}", flush=True)
         return init
-    from april_async.warmstart.config import WarmStartConfig
     from april_async.warmstart.sft import write_initial_policy
 
-    try:
-        cfg = validate(WarmStartConfig, doc.get("warmstart", {}), "warmstart")
-    except ConfigError as e:
-        raise ExperimentError(str(e)) from None
     print(f"{who}: warm start -> {init} (once for every cell)", flush=True)
     t0 = time.monotonic()
-    stats = write_initial_policy(init, cfg)
+    stats = write_initial_policy(init, files.warmstart)
     print(f"{who}: warm start done in {time.monotonic() - t0:.0f} s (reward {stats.get('reward')})", flush=True)
     return init
 
@@ -209,14 +210,7 @@ def resumable(out: Path, meta: dict, cells: list[Cell], seeds: list[int]) -> dic
 def validate_base_budget(cfg: Settings) -> int:
     """The response budget of the runs (``broker.rollout.max_response_tokens`` of the base and the
     sets), which the evaluation samples with too."""
-    from april_async.broker.config import RolloutConfig
-    from april_async.up import load_document
-
-    try:
-        rollout = load_document(cfg.base, list(cfg.set)).get("broker", {}).get("rollout", {})
-    except ConfigError as e:
-        raise ExperimentError(str(e)) from None
-    return int(rollout.get("max_response_tokens", RolloutConfig.model_fields["max_response_tokens"].default))
+    return base_run_file(cfg.base, list(cfg.set), "[experiment] base").broker.rollout.max_response_tokens
 
 
 # ---------------------------------------------------------------------- held-out evaluation
