@@ -16,7 +16,9 @@ if [ ! -f "$stamp" ]; then
   # compile on every core. Ahead of time, since a process may not write bytecode itself
   # (PYTHONDONTWRITEBYTECODE) and would then compile torch again each time it starts. A file
   # that does not compile (a package's test data) is skipped, as pip skips it.
-  .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
+  # transformers pinned too: the release the newest supported SGLang (0.5.23) pins, which the
+  # tests then check (pyproject.toml accepts the range of every supported SGLang release).
+  .venv/bin/python -m pip install -q --no-compile "torch==2.13.0" "transformers==5.19.0"
   .venv/bin/python -m pip install -q --no-compile -e ".[test]"
   .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     >/dev/null 2>&1 || true

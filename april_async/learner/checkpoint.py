@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from april_async.model.decoder import CausalLM, CheckpointError
+from april_async.learner import hf
+from april_async.model.errors import CheckpointError
 
 MODEL_FILES = frozenset({"config.json", "model.safetensors"})
 STATE_FILE = "trainer_state.json"
@@ -59,10 +60,15 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+"""The weights of a checkpoint in any of the layouts ``transformers`` writes (one file, or shards
+with an index): never copied beside an export, which has its own ``model.safetensors``."""
+
+
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy what a checkpoint holds besides the weights (the tokenizer, a generation config)."""
     for f in Path(src).iterdir():
-        if f.is_file() and f.name not in MODEL_FILES and f.name not in (STATE_FILE, OPTIMIZER_FILE):
+        if f.is_file() and f.name not in MODEL_FILES | {STATE_FILE} and not f.name.endswith(WEIGHT_FILE_SUFFIXES):
             shutil.copy2(f, dst / f.name)
 
 
@@ -101,8 +107,8 @@ def export_hf(directory: Path, policy) -> None:
     gathered one at a time and rank 0 writes each to the file as it comes (the safetensors layout:
     an 8-byte header length, a JSON header, the tensors' bytes), so it holds one full tensor at
     most beside its shards."""
-    config = policy.model.config
-    items = [(n, d, s) for n, d, s in policy.shapes() if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    tie = hf.tied(policy.model)
+    items = [(n, d, s) for n, d, s in policy.shapes() if not (tie and n == "lm_head.weight")]
     rank0 = policy.group.rank == 0
     header, offset = {}, 0
     for name, dtype, shape in items:
@@ -114,7 +120,7 @@ def export_hf(directory: Path, policy) -> None:
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     out = None
     if rank0:
-        (Path(directory) / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+        (Path(directory) / "config.json").write_text(json.dumps(hf.export_config(policy.model, policy.dtype), indent=2))
         out = open(Path(directory) / "model.safetensors", "wb")
         out.write(struct.pack("<Q", len(raw)) + raw)
     try:
@@ -127,10 +133,10 @@ def export_hf(directory: Path, policy) -> None:
             out.close()
 
 
-def load_legacy(directory: Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> None:
+def load_legacy(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """A checkpoint of an earlier release: its weights from ``model.safetensors`` into ``model``
     (a plain module) and its ``optimizer.pt``."""
-    loaded = CausalLM.from_pretrained(directory, dtype=next(model.parameters()).dtype)
+    loaded = hf.load_pretrained(directory, next(model.parameters()).dtype, model.config._attn_implementation)
     model.load_state_dict(loaded.state_dict())
     load_optimizer(directory, optimizer)
 

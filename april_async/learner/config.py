@@ -91,7 +91,14 @@ class LearnerConfig(BaseModel):
     """The hand-off to the broadcaster gathers the full weights from the shards this many MiB at a
     time and sends each bucket as one part; rank 0 holds one bucket (and the tensor being copied
     into it) beside its shards. The Hugging Face export streams one tensor at a time."""
-    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % slower)."""
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """The ``transformers`` attention implementation; ``auto``: ``flash_attention_2`` on CUDA where
+    the ``flash-attn`` package is installed, else ``sdpa``."""
+    pack_rows: bool | None = None
+    """Put a micro-batch's rows through the model as one sequence (position ids restarting per
+    row) instead of padding them to the longest; None: pack where the attention implementation
+    takes packed rows natively (``flash_attention_2``). Packing under ``sdpa``/``eager`` is exact
+    but builds a mask over the whole micro-batch."""
     save_every: int = Field(25, ge=1)
     """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = Field(2, ge=1)

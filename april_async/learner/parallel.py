@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from april_async.learner.config import LearnerConfig
-from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
+from april_async.learner import hf
+from april_async.model.errors import CheckpointError
 from april_async.runtime import resolve_device
 
 GROUP_TIMEOUT_S = 1800.0
@@ -46,8 +47,6 @@ ranks busy with ``idle`` commands far more often (``IDLE_COMMAND_S`` in the acto
 SHARDED_DIR = "sharded"
 """Inside a checkpoint directory: the ``torch.distributed.checkpoint`` files of model and optimizer."""
 
-# FSDP2 warns when a wrapped module returns a view; ours are the attention's unused (k, v).
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass
@@ -145,48 +144,68 @@ class ShardedPolicy:
         self.group = group
         self.device = group.device
         self.dtype = compute_dtype(cfg, group.device)
+        self.attention = hf.attention(cfg.attention, group.device)
+        self.packed = self.attention in hf.PACKING_ATTENTION if cfg.pack_rows is None else cfg.pack_rows
         mixed = group.device.type == "cuda" and self.dtype != torch.float32
         storage = torch.float32 if mixed else self.dtype
-        config = ModelConfig.read(source)
-        if group.distributed:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        config = hf.read_config(source)
+        if group.distributed or sharded:
+            model = hf.empty_model(config, storage, self.attention)
+            if cfg.activation_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if group.distributed:
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            with torch.device("meta"):
-                model = CausalLM(config)
-            model.to(storage)
-            mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if mixed \
-                else MixedPrecisionPolicy()
-            for layer in model.model.layers:
-                fully_shard(layer, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if mixed \
+                    else MixedPrecisionPolicy()
+                for layer in hf.decoder_layers(model):
+                    fully_shard(layer, mp_policy=mp)
+                fully_shard(model, mp_policy=mp)
             model.to_empty(device=group.device)
+            if not group.distributed:
+                model.tie_weights()  # to_empty gave the tied tensors two storages
+            hf.fill_buffers(model)
             if not sharded:
                 self._load_hf(model, source, storage)
         else:
-            model = CausalLM.from_pretrained(source, dtype=storage) if not sharded else CausalLM(config).to(storage)
-            model = model.to(group.device)
-        model.activation_checkpointing = cfg.activation_checkpointing
+            model = hf.load_pretrained(source, storage, self.attention).to(group.device)
+            if cfg.activation_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model.train()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         if sharded:
             self.load_sharded(source)
 
-    def _load_hf(self, model: CausalLM, source: Path, storage: torch.dtype) -> None:
+    def _load_hf(self, model, source: Path, storage: torch.dtype) -> None:
         """Rank 0 reads the Hugging Face checkpoint (checking it) and broadcasts it into the shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = {}
         if self.group.rank == 0:
-            full = CausalLM.from_pretrained(source, dtype=storage).state_dict()
+            full = hf.load_pretrained(source, storage, self.attention).state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     # ------------------------------------------------------------------ training
 
-    def logprobs(self, inputs: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        """log π(target | prefix) at ``temperature`` for every position: [N, L] (float32)."""
-        logits, _ = self.model(inputs)
-        return target_logprobs(logits, targets, temperature)
+    def logprobs(self, inputs: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """log π(target | prefix) at ``temperature`` for every position: [N, L] (float32), zero
+        past each row's ``lengths`` (its tokens; default: the whole row). With ``packed`` the rows
+        go through the model as one sequence whose position ids restart at each row."""
+        if not self.packed or inputs.shape[0] == 1:
+            return target_logprobs(self._logits(inputs), targets, temperature)
+        if lengths is None:
+            lengths = torch.full((inputs.shape[0],), inputs.shape[1], dtype=torch.long, device=inputs.device)
+        keep = torch.arange(inputs.shape[1], device=inputs.device)[None, :] < lengths[:, None]  # [N, L]
+        positions = torch.cat([torch.arange(int(n), device=inputs.device) for n in lengths.tolist()])
+        logits = self._logits(inputs[keep][None], positions[None])
+        out = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+        out[keep] = target_logprobs(logits, targets[keep][None], temperature)[0]
+        return out
+
+    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss``, this rank's share of the step (see the module docstring)."""
@@ -194,12 +213,12 @@ class ShardedPolicy:
 
     def idle_forward(self) -> None:
         """A forward of one token (no gradient) for a rank with no rows where the others have some."""
-        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        self._logits(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
     def idle_backward(self) -> None:
         """A forward and backward that changes no gradient: a rank with no rows in a micro-batch
         still takes part in the collectives of the others'."""
-        logits, _ = self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        logits = self._logits(torch.zeros(1, 1, dtype=torch.long, device=self.device))
         self.backward(logits.float().sum() * 0.0)
 
     def step(self, lr: float, max_norm: float) -> float:

@@ -49,7 +49,7 @@ class Row:
 @dataclass
 class Packed:
     """Rows as padded tensors [N, L] aligned with ``targets``: the response ``mask``, behaviour
-    log-probs and version lag; advantages [N]."""
+    log-probs and version lag; advantages and each row's number of tokens [N]."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -57,6 +57,7 @@ class Packed:
     behav: torch.Tensor
     lag: torch.Tensor
     adv: torch.Tensor
+    lengths: torch.Tensor
 
 
 def pack(rows: list[Row], device: torch.device | str = "cpu") -> Packed:
@@ -76,7 +77,8 @@ def pack(rows: list[Row], device: torch.device | str = "cpu") -> Packed:
         behav[i, r.start:n] = torch.from_numpy(np.asarray(r.behav, dtype=np.float32))
         lag[i, r.start:n] = torch.from_numpy(np.asarray(r.lag, dtype=np.int64))
     adv = torch.tensor([r.adv for r in rows], dtype=torch.float32)
-    return Packed(*(t.to(device) for t in (inputs, targets, mask, behav, lag, adv)))
+    lengths = torch.tensor([r.tokens for r in rows], dtype=torch.long)
+    return Packed(*(t.to(device) for t in (inputs, targets, mask, behav, lag, adv, lengths)))
 
 
 def plan_step(tokens: list[int], *, minibatches: int, ranks: int, max_tokens: int | None) -> list[list[list[list[int]]]]:
@@ -125,7 +127,7 @@ def run_shard(policy, group, shard: list[list[list[Row]]], cfg: LearnerConfig,
         prox = []
         with torch.no_grad():  # π_prox: the policy before any of this batch's updates
             for mini in packed:
-                prox.append([policy.logprobs(p.inputs, p.targets, cfg.temperature) if p is not None
+                prox.append([policy.logprobs(p.inputs, p.targets, cfg.temperature, p.lengths) if p is not None
                              else policy.idle_forward() for p in mini])
     out = []
     for k, mini in enumerate(packed):
@@ -137,7 +139,7 @@ def run_shard(policy, group, shard: list[list[list[Row]]], cfg: LearnerConfig,
             if p is None:
                 policy.idle_backward()
                 continue
-            logp = policy.logprobs(p.inputs, p.targets, cfg.temperature)
+            logp = policy.logprobs(p.inputs, p.targets, cfg.temperature, p.lengths)
             old = prox[k][j] if prox else logp.detach()
             loss, part = policy_loss(logp, old, p.behav, p.lag, p.adv, p.mask, loss_cfg, denominator=denominator)
             policy.backward(loss)

@@ -72,6 +72,24 @@ def test_one_step_at_two_ranks_is_the_one_process_step(init, algorithm):
     assert r2["ess"] == pytest.approx(r1["ess"], rel=1e-5) and r2["tokens_used"] == r1["tokens_used"]
 
 
+def test_a_qwen3_written_by_transformers_steps_the_same_at_two_ranks(tmp_path_factory):
+    """The learner builds the checkpoint's own ``transformers`` model: q/k norms, an explicit
+    ``head_dim`` and tied embeddings, sharded per decoder layer as the model declares them."""
+    transformers = pytest.importorskip("transformers")
+    init = tmp_path_factory.mktemp("qwen3") / "init"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=MODEL.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(init)
+    learner = {"algorithm": "grpo", "correction": "tis", "lr": 1e-2}
+    _, one, _ = run(init, "qwen3-one", 1, learner, [batch(1)])
+    _, two, _ = run(init, "qwen3-two", 2, {**learner, "max_tokens_per_microbatch": 16}, [batch(1)])
+    assert "model.layers.0.self_attn.q_norm.weight" in one[1]
+    assert max_diff(one[1], load_file(str(init / "model.safetensors"))) > 100 * TOL
+    assert max_diff(two[1], one[1]) <= TOL
+
+
 def test_four_micro_batches_make_the_one_micro_batch_step_at_one_and_two_ranks(init):
     learner = {"algorithm": "dapo", "correction": "tis", "lr": 1e-2}
     b = synthetic_batch(GROUPS, seed=1, vocab=MODEL.vocab_size, lens=6)
