@@ -26,7 +26,7 @@ import pytest
 from april_async.runfiles import read_metrics
 from april_async.testing.netns import Hosts, unavailable
 from april_async.testing.procs import ROOT
-from april_async.testing.runs import tiny_policy, tiny_run
+from april_async.testing.runs import logs_of, tiny_policy, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +162,7 @@ def test_a_run_across_three_namespaces(tmp_path):
             assert summary["stop"] in ("SIGINT", "SIGHUP", "SIGTERM"), summary
             codes = summary["exit_codes"]
             assert all(any(n in name for name in codes) for n in names), codes
-            assert all(c == 0 for c in codes.values()), (node, codes)
+            assert all(c == 0 for c in codes.values()), f"{node}: {codes}\n{logs_of(run)}"
         assert "Traceback" not in text, text[-3000:]
         left = {ns: hosts.pids(i) for i, ns in enumerate(hosts.names)}
         assert not any(left.values()), left
