@@ -40,7 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Llama: biases on q, k, v *and* o; Qwen2: always q, k, v only
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json is kept: any of them ends a sequence
 
     def __post_init__(self) -> None:
         if self.model_type not in ("llama", "qwen2"):
@@ -62,6 +62,13 @@ class ModelConfig:
     def o_bias(self) -> bool:
         return self.model_type == "llama" and self.attention_bias
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id: none, the one id, or each id of the list."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
     @classmethod
     def from_hf(cls, data: dict, *, source: str = "config.json") -> ModelConfig:
         if data.get("rope_scaling"):
@@ -71,7 +78,7 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+            kwargs["eos_token_id"] = tuple(kwargs["eos_token_id"])
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in data]
         if missing:
             raise CheckpointError(f"{source}: missing {', '.join(missing)}")
