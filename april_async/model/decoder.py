@@ -1,12 +1,14 @@
-"""A compact Llama-family decoder (Llama, Qwen2): RMSNorm, RoPE (plain, linear or Llama 3 scaled),
-SwiGLU, grouped-query attention, optional attention and MLP biases, tied embeddings.
+"""A compact Llama-family decoder (Llama, Qwen2, Qwen3 dense): RMSNorm, RoPE (plain, linear or
+Llama 3 scaled), SwiGLU, grouped-query attention, optional attention and MLP biases, Qwen3's per-head
+q/k norms, tied embeddings.
 
-Module names mirror Hugging Face's ``LlamaForCausalLM``/``Qwen2ForCausalLM``, so ``state_dict()``
-keys are exactly the tensor names of their checkpoints (``model.layers.0.self_attn.q_proj.weight``).
-The forward is transformers' eval-mode forward of those classes: a ``config.json`` field that would
-change it is either implemented here or refused by name when the config is read
-(``ModelConfig.from_hf``). The same module serves the generator engine and the learner, so that
-behaviour log-probs and learner log-probs agree at equal versions.
+Module names mirror Hugging Face's ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM``, so
+``state_dict()`` keys are exactly the tensor names of their checkpoints
+(``model.layers.0.self_attn.q_proj.weight``, ``model.layers.0.self_attn.q_norm.weight``). The forward
+is transformers' eval-mode forward of those classes: a ``config.json`` field that would change it is
+either implemented here or refused by name when the config is read (``ModelConfig.from_hf``). The
+same module serves the generator engine and the learner, so that behaviour log-probs and learner
+log-probs agree at equal versions.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from april_async.model.errors import CheckpointError
 
-SERVED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SERVED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """The model types this decoder serves (``config.json`` ``model_type``) and their causal-LM class."""
 
 SGLANG_HINT = 'generate with SGLang instead (generator.engine = "sglang")'
@@ -33,10 +35,12 @@ SGLANG_HINT = 'generate with SGLang instead (generator.engine = "sglang")'
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(intermediate_size=11008, max_position_embeddings=2048),
     "qwen2": dict(intermediate_size=22016, num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(intermediate_size=22016, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
 }
 """What transformers 5's config classes fill in for fields that change shapes or RoPE when a
 ``config.json`` leaves them out (``LlamaConfig`` also takes a missing ``num_key_value_heads`` as
-``num_attention_heads``, and a missing ``head_dim`` as hidden_size / heads)."""
+``num_attention_heads``, and every class a missing ``head_dim`` as hidden_size / heads, except
+Qwen3's 128)."""
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -70,7 +74,7 @@ class RopeScaling:
 class ModelConfig:
     """The fields of a Hugging Face ``config.json`` this decoder uses."""
 
-    model_type: str = "llama"  # llama | qwen2
+    model_type: str = "llama"  # llama | qwen2 | qwen3
     vocab_size: int = 1024
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -83,7 +87,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Llama: biases on q, k, v *and* o; Qwen2: always q, k, v only
+    attention_bias: bool = False  # Llama, Qwen3: biases on q, k, v *and* o; Qwen2: always q, k, v only
     mlp_bias: bool = False  # Llama only: biases on gate, up and down
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json is kept: any of them ends a sequence
@@ -111,8 +115,13 @@ class ModelConfig:
 
     @property
     def mlp_biased(self) -> bool:
-        """``mlp_bias`` as the model type reads it: Qwen2 has no MLP biases whatever it says."""
+        """``mlp_bias`` as the model type reads it: Qwen2 and Qwen3 have no MLP biases whatever it says."""
         return self.model_type == "llama" and self.mlp_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each head of q and k (``self_attn.q_norm``, ``k_norm``) before RoPE."""
+        return self.model_type == "qwen3"
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -172,10 +181,12 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """The ``config.json`` of this config, in the spelling both transformers 4.x and 5.x read
-        (``rope_theta`` and ``rope_scaling`` at the top level)."""
+        (``rope_theta`` and ``rope_scaling`` at the top level) and with ``head_dim`` always written
+        (Qwen3 takes a missing one as 128)."""
         out = {k: v for k, v in asdict(self).items() if v is not None}
         out["architectures"] = [SERVED[self.model_type]]
         out["hidden_act"] = "silu"
+        out["head_dim"] = self.dim_per_head
         if self.rope_scaling is not None:
             out["rope_scaling"] = {k: v for k, v in asdict(self.rope_scaling).items() if v is not None}
         return out
@@ -214,7 +225,7 @@ def _read_rope(data: dict, max_positions: int, source: str) -> tuple[float, Rope
 
 
 def _refuse_sliding_window(data: dict, model_type: str, max_positions: int, source: str) -> None:
-    """Qwen2 attends within ``sliding_window`` on the layers ``layer_types`` names
+    """Qwen2/Qwen3 attend within ``sliding_window`` on the layers ``layer_types`` names
     ``sliding_attention`` (by default those from ``max_window_layers`` on), and only when
     ``use_sliding_window`` is set. This decoder attends over everything, which is the same only
     while the window covers ``max_position_embeddings``; Llama reads none of these fields."""
@@ -296,13 +307,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, past):
         """``past``: None, a (k, v) pair to extend, or a cache hook ``past(k, v) -> (k, v, mask)``."""
         B, T, _ = x.shape
         hd, nh, nkv = self.cfg.dim_per_head, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
-        q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, nkv, hd)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -422,7 +439,7 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Path, *, dtype: torch.dtype = torch.float32) -> CausalLM:
-        """Load a Hugging Face Llama/Qwen2 checkpoint: ``config.json`` + ``model.safetensors``."""
+        """Load a Hugging Face Llama/Qwen2/Qwen3 checkpoint: ``config.json`` + ``model.safetensors``."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
