@@ -51,8 +51,9 @@ class TorchEngine(Engine):
         self.device = param.device
         self.cache = SlotCache(model.config, slots, max_seq_len, dtype=param.dtype, device=param.device)
         self.max_seq_len = max_seq_len
-        # The model's end-of-sequence token always ends a response (as SGLang's ``ignore_eos=False``).
-        self.eos_id = model.config.eos_token_id
+        # The model's end-of-sequence tokens (config.json's id or each of its list) always end a
+        # response (as SGLang's ``ignore_eos=False``).
+        self.eos_ids = frozenset(model.config.eos_ids)
         self._active: dict[int, _Slot] = {}  # slot index -> state
         self._by_lease: dict[int, int] = {}
 
@@ -106,7 +107,7 @@ class TorchEngine(Engine):
             slot.generated += 1
             slot.pending = token
             out = EngineOutput(r.lease_id, [token], [logprob], [self.policy_version])
-            if token in r.stop_token_ids or token == self.eos_id:
+            if token in r.stop_token_ids or token in self.eos_ids:
                 out.finish = "stop"
             elif slot.generated >= r.max_new_tokens or slot.length + 1 >= self.max_seq_len:
                 out.finish = "length"

@@ -1,17 +1,23 @@
-"""A compact Llama-family decoder (Llama, Qwen2): RMSNorm, RoPE, SwiGLU, grouped-query attention,
-optional QKV bias and tied embeddings.
+"""A compact Llama-family decoder (Llama, Qwen2, Qwen3 dense): RMSNorm, RoPE (plain, linear or
+Llama 3 scaled), SwiGLU, grouped-query attention, optional attention and MLP biases, Qwen3's per-head
+q/k norms, tied embeddings.
 
-Module names mirror Hugging Face's ``LlamaForCausalLM``/``Qwen2ForCausalLM``, so ``state_dict()``
-keys are exactly the tensor names of their checkpoints (``model.layers.0.self_attn.q_proj.weight``).
-The same module serves the generator engine and the learner, so that behaviour log-probs and
-learner log-probs agree at equal versions.
+Module names mirror Hugging Face's ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM``, so
+``state_dict()`` keys are exactly the tensor names of their checkpoints
+(``model.layers.0.self_attn.q_proj.weight``, ``model.layers.0.self_attn.q_norm.weight``). The forward
+is transformers' eval-mode forward of those classes: a ``config.json`` field that would change it is
+either implemented here or refused by name when the config is read (``ModelConfig.from_hf``). The
+same module serves the generator engine and the learner, so that behaviour log-probs and learner
+log-probs agree at equal versions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +27,54 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from april_async.model.errors import CheckpointError
 
+SERVED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""The model types this decoder serves (``config.json`` ``model_type``) and their causal-LM class."""
+
+SGLANG_HINT = 'generate with SGLang instead (generator.engine = "sglang")'
+
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(intermediate_size=11008, max_position_embeddings=2048),
+    "qwen2": dict(intermediate_size=22016, num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(intermediate_size=22016, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
+}
+"""What transformers 5's config classes fill in for fields that change shapes or RoPE when a
+``config.json`` leaves them out (``LlamaConfig`` also takes a missing ``num_key_value_heads`` as
+``num_attention_heads``, and every class a missing ``head_dim`` as hidden_size / heads, except
+Qwen3's 128)."""
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling (``rope_type`` other than ``default``).
+
+    ``linear``: every inverse frequency divided by ``factor``. ``llama3`` (Llama 3.1+): frequencies
+    whose wavelength exceeds ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, those under ``original_max_position_embeddings / high_freq_factor`` are kept, and
+    the band between is blended linearly in ``original_max_position_embeddings / wavelength``.
+    """
+
+    rope_type: str  # linear | llama3
+    factor: float
+    low_freq_factor: float | None = None  # llama3 only
+    high_freq_factor: float | None = None  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise CheckpointError(f"rope_type {self.rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+        if self.rope_type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor,
+                                                   self.original_max_position_embeddings):
+            raise CheckpointError("rope_type 'llama3' needs low_freq_factor, high_freq_factor and "
+                                  "original_max_position_embeddings")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The fields of a Hugging Face ``config.json`` this decoder uses."""
 
-    model_type: str = "llama"  # llama | qwen2
+    model_type: str = "llama"  # llama | qwen2 | qwen3
     vocab_size: int = 1024
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -36,15 +84,18 @@ class ModelConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Llama: biases on q, k, v *and* o; Qwen2: always q, k, v only
+    attention_bias: bool = False  # Llama, Qwen3: biases on q, k, v *and* o; Qwen2: always q, k, v only
+    mlp_bias: bool = False  # Llama only: biases on gate, up and down
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json is kept: any of them ends a sequence
 
     def __post_init__(self) -> None:
-        if self.model_type not in ("llama", "qwen2"):
-            raise CheckpointError(f"model_type {self.model_type!r} is not supported (llama, qwen2)")
+        if self.model_type not in SERVED:
+            raise CheckpointError(f"model_type {self.model_type!r} is not supported by the torch engine "
+                                  f"({', '.join(SERVED)}): {SGLANG_HINT}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads={self.num_key_value_heads}"
@@ -60,22 +111,61 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.model_type == "llama" and self.attention_bias
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def mlp_biased(self) -> bool:
+        """``mlp_bias`` as the model type reads it: Qwen2 and Qwen3 have no MLP biases whatever it says."""
+        return self.model_type == "llama" and self.mlp_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each head of q and k (``self_attn.q_norm``, ``k_norm``) before RoPE."""
+        return self.model_type == "qwen3"
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id: none, the one id, or each id of the list."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     @classmethod
     def from_hf(cls, data: dict, *, source: str = "config.json") -> ModelConfig:
-        if data.get("rope_scaling"):
-            raise CheckpointError(f"{source}: rope_scaling {data['rope_scaling']!r} is not supported")
-        if data.get("mlp_bias"):
-            raise CheckpointError(f"{source}: mlp_bias is not supported")
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
-        if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        """Read a ``config.json`` as transformers 5 reads it, in either spelling of RoPE (4.x:
+        ``rope_theta`` and ``rope_scaling`` at the top level; 5.x: ``rope_parameters`` holding
+        both). A field that changes the forward and is not implemented is a ``CheckpointError``
+        naming ``source`` and the field. Left unread on purpose: ``attention_dropout`` (applied by
+        transformers in training mode only), ``pretraining_tp`` (unused by transformers 5),
+        ``initializer_range``, ``use_cache``, ``pad_token_id`` (no effect on the forward), and
+        ``dtype``/``torch_dtype`` (the caller picks the dtype)."""
+        model_type = data.get("model_type", "llama")
+        if model_type not in SERVED:
+            raise CheckpointError(f"{source}: model_type {model_type!r} is not supported by the torch engine "
+                                  f"({', '.join(SERVED)}): {SGLANG_HINT}")
+        architectures = data.get("architectures") or [SERVED[model_type]]
+        if architectures != [SERVED[model_type]]:
+            raise CheckpointError(f"{source}: architectures {architectures!r} are not supported by the torch engine "
+                                  f"(model_type {model_type!r} is served as {SERVED[model_type]}): {SGLANG_HINT}")
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in data]
         if missing:
             raise CheckpointError(f"{source}: missing {', '.join(missing)}")
-        return cls(**kwargs)
+        if data.get("quantization_config"):
+            raise CheckpointError(f"{source}: quantization_config (quantized weights) is not supported: {SGLANG_HINT}")
+        if data.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise CheckpointError(f"{source}: hidden_act {data['hidden_act']!r} is not supported (silu)")
+        known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling", "eos_token_id"}
+        kwargs = {**_HF_DEFAULTS[model_type], **{k: v for k, v in data.items() if k in known}}
+        if kwargs.get("num_key_value_heads") is None:
+            kwargs["num_key_value_heads"] = data["num_attention_heads"]
+        _refuse_sliding_window(data, model_type, kwargs["max_position_embeddings"], source)
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(data, kwargs["max_position_embeddings"], source)
+        eos = data.get("eos_token_id")
+        kwargs["eos_token_id"] = tuple(eos) if isinstance(eos, list) else eos
+        try:
+            return cls(**kwargs)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
 
     @classmethod
     def read(cls, directory: Path | str) -> ModelConfig:
@@ -90,11 +180,68 @@ class ModelConfig:
             raise CheckpointError(f"{path}: not a valid config ({e})") from None
 
     def to_hf(self) -> dict:
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        """The ``config.json`` of this config, in the spelling both transformers 4.x and 5.x read
+        (``rope_theta`` and ``rope_scaling`` at the top level) and with ``head_dim`` always written
+        (Qwen3 takes a missing one as 128)."""
         out = {k: v for k, v in asdict(self).items() if v is not None}
-        out["architectures"] = [arch]
+        out["architectures"] = [SERVED[self.model_type]]
         out["hidden_act"] = "silu"
+        out["head_dim"] = self.dim_per_head
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {k: v for k, v in asdict(self.rope_scaling).items() if v is not None}
         return out
+
+
+def _read_rope(data: dict, max_positions: int, source: str) -> tuple[float, RopeScaling | None]:
+    """``rope_theta`` and the scaling of a ``config.json``. As transformers 5 reads them: a non-empty
+    ``rope_scaling`` (4.x) wins over ``rope_parameters`` (5.x); ``rope_theta`` comes from that dict,
+    else from the top level, else 10000; the type from ``rope_type``, else the older ``type``; a
+    Llama 3 ``original_max_position_embeddings`` at the top level wins over the dict's, and
+    ``max_position_embeddings`` stands in for both."""
+    key = "rope_scaling" if data.get("rope_scaling") else "rope_parameters"
+    params = data.get(key) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(f"{source}: {key} {params!r} is not supported (one flat dict for every layer)")
+    theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"{source}: {key} rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)}): "
+                              f"{SGLANG_HINT}")
+    for where, value in ((key, params.get("partial_rotary_factor")), ("config", data.get("partial_rotary_factor"))):
+        if value is not None and value != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor {value!r} ({where}) is not supported (1.0)")
+    if rope_type == "default":
+        return theta, None
+    needed = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    absent = [k for k in needed if params.get(k) is None]
+    if absent:
+        raise CheckpointError(f"{source}: {key} of rope_type {rope_type!r} lacks {', '.join(absent)}")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    original = data.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") \
+        or max_positions
+    return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]), int(original))
+
+
+def _refuse_sliding_window(data: dict, model_type: str, max_positions: int, source: str) -> None:
+    """Qwen2/Qwen3 attend within ``sliding_window`` on the layers ``layer_types`` names
+    ``sliding_attention`` (by default those from ``max_window_layers`` on), and only when
+    ``use_sliding_window`` is set. This decoder attends over everything, which is the same only
+    while the window covers ``max_position_embeddings``; Llama reads none of these fields."""
+    if model_type == "llama":
+        return
+    window = data.get("sliding_window") if data.get("use_sliding_window") else None
+    n = data["num_hidden_layers"]
+    first = data.get("max_window_layers", 28)
+    layer_types = data.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise CheckpointError(f"{source}: layer_types {other[0]!r} is not supported (full_attention)")
+    if window is not None and "sliding_attention" in layer_types and window < max_positions:
+        raise CheckpointError(f"{source}: sliding_window {window} (use_sliding_window) is not supported: it is "
+                              f"shorter than max_position_embeddings={max_positions}; {SGLANG_HINT}")
 
 
 class RMSNorm(nn.Module):
@@ -110,11 +257,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies ([head_dim / 2], float32), scaled as ``cfg.rope_scaling`` says."""
+    d = cfg.dim_per_head
+    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return plain
+    if scaling.rope_type == "linear":
+        return plain / scaling.factor
+    # llama3: the share of a frequency kept unscaled grows with how many of its periods fit the
+    # original context: none below low_freq_factor periods, all of it above high_freq_factor.
+    periods = scaling.original_max_position_embeddings * plain / (2 * math.pi)
+    kept = ((periods - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - kept) * plain / scaling.factor + kept * plain
+
+
 def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for ``positions`` ([B, T]), shaped [B, 1, T, head_dim]."""
-    d = cfg.dim_per_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+    freqs = positions.float()[..., None] * inv_freq(cfg, positions.device)  # [B, T, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -146,13 +307,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, past):
         """``past``: None, a (k, v) pair to extend, or a cache hook ``past(k, v) -> (k, v, mask)``."""
         B, T, _ = x.shape
         hd, nh, nkv = self.cfg.dim_per_head, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
-        q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, nkv, hd)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -183,9 +350,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        bias = cfg.mlp_biased
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -271,7 +439,7 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Path, *, dtype: torch.dtype = torch.float32) -> CausalLM:
-        """Load a Hugging Face Llama/Qwen2 checkpoint: ``config.json`` + ``model.safetensors``."""
+        """Load a Hugging Face Llama/Qwen2/Qwen3 checkpoint: ``config.json`` + ``model.safetensors``."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
