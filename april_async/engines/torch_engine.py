@@ -54,6 +54,7 @@ class TorchEngine(Engine):
         # The model's end-of-sequence tokens (config.json's id or each of its list) always end a
         # response (as SGLang's ``ignore_eos=False``).
         self.eos_ids = frozenset(model.config.eos_ids)
+        self._tensor_names = frozenset(model.state_dict())
         self._active: dict[int, _Slot] = {}  # slot index -> state
         self._by_lease: dict[int, int] = {}
 
@@ -145,7 +146,13 @@ class TorchEngine(Engine):
             self._by_lease[moved.request.lease_id] = idx
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Swap weights between decode steps; tokens from now on carry ``version``."""
+        """Swap weights between decode steps; tokens from now on carry ``version``. ``state_dict``
+        may hold some of the model's tensors (an update in buckets), but a name the model does not
+        have is a ``ValueError``: weights of another architecture, which loading would drop unseen."""
+        unknown = sorted(set(state_dict) - self._tensor_names)
+        if unknown:
+            raise ValueError(f"weights version {version} names {len(unknown)} tensor(s) the engine's model does "
+                             f"not have, e.g. {unknown[0]!r}: the learner trains another architecture")
         self.model.load_state_dict(state_dict, strict=False)
         self.policy_version = version
 

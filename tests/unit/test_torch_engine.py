@@ -128,6 +128,14 @@ def test_weights_swap_between_steps_and_later_tokens_carry_the_new_version():
     assert [o.versions[0] for o in before + after] == [0, 0, 0, 5, 5, 5]
 
 
+def test_weights_naming_a_tensor_the_model_lacks_are_refused_not_dropped():
+    engine = TorchEngine(model(0), slots=1, max_seq_len=64)
+    state = {**model(1).state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.ones(4)}
+    with pytest.raises(ValueError, match=r"1 tensor.*q_norm\.weight.*another architecture"):
+        engine.load_weights(state, version=3)
+    assert engine.policy_version == 0
+
+
 def test_requests_that_do_not_fit_are_refused_clearly():
     engine = TorchEngine(model(), slots=1, max_seq_len=8)
     with pytest.raises(RequestRefused, match="do not fit max_seq_len=8"):
