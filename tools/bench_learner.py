@@ -26,6 +26,13 @@ per GPU; on CUDA ``--dtype bfloat16`` is mixed precision). Reported per configur
 
 ``--threads`` sets torch's threads per rank; the default is the machine's cores divided by the
 ranks, so every configuration uses the whole machine.
+
+``--versus-decoder`` also measures what building the learner's model with ``transformers`` costs
+against ``model/decoder.py`` (the embedded engine's own decoder, which the learner trained before):
+each implementation in a process of its own, one rank, the same weights and packed batches, the
+step the learner takes (a forward to the targets' log-probs, a policy-gradient loss, backward,
+AdamW): **step_s** (median, first left out), **peak_rss_mb** and the ratio to the decoder, side by
+side in one run.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from april_async.model.decoder import CausalLM, ModelConfig
-from april_async.runtime import resolve_device
+from april_async.runtime import resolve_device, spawn
 from april_async.learner.offline import run_steps
 
 SIZES = {
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--microbatch-tokens", type=int, default=None, help="learner.max_tokens_per_microbatch")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, small batch")
+    p.add_argument("--versus-decoder", action="store_true",
+                   help="also the model step of transformers against model/decoder.py, one rank each")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     if args.device == "cuda":
@@ -135,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"responses 1-{args.response_len}",
                    "results": results,
                    "speedup_vs_first": [round(base / r["step_s"], 2) for r in results]}
+        if args.versus_decoder:
+            summary["model_step"] = versus_decoder(init, args, work)
         print(json.dumps(summary, indent=2))
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2))
@@ -143,5 +154,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def versus_decoder(init: Path, args, work: Path) -> dict:
+    """The model step of each implementation in its own process (see the module docstring)."""
+    out = {}
+    for impl in ("decoder", "transformers"):
+        result = work / f"model-step-{impl}.json"
+        proc = spawn([sys.executable, __file__, "_model_step", impl, str(init), str(result), str(args.steps),
+                      str(args.groups * args.group_size), str(args.prompt_len), str(args.response_len), args.device,
+                      args.dtype, str(args.threads or os.cpu_count() or 1)], cwd=ROOT)
+        if proc.wait() != 0:
+            raise SystemExit(f"the {impl} model step failed ({proc.returncode})")
+        out[impl] = json.loads(result.read_text())
+        print(json.dumps({"model_step": impl, **out[impl]}), flush=True)
+    out["transformers_vs_decoder"] = {k: round(out["transformers"][k] / out["decoder"][k], 2)
+                                      for k in ("step_s", "peak_rss_mb")}
+    return out
+
+
+def _model_step(impl: str, init: str, result: str, steps: str, rows: str, prompt_len: str, response_len: str,
+                device: str, dtype: str, threads: str) -> None:
+    """One implementation's step, ``steps`` times on the same batch shape; writes ``result``."""
+    import resource
+    import time
+
+    from april_async.learner import hf
+    from april_async.learner.parallel import target_logprobs
+
+    torch.set_num_threads(int(threads))
+    torch.manual_seed(0)
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    if impl == "decoder":
+        model = CausalLM.from_pretrained(Path(init), dtype=dt).to(dev).train()
+        forward = lambda ids: model(ids)[0]  # noqa: E731
+    else:
+        model = hf.load_pretrained(init, dt, "sdpa").to(dev).train()
+        forward = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab = model.config.vocab_size
+    n, length = int(rows), int(prompt_len) + int(response_len)
+    times = []
+    for step in range(int(steps)):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(1, vocab, (n, length + 1), generator=g).to(dev)
+        adv = torch.randn(n, 1, generator=g).to(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logp = target_logprobs(forward(ids[:, :-1]), ids[:, 1:], 1.0)
+        loss = -(adv * logp[:, int(prompt_len):]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out = {"step_s": round(statistics.median(times[1:] or times), 4),
+           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+           "rows": n, "tokens": n * length}
+    if dev.type == "cuda":
+        out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / (1 << 20))
+    Path(result).write_text(json.dumps(out))
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_model_step":
+        _model_step(*sys.argv[2:])
+        sys.exit(0)
     sys.exit(main())
