@@ -35,7 +35,7 @@ from april_async.engines.sglang_engine import SGLangEngine
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.procs import free_port
-from standins.launch import start_standin
+from standins.launch import StandinPool, start_standin
 from april_async.weights.flat import flatten
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -52,18 +52,28 @@ def ckpts(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def standin_pool(tmp_path_factory):
+    pool = StandinPool(tmp_path_factory.mktemp("standins"))
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def standins(ckpts, tmp_path):
-    started = []
+def standins(ckpts, standin_pool):
+    """``standins(*flags, ckpt="v0")``: a stand-in on that checkpoint, as fresh as a new one (from the
+    module's pool: a test that leaves it changed in any way, killed or paused or pushed to, gets it
+    replaced for the next)."""
+    taken = []
 
     def start(*args, ckpt="v0"):
-        s = start_standin(ckpts / ckpt, tmp_path, "--max-seq-len", "512", "--slots", "8", *args)
-        started.append(s)
+        s = standin_pool.take(ckpts / ckpt, "--max-seq-len", "512", "--slots", "8", *args)
+        taken.append(s)
         return s
 
     yield start
-    for s in started:
-        s.kill()
+    for s in taken:
+        standin_pool.give_back(s)
 
 
 OUTLIVE = ("--step-delay-s", "0.005")
