@@ -17,10 +17,13 @@ updates go over a real gloo group formed the way SGLang forms its own.
 
 from __future__ import annotations
 
+import copy
 import datetime
+import functools
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -81,8 +84,15 @@ OUTLIVE = ("--step-delay-s", "0.005")
 undelayed tiny model can finish 300 tokens before the client's loop sees the third (seen in CI)."""
 
 
-def greedy(ckpt, prompt, n, resume=()):
-    """The reference: the embedded engine, greedy, on the same checkpoint."""
+def greedy(ckpt, prompt, n, resume=()) -> EngineOutput:
+    """The reference: the embedded engine, greedy, on the same checkpoint. Tests ask for the same
+    references again and again (up to 400 decode steps each), and a checkpoint written here is never
+    changed: each is computed once, and every caller gets its own copy."""
+    return copy.deepcopy(greedy_once(ckpt, tuple(prompt), n, tuple(resume)))
+
+
+@functools.cache
+def greedy_once(ckpt: Path, prompt: tuple[int, ...], n: int, resume: tuple[int, ...]) -> EngineOutput:
     engine = TorchEngine(CausalLM.from_pretrained(ckpt), slots=1, max_seq_len=512)
     engine.submit(EngineRequest(0, 0, list(prompt), list(resume), n, temperature=0.0))
     out = EngineOutput(0)
