@@ -567,15 +567,21 @@ def test_real_sglang_server(ckpts, tmp_path):
 
 
 def generating(url: str, n: int = 400) -> threading.Thread:
-    """A long request running on ``url`` (started and counted by ``/v1/loads``)."""
+    """A long request running on ``url`` (started and counted by ``/v1/loads``: the running count
+    must rise past what it was before, or a second call would return before its own request ran)."""
+    before = running(url)
     t = threading.Thread(target=lambda: httpx.post(f"{url}/generate", timeout=120, json={
         "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}), daemon=True)
     t.start()
     deadline = time.monotonic() + 10
-    while httpx.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+    while running(url) <= before:
         assert time.monotonic() < deadline, "the request never ran"
         time.sleep(0.05)
     return t
+
+
+def running(url: str) -> int:
+    return httpx.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"]
 
 
 def flushes(url: str) -> int:
