@@ -678,3 +678,23 @@ def test_a_server_of_an_unchecked_sglang_version_is_refused_at_join(ckpts, stand
         assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}
     finally:
         fanout.close()
+
+
+# ---------------------------------------------------------------------- the stand-in pool
+
+
+def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standin_pool):
+    """``StandinPool``: an unchanged server is handed out again; one left paused, or with another
+    weight version, is killed when given back."""
+    flags = ("--max-seq-len", "512", "--slots", "8")
+    s = standin_pool.take(ckpts / "v0", *flags)
+    standin_pool.give_back(s)
+    assert standin_pool.take(ckpts / "v0", *flags) is s
+    assert httpx.post(f"{s.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    standin_pool.give_back(s)
+    assert s.proc.poll() is not None
+    t = standin_pool.take(ckpts / "v0", *flags)
+    assert t is not s
+    assert httpx.post(f"{t.url}/update_weight_version", json={"new_version": "7"}).status_code == 200
+    standin_pool.give_back(t)
+    assert t.proc.poll() is not None
