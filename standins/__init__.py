@@ -2,5 +2,6 @@
 wheel holds ``april_async`` only).
 
     sglang_server  a stand-in SGLang server: SGLang's HTTP contract on the embedded torch engine
-    launch         starting and stopping that server as a process (``start_standin``)
+    launch         starting and stopping that server as a process (``start_standin``), and
+                   keeping unchanged ones for reuse between tests (``StandinPool``)
 """

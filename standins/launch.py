@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 """The checkout, where ``python -m standins.sglang_server`` finds this package."""
 
 
-@dataclass
+@dataclass(eq=False)
 class StandIn:
     url: str
     proc: subprocess.Popen
@@ -30,6 +30,15 @@ class StandIn:
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
+
+    def state(self) -> dict:
+        """What clients can change on it, from its HTTP API: ``/v1/loads`` (running and waiting, as
+        SGLang counts them) and the stand-in's ``/standin/state`` (every request it holds, the pause,
+        weight version, a digest of the weights, weight-update groups and session, pending
+        ``/standin/abort_next`` aborts, cache flushes)."""
+        loads, = httpx.get(f"{self.url}/v1/loads", timeout=5.0).json()["loads"]
+        return {"running": loads["num_running_reqs"], "waiting": loads["num_waiting_reqs"],
+                **httpx.get(f"{self.url}/standin/state", timeout=5.0).json()}
 
 
 def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "standin",
@@ -53,3 +62,61 @@ def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "stan
             s.kill()
             raise RuntimeError(f"the stand-in did not serve within {timeout_s:g} s:\n{s.tail()}")
         time.sleep(0.1)
+
+
+PoolKey = tuple[Path, tuple[str, ...]]
+"""(checkpoint, flags): which pooled stand-ins are interchangeable."""
+
+
+class StandinPool:
+    """Stand-in servers kept from one test for the next that asks for the same checkpoint and flags,
+    so that each test does not pay for a process start (importing torch, loading the checkpoint).
+
+    A server is handed out only while it is provably as it started: alive, and its ``state()`` read
+    over HTTP equal to the one it had before first use (nothing running or waiting, not paused, the
+    same weights and weight version, no weight-update group or session, no test hook pending, no
+    cache flush). That is checked when a test gives it back and again when one takes it; a server
+    that fails is killed, and a fresh one started in its place. ``close`` kills what the pool holds."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.idle: dict[PoolKey, list[StandIn]] = {}
+        self.started: dict[StandIn, tuple[PoolKey, dict]] = {}  # each live one: its key, its initial state
+
+    def take(self, checkpoint: Path, *args: str) -> StandIn:
+        """A stand-in of ``checkpoint`` started with ``args``, in the state it started in."""
+        key = (checkpoint, args)
+        idle = self.idle.get(key, [])
+        while idle:
+            s = idle.pop()
+            if self.as_started(s):
+                return s
+            self.discard(s)
+        s = start_standin(checkpoint, self.log_dir, *args)
+        self.started[s] = (key, s.state())
+        return s
+
+    def give_back(self, s: StandIn) -> None:
+        """Keep ``s`` for a later ``take`` if it is still as it started; else kill it."""
+        if self.as_started(s):
+            self.idle.setdefault(self.started[s][0], []).append(s)
+        else:
+            self.discard(s)
+
+    def as_started(self, s: StandIn) -> bool:
+        """Alive, and ``state()`` as it was before its first use."""
+        if s.proc.poll() is not None:
+            return False
+        try:
+            return s.state() == self.started[s][1]
+        except httpx.HTTPError:
+            return False
+
+    def discard(self, s: StandIn) -> None:
+        del self.started[s]
+        s.kill()
+
+    def close(self) -> None:
+        for s in list(self.started):
+            self.discard(s)
+        self.idle.clear()

@@ -31,6 +31,8 @@ Endpoints:
     POST /update_weight_version
     POST /standin/abort_next              TEST HOOK (not SGLang): the next ``count`` requests end
                                           with an abort of ``status_code`` 400/503/500
+    GET  /standin/state                   TEST HOOK (not SGLang): what a test can leave behind
+                                          (requests, pause, weights, groups, session, hooks, flushes)
 
 As strict as SGLang where a client can go wrong: a refused request (prompt + budget over
 ``--max-seq-len``, a duplicate rid, a bad sampling value) is answered, streamed, HTTP 200 + one
@@ -65,6 +67,7 @@ without one is refused, and /continue_generation does not look at sessions.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import queue
@@ -353,6 +356,21 @@ class Core:
             if self.pause_mode == "retract":
                 running, waiting = 0, waiting + running
             return running, waiting
+
+    def state(self) -> dict:
+        """TEST HOOK (``/standin/state``), not SGLang: everything a client can change on this server,
+        so that a test harness can tell whether it is still as it started. ``requests`` counts what
+        ``/v1/loads`` leaves out too (requests held before the scheduler while paused); ``weights``
+        is a digest of the parameters the engine decodes with."""
+        with self.cv:
+            weights = hashlib.sha256()
+            for name, t in sorted(self.engine.model.state_dict().items()):
+                weights.update(name.encode())
+                weights.update(t.detach().float().contiguous().numpy().tobytes())
+            return {"requests": len(self.running) + len(self.waiting), "paused": self.paused,
+                    "weight_version": self.weight_version, "weights": weights.hexdigest(),
+                    "groups": sorted(self.groups), "session": self.session,
+                    "abort_next": len(self.fail_next), "flushes": self.flushes}
 
     def flush_blocked(self) -> bool:
         """Whether a cache flush fails now (``Scheduler.flush_cache`` / ``is_fully_idle``): with
@@ -847,6 +865,7 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/end_weight_update": (POST, "session", Handler.end_update),
     "/update_weight_version": (POST, "", Handler.update_version),
     "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
+    "/standin/state": (GET, "", lambda h, b: h.core.state()),  # a test hook, not SGLang
 }
 
 

@@ -17,10 +17,13 @@ updates go over a real gloo group formed the way SGLang forms its own.
 
 from __future__ import annotations
 
+import copy
 import datetime
+import functools
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,7 +38,7 @@ from april_async.engines.sglang_engine import SGLangEngine
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.procs import free_port
-from standins.launch import start_standin
+from standins.launch import StandinPool, start_standin
 from april_async.weights.flat import flatten
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -52,18 +55,28 @@ def ckpts(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def standin_pool(tmp_path_factory):
+    pool = StandinPool(tmp_path_factory.mktemp("standins"))
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def standins(ckpts, tmp_path):
-    started = []
+def standins(ckpts, standin_pool):
+    """``standins(*flags, ckpt="v0")``: a stand-in on that checkpoint, as fresh as a new one (from the
+    module's pool: a test that leaves it changed in any way, killed or paused or pushed to, gets it
+    replaced for the next)."""
+    taken = []
 
     def start(*args, ckpt="v0"):
-        s = start_standin(ckpts / ckpt, tmp_path, "--max-seq-len", "512", "--slots", "8", *args)
-        started.append(s)
+        s = standin_pool.take(ckpts / ckpt, "--max-seq-len", "512", "--slots", "8", *args)
+        taken.append(s)
         return s
 
     yield start
-    for s in started:
-        s.kill()
+    for s in taken:
+        standin_pool.give_back(s)
 
 
 OUTLIVE = ("--step-delay-s", "0.005")
@@ -71,8 +84,15 @@ OUTLIVE = ("--step-delay-s", "0.005")
 undelayed tiny model can finish 300 tokens before the client's loop sees the third (seen in CI)."""
 
 
-def greedy(ckpt, prompt, n, resume=()):
-    """The reference: the embedded engine, greedy, on the same checkpoint."""
+def greedy(ckpt, prompt, n, resume=()) -> EngineOutput:
+    """The reference: the embedded engine, greedy, on the same checkpoint. Tests ask for the same
+    references again and again (up to 400 decode steps each), and a checkpoint written here is never
+    changed: each is computed once, and every caller gets its own copy."""
+    return copy.deepcopy(greedy_once(ckpt, tuple(prompt), n, tuple(resume)))
+
+
+@functools.cache
+def greedy_once(ckpt: Path, prompt: tuple[int, ...], n: int, resume: tuple[int, ...]) -> EngineOutput:
     engine = TorchEngine(CausalLM.from_pretrained(ckpt), slots=1, max_seq_len=512)
     engine.submit(EngineRequest(0, 0, list(prompt), list(resume), n, temperature=0.0))
     out = EngineOutput(0)
@@ -658,3 +678,23 @@ def test_a_server_of_an_unchecked_sglang_version_is_refused_at_join(ckpts, stand
         assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}
     finally:
         fanout.close()
+
+
+# ---------------------------------------------------------------------- the stand-in pool
+
+
+def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standin_pool):
+    """``StandinPool``: an unchanged server is handed out again; one left paused, or with another
+    weight version, is killed when given back."""
+    flags = ("--max-seq-len", "512", "--slots", "8")
+    s = standin_pool.take(ckpts / "v0", *flags)
+    standin_pool.give_back(s)
+    assert standin_pool.take(ckpts / "v0", *flags) is s
+    assert httpx.post(f"{s.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    standin_pool.give_back(s)
+    assert s.proc.poll() is not None
+    t = standin_pool.take(ckpts / "v0", *flags)
+    assert t is not s
+    assert httpx.post(f"{t.url}/update_weight_version", json={"new_version": "7"}).status_code == 200
+    standin_pool.give_back(t)
+    assert t.proc.poll() is not None
