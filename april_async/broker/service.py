@@ -72,6 +72,9 @@ class BrokerService:
             from april_async.model.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(cfg.prompts.tokenizer)
+            if cfg.prompts.chat and not self.tokenizer.chat_template:
+                raise ValueError(f"broker.prompts.chat = true, but the tokenizer {cfg.prompts.tokenizer!r} ships "
+                                 f"no chat template")
         if self.journal is not None:
             self.hub.before_send = self.journal.commit  # write-ahead: records out before effects
 
@@ -281,7 +284,8 @@ class BrokerService:
             problem = self.source.next()
             if problem is None:
                 return
-            prompt = encode_prompt(problem, self.tokenizer)
+            prompt = encode_prompt(problem, self.tokenizer, chat=self.cfg.prompts.chat,
+                                   system=self.cfg.prompts.system_prompt)
             try:
                 self.apply(r.Admit(problem.prompt_id, prompt, now, problem.task, dict(problem.meta)))
             except BrokerError as e:  # too long, empty: this prompt is skipped, the run goes on

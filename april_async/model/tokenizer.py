@@ -42,6 +42,20 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} is not in the tokenizer's alphabet") from None
         return [self.bos_id, *ids] if bos else ids
 
+    chat_template = False
+    """The built-in tokenizer has no chat template: its tasks' prompts are plain text."""
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def encode_prompt(self, text: str, *, chat: bool, system: str | None = None) -> list[int]:
+        """``<bos>`` and ``text``'s ids (``chat`` is refused: there is no template)."""
+        if chat:
+            raise CheckpointError("chat = true needs a tokenizer with a chat template: the built-in character "
+                                  "tokenizer has none")
+        return self.encode(text, bos=True)
+
     def decode(self, ids: list[int]) -> str:
         """Special tokens and ids outside the vocabulary are skipped (as the tokenizers library does)."""
         n, size = len(self.SPECIALS), self.vocab_size
@@ -78,39 +92,88 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library), as shipped with a checkpoint."""
+    """A checkpoint's Hugging Face tokenizer, loaded and used as ``transformers`` does
+    (``AutoTokenizer``): ``tokenizer.json`` with what ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` say of the special tokens, and the chat template the checkpoint
+    ships (in ``tokenizer_config.json`` or ``chat_template.jinja``). A lone ``tokenizer.json``
+    file is read as the ``tokenizers`` library defines it, with no special tokens named."""
+
+    FALLBACK_EOS = ("<|endoftext|>", "</s>", "<eos>")
+    """End-of-sequence tokens looked for when the tokenizer's files name none."""
 
     def __init__(self, path: Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:  # pragma: no cover - tokenizers comes with the test extra and transformers
-            raise CheckpointError("reading tokenizer.json needs the 'tokenizers' package") from None
         path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"tokenizer file {str(path)!r} is missing")
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise CheckpointError(f"tokenizer file {str(file)!r} is missing")
         try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises its own exception type for a bad file
-            raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
-        self.path = path
-        self.vocab_size = self._tok.get_vocab_size()
-        self.eos_id = next((self._tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>")
-                            if self._tok.token_to_id(t) is not None), None)
+            import transformers
+
+            transformers.utils.logging.set_verbosity_error()
+            if path.is_dir():
+                self._tok = transformers.AutoTokenizer.from_pretrained(str(path))
+            else:
+                self._tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(file))
+        except Exception as e:  # the libraries raise their own exception types for a bad file
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{file}: not a valid tokenizer.json ({first})") from None
+        self.path = file
+        self.directory = path if path.is_dir() else None
+        self.vocab_size = len(self._tok)
+        named = self._tok.eos_token_id
+        if named is None:
+            named = next((i for i in map(self._tok.convert_tokens_to_ids, self.FALLBACK_EOS)
+                          if i is not None and i != self._tok.unk_token_id), None)
+        self.eos_id: int | None = named
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            ([named] if named is not None else []) + (_checkpoint_eos_ids(path) if path.is_dir() else [])))
+        """Every id that ends a response: the tokenizer's end-of-sequence token, then those of the
+        checkpoint's ``generation_config.json`` and ``config.json`` (a list in Qwen3 and Llama 3)."""
+
+    @property
+    def chat_template(self) -> bool:
+        """Whether the checkpoint ships a chat template."""
+        return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """``text``'s ids, no special token added."""
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, text: str, *, chat: bool, system: str | None = None) -> list[int]:
+        """A prompt as the model sees it. ``chat``: the chat template over ``system`` (if any) and
+        ``text`` as the user's turn, with the generation prompt (the template writes every special
+        token); else ``text`` with the special tokens the tokenizer adds itself (Llama's ``<bos>``)."""
+        if not chat:
+            return self._tok.encode(text, add_special_tokens=True)
+        if not self.chat_template:
+            raise CheckpointError(f"{self.path.parent}: chat = true, but the tokenizer ships no chat template")
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": text}]
+        rendered = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._tok.encode(rendered, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def save(self, directory: Path) -> Path:
-        """Write ``tokenizer.json`` into ``directory`` (a checkpoint); returns its path."""
-        path = Path(directory) / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._tok.save(str(path))
-        return path
+        """Write the tokenizer's files into ``directory`` (a checkpoint); returns ``tokenizer.json``'s path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save_pretrained(str(directory))
+        return directory / "tokenizer.json"
+
+
+def _checkpoint_eos_ids(directory: Path) -> list[int]:
+    """The ``eos_token_id`` (an id or a list) of a checkpoint's ``generation_config.json`` and
+    ``config.json``, in that order; unreadable files give none (the model's loader names them)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((directory / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
+    return ids
 
 
 def load_tokenizer(spec: str | Path) -> CharTokenizer | HFTokenizer:

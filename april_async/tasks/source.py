@@ -54,6 +54,12 @@ class PromptSourceConfig(BaseModel):
     """The record field holding a unique id; None: ``<file stem>-<line or row>``."""
     template: str = "{prompt}"
     """The prompt text sent to the model; ``{prompt}`` is replaced by the record's prompt."""
+    chat: bool | None = None
+    """Put each prompt through the tokenizer's chat template as the user's turn, with the
+    generation prompt; None: when the tokenizer ships a template (a checkpoint's
+    ``tokenizer_config.json`` or ``chat_template.jinja``), not with the built-in tokenizer."""
+    system_prompt: str | None = None
+    """The system turn before each prompt (chat only)."""
     seed: int = 0
     """The ``addchain`` stream; the dataset's shuffle order."""
     shuffle: bool = True
@@ -67,6 +73,8 @@ class PromptSourceConfig(BaseModel):
             raise ValueError(f"prompts of kind {self.kind!r} need a path")
         if self.kind not in ("jsonl", "parquet") and self.path is not None:
             raise ValueError(f"path {str(self.path)!r} is only read by kinds jsonl and parquet, not {self.kind!r}")
+        if self.system_prompt is not None and self.chat is False:
+            raise ValueError("system_prompt is only used with chat (chat = false here)")
         if "{prompt}" not in self.template:
             raise ValueError(f"template {self.template!r} does not contain '{{prompt}}'")
         return self
@@ -126,12 +134,12 @@ class PromptSource:
         return p if epoch == 0 else replace(p, prompt_id=f"{p.prompt_id}@{epoch}")
 
 
-def encode_prompt(problem: Problem, tokenizer) -> list[int]:
-    """The prompt's token ids: its own ``prompt_ids`` when set, else its text encoded with
-    ``tokenizer``, after ``<bos>`` where the tokenizer has one (the built-in one does; a
-    ``tokenizer.json`` adds its own specials only in a chat template, which is the prompt's job)."""
+def encode_prompt(problem: Problem, tokenizer, *, chat: bool | None = None, system: str | None = None) -> list[int]:
+    """The prompt's token ids: its own ``prompt_ids`` when set, else its text as ``tokenizer``
+    makes a prompt of it (``model.tokenizer``): through the chat template, with ``system`` as the
+    system turn, when ``chat`` is true — or None and the tokenizer ships a template —, else the
+    plain text with the tokenizer's own special tokens (the built-in one's ``<bos>``)."""
     if problem.prompt_ids is not None:
         return list(problem.prompt_ids)
-    bos = getattr(tokenizer, "bos_id", None)
-    ids = tokenizer.encode(problem.prompt)
-    return [bos, *ids] if bos is not None else ids
+    use_chat = tokenizer.chat_template if chat is None else chat
+    return tokenizer.encode_prompt(problem.prompt, chat=use_chat, system=system if use_chat else None)
