@@ -7,14 +7,17 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 \
 #     msgspec==0.22.0 structlog==26.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
 #     typing-inspection==0.4.5 typing-extensions==4.16.0 blake3==1.0.11 jsonschema==4.26.0 \
-#     referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1
+#     referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 math-verify==0.9.0 \
+#     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+# (transformers comes with the image: 5.17 when last seen, inside the range pyproject.toml accepts)
 #   OUT=/tmp/out bash tools/gpu_check.sh                           # ~6 min, at most GPU_CHECK_BUDGET_S (510)
 #   OUT=/tmp/out GPU_CHECK_DEVICE=cpu PY=.venv/bin/python bash tools/gpu_check.sh   # a trial without a GPU
 # Steps, each bounded by `timeout` and by what is left of the budget; a failure does not stop the next:
 #   a. the carried wheels (.whl/) into /tmp/site; GPU, Python, torch, CUDA    -> env.log
 #   b. the gpu-marked tests, then the engine's and the learner's unit tests  -> tests.log
 #   c. bench_engine: decode steps of the 5M and 0.5B models, bfloat16        -> bench_engine.log
-#   d. bench_learner: 0.5B, bfloat16, 1 rank, 4 groups x 8, responses 1-256  -> bench_learner.log
+#   d. bench_learner: 0.5B, bfloat16, 1 rank, 4 groups x 8, responses 1-256, and the model
+#      step of transformers against model/decoder.py                          -> bench_learner.log
 #   e. launch/gpu1.toml in /tmp/gpu1: the warm start, then the whole loop     -> loop.log, actors.log
 # summary.txt (also printed as it goes): each step's exit status and time, then the main figures.
 # Writes under $OUT and /tmp only (no bytecode, pytest cache or hypothesis database in the repo).
@@ -44,7 +47,7 @@ if [[ $DEVICE == cpu ]]; then  # smoke sizes; the run on ports that a dev machin
 else
     ENGINE_ARGS=(--device cuda --dtype bfloat16 --models 5M 0.5B)
     LEARNER_ARGS=(--device cuda --dtype bfloat16 --params 0.5B --ranks 1 --groups 4 --group-size 8
-                  --response-len 256 --steps 3)
+                  --response-len 256 --steps 3 --versus-decoder)
     LOOP_ARGS=()
     WARM_S=60
     LOOP_S=100
@@ -84,11 +87,12 @@ print("torch", torch.__version__, "| cuda", torch.version.cuda, "| available", c
 step tests-gpu 100 "$OUT/tests.log" "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
     --continue-on-collection-errors tests
 step tests-unit 80 "$OUT/tests.log" "$PY" -m pytest -p no:cacheprovider -q -n 8 \
-    tests/unit/test_torch_engine.py tests/unit/test_learner.py
+    tests/unit/test_torch_engine.py tests/unit/test_learner.py tests/unit/test_learner_hf.py \
+    tests/unit/test_hf_architectures.py
 
 # c, d. benchmarks
 step bench-engine 90 "$OUT/bench_engine.log" "$PY" tools/bench_engine.py "${ENGINE_ARGS[@]}"
-step bench-learner 120 "$OUT/bench_learner.log" "$PY" tools/bench_learner.py "${LEARNER_ARGS[@]}"
+step bench-learner 200 "$OUT/bench_learner.log" "$PY" tools/bench_learner.py "${LEARNER_ARGS[@]}"
 
 # e. the whole loop: the warm start first (on the CPU, cut at WARM_S; april up counts it in
 # run.duration_s), then the run, shortened when the budget is short; the GPU's processes are listed
@@ -120,6 +124,6 @@ kill "$apps" 2>/dev/null
     echo "== figures"
     grep -hE '(passed|failed|errors?|skipped|deselected).* in [0-9.]+s' "$OUT/tests.log"
     grep -hE '^(torch |5M |0\.5B )' "$OUT/bench_engine.log"
-    grep -h '^{"ranks"' "$OUT/bench_learner.log"
+    grep -hE '^\{"(ranks|model_step)"' "$OUT/bench_learner.log"
     grep -hE 'warm start done|april up: done' "$OUT/loop.log"
 } 2>&1 | tee -a "$SUMMARY"
