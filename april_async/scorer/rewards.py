@@ -3,7 +3,8 @@
 A reward sees the sample's tokens and their text (decoded with the run's tokenizer), how the
 response ended, the task name and the task's ``meta`` (e.g. ``{"answer": "42"}``). It runs in the
 scorer's worker process under a time limit (``worker.py``): raising, hanging or returning something
-that is not a finite number is reported, never fatal.
+that is not a finite number is reported, never fatal. A reward that finds no answer to judge in the
+response raises ``Unparsed``: the sample scores 0 and the scorer counts it as ``unparsed``.
 
 Built-ins, and the tasks they serve by default (``BUILTIN_TASK_REWARDS``):
 
@@ -42,6 +43,11 @@ Reward = Callable[[RewardInput], float]
 
 class RewardConfigError(ValueError):
     """A reward path that cannot be loaded; the message names the path."""
+
+
+class Unparsed(Exception):
+    """Raised by a reward when the response states no answer it can read: not the reward's failure
+    but the policy's, so the scorer answers reward 0 (and counts it as ``unparsed``)."""
 
 
 def math_answer(x: RewardInput) -> float:

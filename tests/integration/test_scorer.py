@@ -15,7 +15,7 @@ import numpy as np
 
 from april_async.config import LinkConfig
 from april_async.model.tokenizer import CharTokenizer
-from april_async.scorer.rewards import RewardInput
+from april_async.scorer.rewards import RewardInput, Unparsed
 from april_async.scorer.worker import RewardWorker
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
@@ -50,6 +50,10 @@ def reward_length(x: RewardInput) -> float:
     return len(x.response_text)
 
 
+def reward_unparsed(x: RewardInput) -> float:
+    raise Unparsed(f"nothing in {x.response_text!r}")
+
+
 def sample(text: str = "#### 7") -> RewardInput:
     return RewardInput(prompt_ids=[1], response_ids=[5], prompt_text="q", response_text=text,
                        finish_reason="stop", task="t", meta={})
@@ -57,11 +61,14 @@ def sample(text: str = "#### 7") -> RewardInput:
 
 def test_worker_answers_every_failure_with_its_kind_and_recovers():
     paths = [f"{HERE}:{name}" for name in ("reward_raises", "reward_hangs", "reward_nan", "reward_text",
-                                          "reward_exits", "reward_length")]
+                                          "reward_exits", "reward_length", "reward_unparsed")]
     worker = RewardWorker(paths, timeout_s=TIMEOUT_S)
     try:
         ok = worker.run(f"{HERE}:reward_length", sample("abc"))
         assert ok.reward == 3.0 and ok.kind == "scored"
+        unparsed = worker.run(f"{HERE}:reward_unparsed", sample("??"))  # reward 0, no error, no restart
+        assert (unparsed.kind, unparsed.reward, unparsed.error) == ("unparsed", 0.0, None), unparsed
+        assert unparsed.unparsed == f"{HERE}:reward_unparsed: nothing in '??'"
         cases = {"reward_raises": ("reward_error", r"raised RuntimeError: boom on '#### 7'"),
                  "reward_hangs": ("reward_timeout", r"reward_hangs ran past 1 s"),
                  "reward_nan": ("bad_reward", r"returned nan"),
