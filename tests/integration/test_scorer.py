@@ -15,8 +15,10 @@ import numpy as np
 
 from april_async.config import LinkConfig
 from april_async.model.tokenizer import CharTokenizer
+from april_async.scorer.config import ScorerConfig
 from april_async.scorer.rewards import RewardInput, Unparsed
 from april_async.scorer.worker import RewardWorker
+from april_async.tasks.math_verified import WORST_CASE_S
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
 from april_async.testing.cluster import FAST_LINK, Cluster
@@ -86,6 +88,28 @@ def test_worker_answers_every_failure_with_its_kind_and_recovers():
         worker.close()
 
 
+def test_math_verify_in_the_worker_scores_a_pathological_answer_0_within_its_bound():
+    # The worker calls rewards in its main thread, so math-verify's own time limits hold there and
+    # fire before the scorer's default limit: 0, and no worker killed.
+    path = "april_async.scorer.rewards:math_verify"
+
+    def math(text: str, answer: str) -> RewardInput:
+        return RewardInput([1], [5], "q", text, "stop", "math", {"answer": answer})
+
+    worker = RewardWorker([path], timeout_s=ScorerConfig().timeout_s)
+    try:
+        first = worker.run(path, math(r"so $\boxed{\frac{1}{2}}$", "0.5"))
+        assert (first.kind, first.reward) == ("scored", 1.0), first
+        t0 = time.monotonic()
+        out = worker.run(path, math(r"$\boxed{9^{9^{9^{9}}}}$", "1"))  # verify: a number of ~10^8 digits
+        assert (out.kind, out.reward) == ("scored", 0.0), out
+        assert time.monotonic() - t0 < WORST_CASE_S + 2 and worker.restarts == 0
+        garbage = worker.run(path, math("no idea", "1"))
+        assert (garbage.kind, garbage.reward) == ("unparsed", 0.0), garbage
+    finally:
+        worker.close()
+
+
 def score_request(sample_id: int, task: str, text: str, meta: dict | None = None) -> m.ScoreRequest:
     tok = CharTokenizer()
     return m.ScoreRequest(sample_id=sample_id, lease_id=100 + sample_id, group_id=sample_id,
@@ -114,7 +138,9 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
                     score_request(4, "nan", "x"),
                     score_request(5, "math", "#### 8", {"answer": "7"}),
                     score_request(6, "scripted", "ab"),  # parity of 3 tokens (with <eos>)
-                    score_request(7, "math", "#### 7", {})]  # no answer in meta
+                    score_request(7, "math", "#### 7", {}),  # no answer in meta
+                    score_request(8, "math", "so x = 1/2", {"answer": r"\frac{1}{2}"}),  # math-verify
+                    score_request(9, "math", "no idea", {"answer": "7"})]  # unparsed: 0, not an error
         for req in requests:
             hub.send(identity, req)
         answers: dict[int, m.Scored] = {}
@@ -128,6 +154,7 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
         assert len(answers) == len(requests), cluster.dump_logs()
         assert all(answers[r.sample_id].lease_id == r.lease_id for r in requests)
         assert answers[1].reward == 1.0 and answers[5].reward == 0.0 and answers[6].reward == 0.0
+        assert (answers[8].reward, answers[9].reward, answers[9].error) == (1.0, 0.0, None)
         kinds = {i: (answers[i].error or "").split(":")[0] for i in (2, 3, 4, 7)}
         assert kinds == {2: "reward_error", 3: "reward_timeout", 4: "bad_reward", 7: "reward_error"}
         assert "meta has no 'answer'" in answers[7].error
@@ -136,4 +163,4 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
         hub.close()
     assert codes == {"scorer-0": 0}, cluster.dump_logs()
     log = cluster.logs["scorer-0"].read_text()
-    assert re.search(r"stopped .*bad_reward=1 .*reward_error=2 .*reward_timeout=1 .*scored=3", log), log[-2000:]
+    assert re.search(r"stopped .*bad_reward=1 .*reward_error=2 .*reward_timeout=1 .*scored=4 .*unparsed=1", log), log[-2000:]
