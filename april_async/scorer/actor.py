@@ -5,8 +5,10 @@ else the built-in task's, else ``reward``), run it in the worker process under `
 answer ``scored`` with the reward, or with ``error="<kind>: <detail>"`` when the reward raised
 (``reward_error``), ran past its time (``reward_timeout``) or returned something that is not a
 finite number (``bad_reward``). The broker retires the sample's group and counts it by that kind;
-the scorer counts each kind too, and carries on. Requests are answered one at a time, in order;
-the loop keeps polling the broker (heartbeats) while a reward runs.
+the scorer counts each kind too, and carries on. A response the reward could read no answer in
+(it raised ``Unparsed``) is answered with reward 0 and counted as ``unparsed`` (apart from
+``scored``). Requests are answered one at a time, in order; the loop keeps polling the broker
+(heartbeats) while a reward runs.
 
 Start:  april scorer --config run.toml   (section [scorer])
 """
@@ -20,7 +22,7 @@ from april_async.logs import get_logger
 from april_async.model.tokenizer import load_tokenizer
 from april_async.scorer.config import ScorerConfig
 from april_async.scorer.rewards import BUILTIN_TASK_REWARDS, RewardInput, load_reward, reward_path
-from april_async.scorer.worker import ERROR_KINDS, Outcome, RewardWorker
+from april_async.scorer.worker import OUTCOME_KINDS, Outcome, RewardWorker
 from april_async.wire import messages as m
 
 WAIT_SLICE_S = 0.02
@@ -38,7 +40,7 @@ class ScorerActor:
         for path in paths:
             load_reward(path)  # a bad path fails here, at start, naming it
         self.worker = RewardWorker(paths, timeout_s=cfg.timeout_s)
-        self.counts: Counter[str] = Counter({k: 0 for k in ("scored", *ERROR_KINDS)})
+        self.counts: Counter[str] = Counter({k: 0 for k in OUTCOME_KINDS})
         self.queue: deque[tuple[str, m.ScoreRequest]] = deque()
         self.current: tuple[str, m.ScoreRequest] | None = None
         self._stats_at, self._stats_logged = time.monotonic(), dict(self.counts)
@@ -96,6 +98,9 @@ class ScorerActor:
             self.log.warning("reward_failed", sample_id=req.sample_id, task=req.task, kind=outcome.kind,
                              error=outcome.error)
             return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=outcome.error)
+        if outcome.unparsed is not None:  # early in a run, most samples: counted, logged only at debug
+            self.log.debug("reward_unparsed", sample_id=req.sample_id, task=req.task,
+                           detail=outcome.unparsed)
         return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, reward=outcome.reward)
 
     def _input(self, req: m.ScoreRequest) -> RewardInput:

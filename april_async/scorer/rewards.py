@@ -3,12 +3,16 @@
 A reward sees the sample's tokens and their text (decoded with the run's tokenizer), how the
 response ended, the task name and the task's ``meta`` (e.g. ``{"answer": "42"}``). It runs in the
 scorer's worker process under a time limit (``worker.py``): raising, hanging or returning something
-that is not a finite number is reported, never fatal.
+that is not a finite number is reported, never fatal. A reward that finds no answer to judge in the
+response raises ``Unparsed``: the sample scores 0 and the scorer counts it as ``unparsed``.
 
 Built-ins, and the tasks they serve by default (``BUILTIN_TASK_REWARDS``):
 
-- ``math_answer``: 1 when the response's ``#### x`` / ``\\boxed{x}`` states ``meta["answer"]``
-  (tasks ``math`` — JSONL/Parquet datasets — and ``addchain``);
+- ``math_verify``: 1 when math-verify finds that the response states ``meta["answer"]``, 0 when it
+  states another, ``Unparsed`` when it states none (task ``math``: JSONL/Parquet data sets;
+  ``tasks/math_verified.py``);
+- ``math_answer``: 1 when the response's ``#### x`` / ``\\boxed{x}`` states ``meta["answer"]``, else 0
+  (task ``addchain``; ``tasks/math_answer.py``);
 - ``parity_reward``: 1 when the response has an even number of tokens (task ``scripted``, the
   runtime tests' scripted engine).
 """
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april_async.tasks import math_answer as _math
+# Imports math-verify and sympy (half a second): here, so the worker pays it at its start, not in a call.
+from april_async.tasks import math_verified as _verified
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,29 @@ class RewardConfigError(ValueError):
     """A reward path that cannot be loaded; the message names the path."""
 
 
+class Unparsed(Exception):
+    """Raised by a reward when the response states no answer it can read: not the reward's failure
+    but the policy's, so the scorer answers reward 0 (and counts it as ``unparsed``)."""
+
+
+def math_verify(x: RewardInput) -> float:
+    """1.0 when math-verify finds that the response states ``meta["answer"]``, 0.0 when it states
+    another; ``Unparsed`` when it states none."""
+    reward = _verified.score(x.response_text, _gold(x))
+    if reward is None:
+        raise Unparsed(f"math-verify reads no answer in the response ({len(x.response_text)} characters)")
+    return reward
+
+
 def math_answer(x: RewardInput) -> float:
     """1.0 when the response's final answer (``#### x`` or ``\\boxed{x}``) equals ``meta["answer"]``."""
+    return _math.score(x.response_text, _gold(x))
+
+
+def _gold(x: RewardInput):
     if "answer" not in x.meta:
         raise KeyError(f"task {x.task!r}: meta has no 'answer' (keys: {sorted(x.meta)})")
-    return _math.score(x.response_text, x.meta["answer"])
+    return x.meta["answer"]
 
 
 def parity_reward(x: RewardInput) -> float:
@@ -59,7 +83,7 @@ def parity_reward(x: RewardInput) -> float:
 BUILTIN_TASK_REWARDS: Mapping[str, str] = {
     "scripted": f"{__name__}:parity_reward",
     "addchain": f"{__name__}:math_answer",
-    "math": f"{__name__}:math_answer",
+    "math": f"{__name__}:math_verify",
 }
 """The reward of each built-in task, unless the scorer's ``rewards`` names another."""
 

@@ -4,7 +4,8 @@ A reward is user code: it may raise, hang, or return something that is not a num
 never runs it in its own process: it hands each call to a ``RewardWorker`` and polls for the
 outcome between its other work (so heartbeats keep flowing while a reward runs). A call past its
 deadline gets the worker killed and replaced; a worker that dies is replaced too. Each outcome
-is a reward or an error ``"<kind>: <detail>"`` with kind one of ``ERROR_KINDS``.
+is a reward, a reward of 0 for a response the reward could not parse (it raised ``Unparsed``), or
+an error ``"<kind>: <detail>"`` with kind one of ``ERROR_KINDS``.
 
 The child is started with ``spawn`` (a clean interpreter: nothing of the scorer's sockets), imports
 every configured reward once at start, and exits when the scorer goes away (its pipe closes, and
@@ -22,11 +23,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from april_async.runtime import die_with_parent
-from april_async.scorer.rewards import RewardInput, load_reward
+from april_async.scorer.rewards import RewardInput, Unparsed, load_reward
 
 ERROR_KINDS = ("reward_error", "reward_timeout", "bad_reward")
 """reward_error: the function raised (or its worker died); reward_timeout: it ran past the
 limit; bad_reward: it returned something that is not a finite number."""
+OUTCOME_KINDS = ("scored", "unparsed", *ERROR_KINDS)
+"""What each call ends as: scored (a reward), unparsed (reward 0: the reward raised ``Unparsed``)
+or an error."""
+UNPARSED_REWARD = 0.0
 WORKER_START_TIMEOUT_S = 60.0
 """A worker that is not ready this long after its start (importing the rewards) is given up."""
 KILL_GRACE_S = 2.0
@@ -36,11 +41,15 @@ KILL_GRACE_S = 2.0
 class Outcome:
     reward: float | None = None
     error: str | None = None  # "<kind>: <detail>"
+    unparsed: str | None = None
+    """Why the reward read no answer in the response (its ``Unparsed``); the reward is then 0."""
 
     @property
     def kind(self) -> str:
-        """``scored`` or the error's kind."""
-        return "scored" if self.error is None else self.error.split(":", 1)[0]
+        """One of ``OUTCOME_KINDS``."""
+        if self.error is not None:
+            return self.error.split(":", 1)[0]
+        return "scored" if self.unparsed is None else "unparsed"
 
 
 class RewardWorker:
@@ -111,7 +120,11 @@ class RewardWorker:
                 status, value = self._conn.recv()
             except (EOFError, OSError):
                 return self._finish(self._died())
-            return self._finish(Outcome(reward=value) if status == "ok" else Outcome(error=f"{status}: {value}"))
+            if status == "ok":
+                return self._finish(Outcome(reward=value))
+            if status == "unparsed":
+                return self._finish(Outcome(reward=UNPARSED_REWARD, unparsed=value))
+            return self._finish(Outcome(error=f"{status}: {value}"))
 
     def result(self) -> Outcome:
         """Wait for the submitted call's outcome (at most the start and call time limits)."""
@@ -213,6 +226,8 @@ def _call(rewards: dict, broken: dict, path: str, x: RewardInput) -> tuple[str, 
             return "reward_error", f"{type(e).__name__}: {e}"
     try:
         value = fn(x)
+    except Unparsed as e:  # the response's fault, not the reward's: scored 0
+        return "unparsed", f"{path}: {e}"
     except BaseException as e:  # user code: anything it raises is the sample's error, not the worker's
         return "reward_error", f"{path} raised {type(e).__name__}: {e}"
     if isinstance(value, str | bytes) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):

@@ -15,8 +15,10 @@ import numpy as np
 
 from april_async.config import LinkConfig
 from april_async.model.tokenizer import CharTokenizer
-from april_async.scorer.rewards import RewardInput
+from april_async.scorer.config import ScorerConfig
+from april_async.scorer.rewards import RewardInput, Unparsed
 from april_async.scorer.worker import RewardWorker
+from april_async.tasks.math_verified import WORST_CASE_S
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
 from april_async.testing.cluster import FAST_LINK, Cluster
@@ -50,6 +52,10 @@ def reward_length(x: RewardInput) -> float:
     return len(x.response_text)
 
 
+def reward_unparsed(x: RewardInput) -> float:
+    raise Unparsed(f"nothing in {x.response_text!r}")
+
+
 def sample(text: str = "#### 7") -> RewardInput:
     return RewardInput(prompt_ids=[1], response_ids=[5], prompt_text="q", response_text=text,
                        finish_reason="stop", task="t", meta={})
@@ -57,11 +63,14 @@ def sample(text: str = "#### 7") -> RewardInput:
 
 def test_worker_answers_every_failure_with_its_kind_and_recovers():
     paths = [f"{HERE}:{name}" for name in ("reward_raises", "reward_hangs", "reward_nan", "reward_text",
-                                          "reward_exits", "reward_length")]
+                                          "reward_exits", "reward_length", "reward_unparsed")]
     worker = RewardWorker(paths, timeout_s=TIMEOUT_S)
     try:
         ok = worker.run(f"{HERE}:reward_length", sample("abc"))
         assert ok.reward == 3.0 and ok.kind == "scored"
+        unparsed = worker.run(f"{HERE}:reward_unparsed", sample("??"))  # reward 0, no error, no restart
+        assert (unparsed.kind, unparsed.reward, unparsed.error) == ("unparsed", 0.0, None), unparsed
+        assert unparsed.unparsed == f"{HERE}:reward_unparsed: nothing in '??'"
         cases = {"reward_raises": ("reward_error", r"raised RuntimeError: boom on '#### 7'"),
                  "reward_hangs": ("reward_timeout", r"reward_hangs ran past 1 s"),
                  "reward_nan": ("bad_reward", r"returned nan"),
@@ -75,6 +84,28 @@ def test_worker_answers_every_failure_with_its_kind_and_recovers():
             after = worker.run(f"{HERE}:reward_length", sample("abcd"))  # the next call is served
             assert after.reward == 4.0, (name, after)
         assert worker.restarts == 2  # the hung worker and the one that exited
+    finally:
+        worker.close()
+
+
+def test_math_verify_in_the_worker_scores_a_pathological_answer_0_within_its_bound():
+    # The worker calls rewards in its main thread, so math-verify's own time limits hold there and
+    # fire before the scorer's default limit: 0, and no worker killed.
+    path = "april_async.scorer.rewards:math_verify"
+
+    def math(text: str, answer: str) -> RewardInput:
+        return RewardInput([1], [5], "q", text, "stop", "math", {"answer": answer})
+
+    worker = RewardWorker([path], timeout_s=ScorerConfig().timeout_s)
+    try:
+        first = worker.run(path, math(r"so $\boxed{\frac{1}{2}}$", "0.5"))
+        assert (first.kind, first.reward) == ("scored", 1.0), first
+        t0 = time.monotonic()
+        out = worker.run(path, math(r"$\boxed{9^{9^{9^{9}}}}$", "1"))  # verify: a number of ~10^8 digits
+        assert (out.kind, out.reward) == ("scored", 0.0), out
+        assert time.monotonic() - t0 < WORST_CASE_S + 2 and worker.restarts == 0
+        garbage = worker.run(path, math("no idea", "1"))
+        assert (garbage.kind, garbage.reward) == ("unparsed", 0.0), garbage
     finally:
         worker.close()
 
@@ -107,7 +138,9 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
                     score_request(4, "nan", "x"),
                     score_request(5, "math", "#### 8", {"answer": "7"}),
                     score_request(6, "scripted", "ab"),  # parity of 3 tokens (with <eos>)
-                    score_request(7, "math", "#### 7", {})]  # no answer in meta
+                    score_request(7, "math", "#### 7", {}),  # no answer in meta
+                    score_request(8, "math", "so x = 1/2", {"answer": r"\frac{1}{2}"}),  # math-verify
+                    score_request(9, "math", "no idea", {"answer": "7"})]  # unparsed: 0, not an error
         for req in requests:
             hub.send(identity, req)
         answers: dict[int, m.Scored] = {}
@@ -121,6 +154,7 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
         assert len(answers) == len(requests), cluster.dump_logs()
         assert all(answers[r.sample_id].lease_id == r.lease_id for r in requests)
         assert answers[1].reward == 1.0 and answers[5].reward == 0.0 and answers[6].reward == 0.0
+        assert (answers[8].reward, answers[9].reward, answers[9].error) == (1.0, 0.0, None)
         kinds = {i: (answers[i].error or "").split(":")[0] for i in (2, 3, 4, 7)}
         assert kinds == {2: "reward_error", 3: "reward_timeout", 4: "bad_reward", 7: "reward_error"}
         assert "meta has no 'answer'" in answers[7].error
@@ -129,4 +163,4 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
         hub.close()
     assert codes == {"scorer-0": 0}, cluster.dump_logs()
     log = cluster.logs["scorer-0"].read_text()
-    assert re.search(r"stopped .*bad_reward=1 .*reward_error=2 .*reward_timeout=1 .*scored=3", log), log[-2000:]
+    assert re.search(r"stopped .*bad_reward=1 .*reward_error=2 .*reward_timeout=1 .*scored=4 .*unparsed=1", log), log[-2000:]
