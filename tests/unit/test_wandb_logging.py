@@ -11,11 +11,17 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 from structlog.testing import capture_logs
 
+from april_async.learner.actor import LearnerActor
+from april_async.learner.config import LearnerConfig
 from april_async.learner.metrics import STALENESS_TAG, TAGS, WANDB_ID
-from tests.unit.test_learner import learner, make_batch, policy  # noqa: F401 (a fixture)
+from april_async.learner.offline import RecordingPeer
+from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.wire import messages as m
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
@@ -37,8 +43,40 @@ def offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB__DISABLE_STATS", "true")  # no system-metrics sampler on shared CPUs
 
 
-def wandb_learner(policy, tmp_path, **kw):  # noqa: F811
+@pytest.fixture
+def policy(tmp_path):
+    """A one-layer decoder over 32 tokens, as a Hugging Face checkpoint."""
+    torch.manual_seed(0)
+    path = tmp_path / "init"
+    CausalLM(ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
+    return path
+
+
+def learner(policy, tmp_path, **kw):
+    """A one-process learner on the CPU with ``run_dir`` = ``tmp_path/run``, publishing to disk."""
+    cfg = LearnerConfig(checkpoint=str(policy), run_dir=tmp_path / "run", broadcaster=None, tensorboard=False,
+                        device="cpu", **kw)
+    return LearnerActor(cfg, RecordingPeer)
+
+
+def wandb_learner(policy, tmp_path, **kw):
     return learner(policy, tmp_path, wandb=True, wandb_mode="offline", **kw)
+
+
+def make_batch(batch_id=0, version=0, rewards=(1.0, 0.0), prompt=(1, 2, 3)):
+    """One group of ``len(rewards)`` samples, sample k with 2 + k response tokens made by ``version``."""
+    rng = np.random.default_rng(batch_id)
+    lens = [2 + k for k in range(len(rewards))]
+    offsets = np.cumsum([0, *lens])
+    samples = [m.BatchSample(sample_id=k, reward=r, finish_reason="stop", response_offset=int(offsets[k]),
+                             response_len=n, versions=[m.VersionSpan(version, n)])
+               for k, (r, n) in enumerate(zip(rewards, lens, strict=True))]
+    group = m.BatchGroup(group_id=10, prompt_id="p0", prompt_offset=0, prompt_len=len(prompt), samples=samples)
+    return m.Batch(batch_id=batch_id, policy_version=version, groups=[group],
+                   prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                   response_tokens=rng.integers(3, 32, int(offsets[-1])).astype(np.int32),
+                   logprobs=np.full(int(offsets[-1]), -3.0, dtype=np.float32), stats={"partials_recycled": 3})
 
 
 def records(path):
@@ -100,10 +138,10 @@ def run_record(run):
     return the_record(run, "run")
 
 
-def test_the_offline_run_holds_every_scalar_of_metrics_jsonl_and_the_config(policy, tmp_path):  # noqa: F811
-    actor = wandb_learner(policy, tmp_path)
+def test_the_offline_run_holds_every_scalar_of_metrics_jsonl_and_the_config(policy, tmp_path):
+    actor = wandb_learner(policy, tmp_path, lr=3e-3)
     for i in range(2):
-        actor.train_on(make_batch([[1.0, 0.0], [0.0, 1.0]], batch_id=i, version=i))
+        actor.train_on(make_batch(batch_id=i, version=i))
     actor.close()
     run_dir = tmp_path / "run"
     run_id = (run_dir / WANDB_ID).read_text().strip()
@@ -120,16 +158,16 @@ def test_the_offline_run_holds_every_scalar_of_metrics_jsonl_and_the_config(poli
     meta = run_record(run)
     assert meta.run_id == run_id and meta.project == "april-async" and meta.display_name == "run"
     config = {u.key: json.loads(u.value_json) for u in meta.config.update}
-    assert config["lr"] == 1e-2 and config["wandb"] is True and config["run_dir"] == str(run_dir)
+    assert config["lr"] == 3e-3 and config["wandb"] is True and config["run_dir"] == str(run_dir)
 
 
-def test_a_resumed_learner_continues_the_same_wandb_run(policy, tmp_path):  # noqa: F811
+def test_a_resumed_learner_continues_the_same_wandb_run(policy, tmp_path):
     actor = wandb_learner(policy, tmp_path, save_every=1)
-    actor.train_on(make_batch([[1.0, 0.0]], batch_id=0, version=0))
+    actor.train_on(make_batch(batch_id=0, version=0))
     actor.close()
     again = wandb_learner(policy, tmp_path, wandb_run_name="resumed")
     assert again.state.step == 1
-    again.train_on(make_batch([[1.0, 0.0]], batch_id=1, version=1))
+    again.train_on(make_batch(batch_id=1, version=1))
     again.close()
     first, second = offline_runs(tmp_path / "run")  # an offline run directory per start: `wandb sync` joins them
     assert run_record(first).run_id == run_record(second).run_id == (tmp_path / "run" / WANDB_ID).read_text().strip()
@@ -138,7 +176,7 @@ def test_a_resumed_learner_continues_the_same_wandb_run(policy, tmp_path):  # no
     assert the_record(first, "exit").exit_code == the_record(second, "exit").exit_code == 0
 
 
-def test_a_learner_stopping_on_an_error_marks_the_run_failed(policy, tmp_path):  # noqa: F811
+def test_a_learner_stopping_on_an_error_marks_the_run_failed(policy, tmp_path):
     actor = wandb_learner(policy, tmp_path)
     try:
         raise RuntimeError("a step failed")
@@ -148,9 +186,9 @@ def test_a_learner_stopping_on_an_error_marks_the_run_failed(policy, tmp_path): 
     assert the_record(run, "exit").exit_code == 1
 
 
-def test_off_by_default_it_makes_no_wandb_files(policy, tmp_path):  # noqa: F811
+def test_off_by_default_it_makes_no_wandb_files(policy, tmp_path):
     actor = learner(policy, tmp_path)
-    actor.train_on(make_batch([[1.0, 0.0]]))
+    actor.train_on(make_batch())
     actor.close()
     assert actor.cfg.wandb is False
     assert not (tmp_path / "run" / "wandb").exists() and not (tmp_path / "run" / WANDB_ID).exists()
@@ -163,14 +201,14 @@ def test_the_learner_does_not_import_wandb_unless_it_is_on():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "importing the learner imported wandb"
 
 
-def test_a_missing_package_stops_the_learner_at_start_with_the_pip_line(policy, tmp_path, monkeypatch):  # noqa: F811
+def test_a_missing_package_stops_the_learner_at_start_with_the_pip_line(policy, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     with pytest.raises(ValueError) as e:
         wandb_learner(policy, tmp_path)
     assert "pip install 'april-async[wandb]'" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_april_learner_without_the_package_exits_2_with_one_line(policy, tmp_path):  # noqa: F811
+def test_april_learner_without_the_package_exits_2_with_one_line(policy, tmp_path):
     code = ("import sys; sys.modules['wandb'] = None; from april_async.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", code, "learner", "--set", f'checkpoint="{policy}"',
@@ -181,7 +219,7 @@ def test_april_learner_without_the_package_exits_2_with_one_line(policy, tmp_pat
     assert line.endswith("pip install 'april-async[wandb]'")
 
 
-def test_a_bad_login_stops_the_learner_at_start(policy, tmp_path, monkeypatch):  # noqa: F811
+def test_a_bad_login_stops_the_learner_at_start(policy, tmp_path, monkeypatch):
     def refuse(**kw):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
@@ -190,23 +228,23 @@ def test_a_bad_login_stops_the_learner_at_start(policy, tmp_path, monkeypatch): 
         wandb_learner(policy, tmp_path)
 
 
-def test_wandb_out_of_reach_at_start_leaves_training_running_without_it(policy, tmp_path, monkeypatch):  # noqa: F811
+def test_wandb_out_of_reach_at_start_leaves_training_running_without_it(policy, tmp_path, monkeypatch):
     def unreachable(**kw):
         raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.")
 
     monkeypatch.setattr(wandb, "init", unreachable)
     with capture_logs() as logs:
         actor = wandb_learner(policy, tmp_path)
-        actor.train_on(make_batch([[1.0, 0.0]]))
+        actor.train_on(make_batch())
         actor.close()
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["wandb_unavailable"]
     assert actor.state.step == 1 and len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
-def test_a_wandb_failure_mid_run_warns_once_and_training_goes_on(policy, tmp_path):  # noqa: F811
+def test_a_wandb_failure_mid_run_warns_once_and_training_goes_on(policy, tmp_path):
     actor = wandb_learner(policy, tmp_path)
     run = actor.metrics.wandb.run
-    actor.train_on(make_batch([[1.0, 0.0]], batch_id=0, version=0))
+    actor.train_on(make_batch(batch_id=0, version=0))
 
     def broken(*a, **kw):
         raise ConnectionResetError("the wandb service went away")
@@ -214,7 +252,7 @@ def test_a_wandb_failure_mid_run_warns_once_and_training_goes_on(policy, tmp_pat
     run.log = broken
     with capture_logs() as logs:
         for i in (1, 2):
-            actor.train_on(make_batch([[1.0, 0.0]], batch_id=i, version=i))
+            actor.train_on(make_batch(batch_id=i, version=i))
         actor.close()
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert [e["event"] for e in warnings] == ["wandb_failed"] and "ConnectionResetError" in warnings[0]["error"]
