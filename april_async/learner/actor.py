@@ -41,6 +41,7 @@ step, and each sample's id with the oldest and newest version of its tokens (an 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from april_async.learner import checkpoint as ckpt
 from april_async.learner.client import BatchClient
 from april_async.learner.config import LearnerConfig
 from april_async.learner.losses import group_advantages, zero_variance_groups
-from april_async.learner.metrics import MetricsSink
+from april_async.learner.metrics import MetricsSink, WandbLog
 from april_async.learner.parallel import SHARDED_DIR, LearnerGroup, ShardedPolicy, join
 from april_async.learner.step import Row, plan_step, run_shard
 from april_async.logs import get_logger
@@ -128,7 +129,8 @@ class LearnerActor:
             # The weights are gathered from every rank's shards, so a restarted broadcaster is
             # handed the current version again by this loop (``resend_due``), not by the session.
             self.handoff = WeightHandoff(cfg.name, broadcaster_peer_factory, lambda: (self.state.version, None))
-        self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard)
+        self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.tensorboard,
+                                   wandb=WandbLog.open(cfg) if cfg.wandb else None)
         self.audit = open(Path(cfg.run_dir) / "batches.jsonl", "a", buffering=1) if cfg.audit else None
         self._last_batch_at: float | None = None
         self._last_command = time.monotonic()
@@ -187,7 +189,7 @@ class LearnerActor:
         self.client.close()
         if self.handoff is not None:
             self.handoff.close()
-        self.metrics.close()
+        self.metrics.close(crashed=sys.exc_info()[0] is not None)  # close() runs in run()'s finally
         if self.audit is not None:
             self.audit.close()
         self.group.close()

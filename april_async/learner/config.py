@@ -105,6 +105,23 @@ class LearnerConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many steps in total (resumed steps included); None: run until stopped."""
     tensorboard: bool = True
+    wandb: bool = False
+    """Send the scalars TensorBoard gets (and the staleness histogram) to Weights & Biases too, from
+    rank 0, with this resolved section as the W&B run's config. Needs ``pip install
+    'april-async[wandb]'`` (the learner stops at start without it) and, online, ``wandb login``. A
+    restarted learner continues the same W&B run: its id is kept in ``<run_dir>/wandb_run_id``
+    (delete the file to start a new one). Once the learner trains, a W&B failure only stops the
+    W&B logging, with one warning; ``metrics.jsonl`` and TensorBoard keep every step."""
+    wandb_project: str = "april-async"
+    wandb_entity: str | None = None
+    """The W&B user or team; None: the logged-in user's default entity."""
+    wandb_run_name: str | None = None
+    """The run's display name; None: the name of ``run_dir`` (its last part)."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """``offline`` writes the run under ``wandb_dir`` only (``wandb sync`` uploads it later); None:
+    W&B's own default (``WANDB_MODE`` in the environment, else ``online``)."""
+    wandb_dir: Path | None = None
+    """Where W&B keeps its local files (in a ``wandb/`` folder it makes there); None: ``run_dir``."""
     audit: bool = True
     """Record every batch taken (sample ids and token versions) in ``<run_dir>/batches.jsonl``."""
     log: LogConfig = LogConfig()
