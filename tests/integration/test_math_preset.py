@@ -53,6 +53,9 @@ def test_the_math_preset_resolves_every_actor_from_a_checkpoint_and_a_jsonl(tmp_
     text = dry.stdout
     assert '"chat": true' in text and "put your final answer within" in text
     assert text.count(f'"{ckpt}"') >= 4, text  # learner, generators' engine, broker's and scorer's tokenizer
+    from april_async.scorer.rewards import BUILTIN_TASK_REWARDS
+
+    assert BUILTIN_TASK_REWARDS["math"].endswith(":math_verify")  # what the data set's task is scored with
 
 
 @pytest.mark.slow
