@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april_async.tasks import math_answer as _math
-# Imports math-verify and sympy (half a second): here, so the worker pays it at its start, not in a call.
-from april_async.tasks import math_verified as _verified
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,11 @@ class Unparsed(Exception):
 def math_verify(x: RewardInput) -> float:
     """1.0 when math-verify finds that the response states ``meta["answer"]``, 0.0 when it states
     another; ``Unparsed`` when it states none."""
-    reward = _verified.score(x.response_text, _gold(x))
+    # Imported at the first call (math-verify and sympy: half a second, well inside a call's time
+    # limit): every scorer loads every built-in reward, and most runs score no ``math`` task.
+    from april_async.tasks import math_verified
+
+    reward = math_verified.score(x.response_text, _gold(x))
     if reward is None:
         raise Unparsed(f"math-verify reads no answer in the response ({len(x.response_text)} characters)")
     return reward
