@@ -39,7 +39,9 @@ As strict as SGLang where a client can go wrong: a refused request (prompt + bud
 ``{"error": {"message"}}`` event + ``[DONE]``, and not streamed HTTP 400 (``http_server.py``
 ``generate_request``); a status-coded abort ends a stream like any abort and a whole answer with
 HTTP 400 (400) or an ``ErrorResponse`` under 503/500 (``tokenizer_manager.py``
-``_handle_abort_finish_reason``); every eos id of the checkpoint (``config.json`` and
+``_handle_abort_finish_reason``), as is a prompt the KV pool (``--kv-tokens``) cannot hold on 0.5.23
+(``scheduler.py`` ``init_req_max_new_tokens``: "Request prompt exceeds the KV memory budget"; 0.5.15
+gives it no new tokens instead); every eos id of the checkpoint (``config.json`` and
 ``generation_config.json``) stops a request with ``{"type": "stop", "matched": id}``; with
 ``--sglang-version 0.5.23`` answers carry ``meta_info.weight_versions`` spans
 (``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``).
@@ -259,6 +261,13 @@ class Core:
                 while self._admissible() and len(self.running) < self.engine.slots:
                     req = self.waiting.popleft()
                     p = req.params
+                    budget = self.args.kv_tokens
+                    if budget and len(req.prompt) + 1 >= budget:  # scheduler.py ``init_req_max_new_tokens``
+                        if self.args.sglang_version == "0.5.23":  # a prompt the KV pool cannot hold is aborted
+                            self._end(req, status_abort(400, f"Request prompt exceeds the KV memory budget: "
+                                                             f"input_len={len(req.prompt)}."))
+                            continue
+                        p["max_new_tokens"] = 0  # 0.5.15: its max_new_tokens clamped to nothing
                     if p["max_new_tokens"] == 0:
                         self._end(req, {"type": "length", "length": 0})
                         continue
@@ -884,6 +893,9 @@ def main(argv: list[str] | None = None) -> None:
                          "requests while paused and fails an update rather than the server (else 0.5.15.post1)")
     ap.add_argument("--sglang-version", default=None,
                     help="the version /server_info reports (default: 0.5.23 or 0.5.15.post1, as above)")
+    ap.add_argument("--kv-tokens", type=int, default=0,
+                    help="the KV pool's tokens (SGLang's max_total_num_tokens; 0: unbounded): a prompt it cannot "
+                         "hold is aborted with a 400 on 0.5.23 and given no new tokens on 0.5.15")
     ap.add_argument("--group-timeout-s", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--step-delay-s", type=float, default=0.0,

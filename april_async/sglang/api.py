@@ -77,11 +77,12 @@ class Refused(SGLangError):
 # values (the broker's [broker.rollout]) and differs only in ``input_ids``, ``max_new_tokens`` and
 # ``rid``. So a message about the length (SGLang: "Requested token count exceeds the model's maximum
 # context length ...", "The input (N tokens) is longer than the model's context length ...", the
-# scheduler's "Input length ... exceeds the maximum allowed length ...") or about the rid
+# scheduler's "Input length ... exceeds the maximum allowed length ...", and 0.5.23's "Request prompt
+# exceeds the KV memory budget: input_len=N." for a prompt its KV pool cannot hold) or about the rid
 # ("Duplicate request ID ...") is this request's; any other (a sampling value, a field, an unknown
 # message) would be given to every request.
 PER_REQUEST_REFUSALS = ("context length", "context_length", "maximum allowed length", "longer than",
-                        "too long", "duplicate request id")
+                        "too long", "kv memory budget", "duplicate request id")
 
 
 def refusal_is_per_request(message: str) -> bool:

@@ -260,6 +260,22 @@ def test_a_too_long_prompt_ends_its_lease_with_the_servers_message_not_a_retry(s
     assert engine.resumed == 0 and engine.lost == 0
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
+def test_a_prompt_beyond_the_kv_budget_ends_only_its_lease_on_0_5_23(standins, stream):
+    """0.5.23 aborts a prompt its KV pool cannot hold with a 400 ("Request prompt exceeds the KV
+    memory budget", ``scheduler.py`` ``init_req_max_new_tokens``): that lease alone ends as ``error``,
+    and the generator goes on (the message used to read as one every request would get)."""
+    server = standins("--sglang-version", "0.5.23", "--kv-tokens", "5")
+    engine = make_engine(server.url, stream=stream)
+    try:
+        got = drive(engine, [request(0, PROMPTS[2], 8), request(1, PROMPTS[1], 8)], timeout_s=20)
+    finally:
+        engine.close()
+    assert got[0].finish == "error" and got[0].tokens == [] and "KV memory budget" in got[0].error
+    assert got[1].finish == "length" and len(got[1].tokens) == 8
+    assert engine.resumed == 0 and engine.lost == 0
+
+
 @pytest.mark.parametrize("code, finish", [(503, "abort"), (500, "abort"), (400, "error")])
 def test_an_abort_the_server_made_with_a_status_code_is_not_resubmitted(ckpts, standins, code, finish):
     """``schedule_batch.py`` ``FINISH_ABORT`` with a ``status_code``: 503 (waited too long) and 500
