@@ -57,6 +57,34 @@ from april_async.wire.messages import TensorSpec
 
 SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
 """SGLang versions this fan-out was checked against, each with the torch its wheel pins."""
+TORCH_NCCL = {"2.11.0": (2, 28, 9), "2.13.0": (2, 29, 7), "2.14.1": (2, 30, 7)}
+"""The NCCL inside each torch release's CUDA wheels (its ``nvidia-nccl`` pin): what a server of a
+given SGLang version runs, since SGLang's endpoints report no NCCL or torch version of their own."""
+
+
+def nccl_mismatch(local: tuple[int, ...] | None, local_torch: str, sglang_version: str) -> str | None:
+    """Why an NCCL group of this process and a server of ``sglang_version`` cannot form, or None.
+
+    NCCL refuses a peer of another version ("Mismatched NCCL version detected") at the group's first
+    collective, after every server was paused for the push: so the versions are compared first. A
+    server whose SGLang version implies no torch (not in ``SUPPORTED_SGLANG``) passes unchecked."""
+    server_torch = SUPPORTED_SGLANG.get(sglang_version)
+    theirs = TORCH_NCCL.get(server_torch or "")
+    if local is None or theirs is None or tuple(local) == theirs:
+        return None
+    ours = ".".join(map(str, local))
+    return (f"NCCL {ours} here (torch {local_torch}) and NCCL {'.'.join(map(str, theirs))} in the server "
+            f"(SGLang {sglang_version} pins torch {server_torch}): NCCL joins no peer of another version. "
+            f"On GPU nodes install april-async into SGLang's own environment, so both sides run torch "
+            f"{server_torch} (docs/sglang.md, \"Installing SGLang\")")
+
+
+def _local_nccl() -> tuple[int, ...] | None:
+    """This process's NCCL version (None where torch has no NCCL: a CPU build)."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -145,6 +173,9 @@ class SGLangFanout:
                                                        f"broadcaster was checked against "
                                                        f"({', '.join(SUPPORTED_SGLANG)}); set "
                                                        f"[broadcaster.sglang] any_sglang_version to join it anyway")
+            if self.backend == "nccl" and (why := nccl_mismatch(_local_nccl(), torch.__version__.split("+")[0],
+                                                                  version)) is not None:
+                raise SGLangError(url, "/init_weights_update_group", why)  # before anything is paused
         world = 1 + sum(ranks.values())
         self.formed += 1
         name = f"{self._prefix}-{self.formed}"

@@ -714,3 +714,23 @@ def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standi
     assert httpx.post(f"{t.url}/update_weight_version", json={"new_version": "7"}).status_code == 200
     standin_pool.give_back(t)
     assert t.proc.poll() is not None
+
+
+def test_an_nccl_group_with_a_server_of_another_nccl_is_refused_before_any_pause(ckpts, standins, store, monkeypatch):
+    """NCCL refuses a peer of another version only at the group's first collective, after every server
+    was paused; so the broadcaster compares its NCCL with the one the server's SGLang release implies
+    (0.5.23 pins torch 2.14.1: NCCL 2.30.7) first, and refuses naming both and the fix."""
+    server = standins("--weight-update-session")  # SGLang 0.5.23
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 29, 7))  # torch 2.13.0's, as if on a GPU
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = SGLangFanout(SGLangFanoutConfig(), store=store[0], store_host="127.0.0.1", store_port=store[1],
+                          backend="nccl", timeout_s=30)
+    try:
+        failed = fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20)["gen"]
+    finally:
+        fanout.close()
+    assert "NCCL 2.29.7 here" in failed and "NCCL 2.30.7 in the server" in failed, failed
+    assert "install april-async into SGLang's own environment" in failed
+    state = server.state()
+    assert not state["paused"] and state["weight_version"] == "default", state  # nothing was paused or pushed
+
