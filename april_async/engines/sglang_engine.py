@@ -359,14 +359,16 @@ class SGLangEngine(Engine):
             r.server.version = max(r.server.version, delta.weight_version)
         if not delta.tokens:
             return
-        version = delta.weight_version if delta.weight_version is not None else r.server.version
+        # The event's version as its spans read: "default" is the initial version in both (a restarted
+        # server's tokens were tagged with the last version known for it, its spans with the initial).
+        version = self._span_version(delta.raw_weight_version, r.server.version)
         versions = [self._span_version(v, version) for v in delta.versions] or [version] * len(delta.tokens)
         r.tokens += delta.tokens
         self._out.put(EngineOutput(r.request.lease_id, delta.tokens, delta.logprobs, versions))
 
     def _span_version(self, raw, fallback: int) -> int:
-        """A token's version from its ``weight_versions`` span: ``"default"`` (never updated) is the
-        configured initial version; no span at all, the event's version (``fallback``)."""
+        """A version as SGLang sends it (a span's or an event's): ``"default"`` (never updated) is the
+        configured initial version; none at all, ``fallback``."""
         if raw is None:
             return fallback
         version = api.parse_weight_version(raw)

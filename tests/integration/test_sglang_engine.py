@@ -734,3 +734,29 @@ def test_an_nccl_group_with_a_server_of_another_nccl_is_refused_before_any_pause
     state = server.state()
     assert not state["paused"] and state["weight_version"] == "default", state  # nothing was paused or pushed
 
+
+def test_a_restarted_servers_default_version_tags_tokens_with_the_initial_version(ckpts, tmp_path, store):
+    """After a restart a server's events say ``weight_version: "default"`` (its first weights). The
+    tokens are tagged with the initial version, as its spans would be, not with the last version
+    the engine knew for that server (a response once came back tagged ``[5, 5, 0]``)."""
+    first = start_standin(ckpts / "v0", tmp_path, "--max-seq-len", "512", name="before")
+    port = int(first.url.rsplit(":", 1)[1])
+    engine = make_engine(first.url, health_interval_s=600)  # no probe resets the version behind the test
+    fanout = fanout_for(store)
+    again = None
+    try:
+        specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+        assert fanout.push({"gen": [first.url]}, 3, specs, buffer, 1 << 20) == {"gen": None}
+        drive(engine, [request(0, PROMPTS[0], 2)])  # an event reports version 3: the engine now knows it
+        assert engine.policy_version == 3
+        first.kill()
+        again = start_standin(ckpts / "v0", tmp_path, "--max-seq-len", "512", name="after", port=port)
+        got = drive(engine, [request(1, PROMPTS[1], 6)], timeout_s=30)[1]
+    finally:
+        fanout.close()
+        engine.close()
+        for s in (first, again):
+            if s is not None:
+                s.kill()
+    assert got.finish == "length" and got.versions == [0] * 6, got.versions
+
