@@ -25,7 +25,13 @@ class SGLangFanoutConfig(BaseModel):
     tokens and are resumed on the new weights (exact per-token versions; the prefix cache is
     flushed). ``retract``/``in_place``: they wait and go on with the new weights, their later
     tokens tagged with the version the server reports. ``none``: no pause (SGLang's own lock then
-    waits for every request in flight to end before loading)."""
+    waits for every request in flight to end before loading); the update must then fit one bucket
+    (``bucket_mb``), else requests would decode between buckets on half-new weights under the old
+    version's tag, and the push is refused unless ``allow_torn_updates``."""
+    allow_torn_updates: bool = False
+    """With ``pause = "none"``, push in several buckets anyway: tokens decoded between two buckets come
+    from a mix of both versions and are tagged with the old one (SGLang sets the version at the
+    last bucket). For experiments that accept that, knowingly."""
     call_timeout_s: float = Field(30.0, gt=0)
     """Limit of every control call (info, pause, continue, begin/end, destroy)."""
     update_timeout_s: float = Field(600.0, gt=0)

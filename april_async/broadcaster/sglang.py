@@ -33,7 +33,10 @@ push, top to bottom (``SGLangFanout.push``):
 A server whose push fails once buckets were sent is left paused — its weights may be half new,
 and tokens from them must not be labelled with either version — and the next push re-forms the
 group, sends every tensor again and continues it. One whose push failed before any bucket (the
-pause, drain, flush or begin) holds its old weights whole and is continued at once. A server is
+pause, drain, flush or begin) holds its old weights whole and is continued at once. In ``none``
+mode nothing is paused, so a push must fit one bucket (one ``/update_weights_from_distributed``
+call, which SGLang receives whole before loading any of it: 0.5.23 ``weight_updater.py``), else it
+is refused before anything is sent unless ``allow_torn_updates``. A server is
 joined only if its SGLang version is one of ``SUPPORTED_SGLANG`` (see ``docs/sglang.md``). Connection errors are typed ``SGLangError``s, logged, never raised
 past ``push``. The push runs on the broadcaster's collective thread, not its loop.
 """
@@ -234,6 +237,14 @@ class SGLangFanout:
                 bucket_bytes: int) -> dict[str, str]:
         failed: dict[str, str] = {}
         mode = self.cfg.pause
+        parts = [indices for _, _, indices in tensor_buckets(tensors, bucket_bytes)]  # whole tensors each
+        if mode == "none" and len(parts) > 1 and not self.cfg.allow_torn_updates:
+            need = -(-buffer.numel() // (1 << 20))
+            why = (f"pause = \"none\" needs the update in one bucket, and version {version} takes {len(parts)} of "
+                   f"{bucket_bytes >> 20} MB: requests would decode between buckets on half-new weights tagged with "
+                   f"the old version. Raise [broadcaster] bucket_mb to {need} or more, pick another pause mode, or "
+                   f"set [broadcaster.sglang] allow_torn_updates")
+            return {u: why for u in urls}
 
         def note(errors: dict[str, SGLangError | None]) -> None:
             failed.update({u: str(e) for u, e in errors.items() if e is not None and u not in failed})
@@ -252,7 +263,6 @@ class SGLangFanout:
         note(errors)
         with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
         views = unflatten(tensors, buffer)
-        parts = [indices for _, _, indices in tensor_buckets(tensors, bucket_bytes)]  # whole tensors each
         sent = False  # once a bucket went out, a failed server's weights may be half new
         try:
             for i, part in enumerate(parts):

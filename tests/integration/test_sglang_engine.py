@@ -760,3 +760,24 @@ def test_a_restarted_servers_default_version_tags_tokens_with_the_initial_versio
                 s.kill()
     assert got.finish == "length" and got.versions == [0] * 6, got.versions
 
+
+def test_an_unpaused_push_in_several_buckets_is_refused_unless_torn_updates_are_allowed(ckpts, standins, store):
+    """With ``pause = "none"`` requests keep decoding through the push: over several buckets they would
+    run on half-new weights tagged with the old version (SGLang sets it at the last bucket)."""
+    server = standins()
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store, pause="none")
+    try:
+        failed = fanout.push({"gen": [server.url]}, 1, specs, buffer, 64 * 1024)["gen"]
+        assert "needs the update in one bucket" in failed and "allow_torn_updates" in failed, failed
+        assert server.state()["weight_version"] == "default"  # nothing was sent
+        assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}  # one bucket
+    finally:
+        fanout.close()
+    torn = fanout_for(store, pause="none", allow_torn_updates=True)
+    try:
+        assert torn.push({"gen": [server.url]}, 2, specs, buffer, 64 * 1024) == {"gen": None}
+    finally:
+        torn.close()
+    assert server.state()["weight_version"] == "2"
+
