@@ -59,6 +59,8 @@ class EngineRequest:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    min_version: int = 0
+    """The oldest policy version the lease may start on (the broker's ``min_policy_version``)."""
 
 
 @dataclass
@@ -109,6 +111,12 @@ class Engine:
 
     def active(self) -> int:
         raise NotImplementedError
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version a lease can start on now: ``policy_version`` for an engine of one set
+        of weights; a server engine's newest live server (``submit`` then picks one that new)."""
+        return self.policy_version
 
     def close(self) -> None:
         """Release what the engine holds (threads, connections); nothing, by default."""

@@ -118,9 +118,16 @@ class SGLangEngine(Engine):
 
     @property
     def policy_version(self) -> int:
-        """The oldest version a live server holds: a lease may start on any of them."""
+        """The oldest version a live server holds: what the generator reports it holds."""
         live = [s.version for s in self.servers if s.alive]
         return min(live) if live else min(s.version for s in self.servers)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version a live server holds: a lease that needs it starts there, so one
+        server the last push did not reach (a stuck one) holds back no lease of the others."""
+        live = [s.version for s in self.servers if s.alive]
+        return max(live) if live else min(s.version for s in self.servers)
 
     def active(self) -> int:
         return len(self._reqs)
@@ -129,7 +136,8 @@ class SGLangEngine(Engine):
         if self._fatal is not None:
             raise self._fatal
         live = [s for s in self.servers if s.alive] or self.servers
-        server = min(live, key=lambda s: s.running)
+        new_enough = [s for s in live if s.version >= request.min_version] or live
+        server = min(new_enough, key=lambda s: s.running)
         r = _Req(request, server)
         self._reqs[request.lease_id] = r
         server.running += 1

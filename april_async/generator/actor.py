@@ -106,7 +106,6 @@ class GeneratorActor:
         self.unacked: list[m.Finished] = []  # finished reports not yet journaled by the broker
         self.unacked_seq: list[int] = []
         self.sessions = 0
-        self.min_version: dict[int, int] = {}  # lease -> the policy version it must start from
         self.aborting: set[int] = set()  # leases whose abort a server engine will report through step()
         self.capacity = engine.slots  # what the broker was told (a server engine's shrinks while one is down)
         self.broker_proto: str | None = None  # the broker's proto_version, from its last message
@@ -206,15 +205,14 @@ class GeneratorActor:
         self.broker_proto = msg.proto_version
         body = msg.body
         if isinstance(body, m.Generate):
-            if self.gated:
-                self.min_version[body.lease_id] = body.min_policy_version
-            else:  # an engine with no weights (the scripted test engine) has none to wait for
+            if not self.gated:  # an engine with no weights (the scripted test engine) has none to wait for
                 self.engine.policy_version = max(self.engine.policy_version, body.min_policy_version)
             sp = body.sampling
             self.waiting.append(EngineRequest(
                 lease_id=body.lease_id, sample_id=body.sample_id, prompt=body.prompt.tolist(), resume=body.resume.tolist(),
                 max_new_tokens=body.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed))
+                stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed,
+                min_version=body.min_policy_version if self.gated else 0))
             self.work[body.lease_id] = LeaseWork(body.lease_id, body.sample_id, len(body.resume))
         elif isinstance(body, m.Abort):
             if body.all and self.engine.caps.batched_abort:
@@ -233,13 +231,13 @@ class GeneratorActor:
 
     def _start_waiting(self) -> None:
         """Start waiting leases while slots are free, in order; a lease that needs newer weights
-        than the engine holds waits for them (and so does every lease behind it)."""
+        than any the engine can start it on (``newest_version``) waits for them (and so does every
+        lease behind it)."""
         while self.waiting and self.engine.active() < self.engine.slots:
             req = self.waiting[0]
-            if self.min_version.get(req.lease_id, 0) > self.engine.policy_version:
+            if req.min_version > self.engine.newest_version:
                 return
             self.waiting.popleft()
-            self.min_version.pop(req.lease_id, None)
             if req.lease_id in self.work:  # not aborted while it waited
                 try:
                     self.engine.submit(req)
@@ -260,7 +258,6 @@ class GeneratorActor:
             return
         if any(r.lease_id == lease_id for r in self.waiting):  # never started: nothing to stop
             self.waiting = deque(r for r in self.waiting if r.lease_id != lease_id)
-            self.min_version.pop(lease_id, None)
             self._finish(w, "abort")
             return
         out = self.engine.abort(lease_id)

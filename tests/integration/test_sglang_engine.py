@@ -781,3 +781,26 @@ def test_an_unpaused_push_in_several_buckets_is_refused_unless_torn_updates_are_
         torn.close()
     assert server.state()["weight_version"] == "2"
 
+
+def test_a_lease_that_needs_the_new_version_starts_on_a_server_that_has_it(ckpts, standins, store):
+    """One server the last push did not reach holds every lease back when the gate is the oldest
+    live server's version: a lease runs where its ``min_version`` is held instead."""
+    a, b = standins(), standins()
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store)
+    engine = make_engine(a.url, b.url)
+    try:
+        assert fanout.push({"gen": [a.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}  # b stays at 0
+        engine.refresh_versions()
+        deadline = time.monotonic() + 10
+        while engine.newest_version != 1:
+            assert time.monotonic() < deadline, "the engine never saw version 1"
+            time.sleep(0.05)
+        assert engine.policy_version == 0  # what it reports holding: the oldest
+        requests = [EngineRequest(i, i, list(PROMPTS[i % 4]), [], 4, temperature=0.0, min_version=1) for i in range(6)]
+        got = drive(engine, requests)
+    finally:
+        fanout.close()
+        engine.close()
+    assert all(o.finish == "length" and o.versions == [1] * 4 for o in got.values()), got
+
