@@ -9,9 +9,10 @@ push, top to bottom (``SGLangFanout.push``):
               of the old group (best effort), then ``/init_weights_update_group`` on every server
               at once (rank offsets from each server's ``tp_size``) while this process joins as
               rank 0 on the TCPStore it already hosts (``weights.custom_group``);
-    recover   once per server, the first time this process meets it (``recover``): end any
-              session a previous broadcaster left open and continue generation (SGLang has no
-              query for either: ``/end_weight_update``'s "no session" answer is expected);
+    recover   once per server, the first time this process meets it and again after a push to
+              it failed (``recover``): end any session left open (by a previous broadcaster, or
+              an end that never arrived) and continue generation (SGLang has no query for either:
+              ``/end_weight_update``'s "no session" answer is expected);
     pause     ``/pause_generation`` in ``pause`` mode (``abort`` by default: in-flight requests end
               with their tokens and the generator resumes them on the new weights, so every
               token's version is exact); in ``abort`` mode, ``abort_all`` again until
@@ -28,7 +29,9 @@ push, top to bottom (``SGLangFanout.push``):
               broadcasts the bucket's tensors from rank 0, one collective each, in ``names`` order
               — what the server posts receives for;
     resume    ``/end_weight_update`` (in a ``finally``: an open session refuses every later begin),
-              then ``/continue_generation``.
+              then ``/continue_generation``, retried with back-off, on every server whose weights
+              are whole: all new (every bucket taken, even if the end or a continue failed) or
+              all old.
 
 A server whose push fails once buckets were sent is left paused — its weights may be half new,
 and tokens from them must not be labelled with either version — and the next push re-forms the
@@ -58,6 +61,8 @@ from april_async.weights.custom_group import join_custom_group, leave_custom_gro
 from april_async.weights.flat import tensor_buckets, unflatten
 from april_async.wire.messages import TensorSpec
 
+RESUME_BACKOFF_S = (0.5, 1.0, 2.0)
+"""Waits before each retry of a ``/continue_generation`` that failed."""
 SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
 """SGLang versions this fan-out was checked against, each with the torch its wheel pins."""
 TORCH_NCCL = {"2.11.0": (2, 28, 9), "2.13.0": (2, 29, 7), "2.14.1": (2, 30, 7)}
@@ -139,11 +144,14 @@ class SGLangFanout:
         """End any weight-update session left open on ``urls`` and continue their generation —
         what a broadcaster that died mid-push left behind (SGLang offers no query for either, so
         both are sent unconditionally; "no session" is the usual answer). Each server once per
-        process; per server None, or what failed (tried again next time)."""
+        process, and again after a push to it failed (an end that did not arrive leaves a session
+        open, which refuses every later begin); per server None, or what failed (tried again next time)."""
         urls = [u for u in urls if u not in self.recovered]
         ended = self._each(urls, ServerClient.end_any_update)
         errors = _errors(ended)
-        resumed = _errors(self._each([u for u in urls if errors[u] is None], ServerClient.resume))
+        # Not one this process left paused on purpose (half-new weights): the push resumes it.
+        resumed = _errors(self._each([u for u in urls if errors[u] is None and u not in self.paused],
+                                     ServerClient.resume))
         out: dict[str, str | None] = {}
         for u in urls:
             err = errors[u] or resumed.get(u)
@@ -225,6 +233,7 @@ class SGLangFanout:
             failed = {u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls}
         if failed:
             self._leave()  # re-formed at the next push
+            self.recovered.difference_update(failed)  # an update session its end did not close: ended then
         out = {member: "; ".join(failed[u] for u in us if u in failed) or None for member, us in servers.items()}
         if failed:
             self.log.warning("push_failed", version=version, failed=failed, paused=sorted(self.paused))
@@ -264,6 +273,7 @@ class SGLangFanout:
         with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
         views = unflatten(tensors, buffer)
         sent = False  # once a bucket went out, a failed server's weights may be half new
+        complete: set[str] = set()  # every bucket taken: the new weights whole, the version set
         try:
             for i, part in enumerate(parts):
                 if failed:  # every server is in the collective: one failure stops the rest
@@ -284,16 +294,37 @@ class SGLangFanout:
                     leave_custom_group(self.pg)  # the servers' receives end rather than wait out their timeout
                     self.pg = None
                 note(_errors(calls))
+                if last:
+                    complete.update(ok())
         finally:  # an open session refuses every later begin: end it whatever happened
             if with_session:
                 note(_errors(self._each(with_session, ServerClient.end_update)))
         if mode == "none":
             self._flush(ok(), note, retry=False)
         else:
-            whole = [u for u in urls if u not in failed or not sent]  # weights all new, or all old
-            note(_errors(self._each(whole, ServerClient.resume)))
-            self.paused.difference_update(u for u in whole if u not in failed or not sent)
+            # Weights all new (every bucket taken, whatever failed after: end, continue) or all old.
+            whole = [u for u in urls if u not in failed or not sent or u in complete]
+            resumed = self._resume(whole)
+            note(resumed)
+            self.paused.difference_update(u for u in whole if resumed[u] is None)
         return failed
+
+    def _resume(self, urls: list[str]) -> dict[str, SGLangError | None]:
+        """``/continue_generation`` on each of ``urls``, retried after ``RESUME_BACKOFF_S``: a pause
+        left in place stops a server generating with no error anywhere (its requests wait behind
+        it). Per server, None or the last failure."""
+        out: dict[str, SGLangError | None] = dict.fromkeys(urls)
+        pending, delays = list(urls), iter(RESUME_BACKOFF_S)
+        while pending:
+            errors = _errors(self._each(pending, ServerClient.resume))
+            out.update(errors)
+            pending = [u for u, e in errors.items() if e is not None]
+            delay = next(delays, None) if pending else None
+            if delay is None:
+                break
+            self.log.warning("resume_failed", servers=pending, retry_in_s=delay, error=str(errors[pending[0]]))
+            time.sleep(delay)
+        return out
 
     def _flush(self, urls: list[str], note, *, retry: bool) -> None:
         """``/flush_cache`` on each of ``urls`` whose scheduler can flush now (a failed flush

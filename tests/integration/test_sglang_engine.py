@@ -804,3 +804,53 @@ def test_a_lease_that_needs_the_new_version_starts_on_a_server_that_has_it(ckpts
         engine.close()
     assert all(o.finish == "length" and o.versions == [1] * 4 for o in got.values()), got
 
+
+def flaky(monkeypatch, method: str, fail: set[int]) -> list[str]:
+    """``ServerClient.<method>`` fails the calls numbered in ``fail`` (from 1) as a dropped connection
+    would; the servers it was called for are listed."""
+    from april_async.sglang.api import SGLangError
+    from april_async.sglang.client import ServerClient
+
+    real, calls = getattr(ServerClient, method), []
+
+    def call(client, *args, **kwargs):
+        calls.append(client.url)
+        if len(calls) in fail:
+            raise SGLangError(client.url, method, "injected: the connection dropped")
+        return real(client, *args, **kwargs)
+    monkeypatch.setattr(ServerClient, method, call)
+    return calls
+
+
+def test_a_continue_that_drops_after_the_last_bucket_is_retried_and_no_server_stays_paused(
+        ckpts, standins, store, monkeypatch):
+    """The new weights were whole and the version set, so the server reports it and no new round
+    comes: a pause left in place there would stop it for good. The continue is retried."""
+    server = standins()
+    calls = flaky(monkeypatch, "resume", fail={2, 3})  # the first is recovery's, at the first meeting
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store)
+    try:
+        assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 64 * 1024) == {"gen": None}
+    finally:
+        fanout.close()
+    state = server.state()
+    assert calls.count(server.url) == 4 and not state["paused"] and state["weight_version"] == "1", state
+
+
+def test_an_end_that_never_arrived_is_ended_by_the_next_push(ckpts, standins, store, monkeypatch):
+    """0.5.23 refuses every begin while a session is open: the next push ends it first (recovery runs
+    again for a server whose push failed, not once per process)."""
+    server = standins("--weight-update-session")
+    flaky(monkeypatch, "end_update", fail={2})  # the first ends any session left over, at the first meeting
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store)
+    try:
+        first = fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20)["gen"]
+        assert first is not None and "injected" in first
+        assert fanout.push({"gen": [server.url]}, 2, specs, buffer, 1 << 20) == {"gen": None}
+    finally:
+        fanout.close()
+    state = server.state()
+    assert not state["paused"] and state["weight_version"] == "2" and not state["session"], state
+
