@@ -81,6 +81,18 @@ def up(config: Path, *args: str, log: Path) -> subprocess.Popen:
                  tied=False)
 
 
+def up_to_end(config: Path, *args: str, run_dir: Path, log: Path, timeout_s: float = 240.0) -> None:
+    """``april up`` until it ends on its own (``run.max_steps``), killed past ``timeout_s``; an exit
+    other than 0 fails the test with its output and every actor's log."""
+    proc = up(config, *args, log=log)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, f"april up exited {rc}\n{log.read_text()}\n{logs_of(run_dir)}"
+
+
 def children_of(run_dir: Path) -> list[int]:
     """Processes whose command line names the run directory: the actors ``april up`` started."""
     pids = []

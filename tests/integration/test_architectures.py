@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from april_async.model.tokenizer import CharTokenizer
-from april_async.testing.runs import ETA, logs_of, metrics, up, write_config
+from april_async.testing.runs import ETA, metrics, up_to_end, write_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,14 +48,7 @@ def test_april_up_trains_a_transformers_checkpoint_with_the_engines_logprobs_its
     init = checkpoint(family, tmp_path / "init")
     run_dir = tmp_path / "run"
     config = write_config(tmp_path, run_dir, checkpoint=init)
-    log = tmp_path / "up.log"
-    proc = up(config, "--set", "run.max_steps=3", log=log)
-    try:
-        rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0, f"april up exited {rc}\n{log.read_text()}\n{logs_of(run_dir)}"
+    up_to_end(config, "--set", "run.max_steps=3", run_dir=run_dir, log=tmp_path / "up.log")
     rows = metrics(run_dir)
     assert len(rows) == 3, rows
     first = rows[0]

@@ -15,7 +15,7 @@ from april_async.model.tokenizer import load_tokenizer
 from april_async.runtime import free_port
 from april_async.testing.checkpoints import chat_tokenizer, tiny_model
 from april_async.testing.procs import ROOT
-from april_async.testing.runs import logs_of, metrics, up
+from april_async.testing.runs import metrics, up_to_end
 
 PRESET = ROOT / "launch" / "math.toml"
 
@@ -64,14 +64,8 @@ def test_the_math_preset_trains_a_tiny_checkpoint_on_generated_records(tmp_path,
     run_dir = tmp_path / "run"
     small = ["run.max_steps=2", "broker.rollout.batch_groups=2", "broker.rollout.group_size=2",
              "broker.rollout.max_response_tokens=16", "generator.torch.slots=8", "generator.torch.max_seq_len=256"]
-    log = tmp_path / "up.log"
-    proc = up(PRESET, *overrides(tmp_path, ckpt, data), *(a for s in small for a in ("--set", s)), log=log)
-    try:
-        rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0, f"april up exited {rc}\n{log.read_text()}\n{logs_of(run_dir)}"
+    up_to_end(PRESET, *overrides(tmp_path, ckpt, data), *(a for s in small for a in ("--set", s)), run_dir=run_dir,
+              log=tmp_path / "up.log")
     rows = metrics(run_dir)
     assert len(rows) == 2 and rows[0]["kl_behav"] < 1e-6, rows
     assert json.loads((run_dir / "broker_state.json").read_text())["balanced"]

@@ -146,7 +146,11 @@ def test_the_actor_gates_leases_by_caps():
         lease = m.Generate(lease_id=1, sample_id=1, group_id=1, prompt=np.asarray([1], dtype=np.int32),
                            resume=np.zeros(0, dtype=np.int32), max_new_tokens=2, min_policy_version=8)
         actor.handle(SimpleNamespace(proto_version="1.7", body=lease))
-        assert actor.min_version == ({1: 8} if gated else {}) and actor.engine.policy_version == (3 if gated else 8)
+        assert actor.waiting[0].min_version == (8 if gated else 0) and actor.engine.policy_version == (3 if gated else 8)
+        actor.engine.active = lambda: 0
+        actor.engine.submit = lambda request: actor.engine.loaded.append(("started", request.lease_id))
+        actor._start_waiting()  # a gated lease waits for version 8; an ungated one starts
+        assert (list(actor.waiting) != []) is gated and (("started", 1) in actor.engine.loaded) is not gated
 
 
 def test_the_broadcaster_tells_a_member_on_servers_at_once_when_its_push_succeeded():
