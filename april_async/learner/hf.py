@@ -34,7 +34,6 @@ from torch import nn
 
 from april_async.model.errors import CheckpointError
 
-ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
 PACKING_ATTENTION = frozenset({"flash_attention_2"})
 """Implementations that take packed rows natively (variable-length kernels): no padding, no
 quadratic mask over the whole micro-batch."""
