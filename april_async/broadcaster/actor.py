@@ -328,11 +328,12 @@ class BroadcasterActor:
                 self.fanout = SGLangFanout(self.cfg.sglang, store=self.group.store, store_host=host,
                                            store_port=int(port), backend=self.backend,
                                            timeout_s=self.cfg.timeout_s, name=self.cfg.name)
-            if body.servers and self.fanout is not None and self.job is None:
+            if body.servers and self.fanout is not None:
                 # A broadcaster that died mid-push may have left these servers paused, or with a
                 # weight-update session open; a generator already at the held version gets no push
-                # that would clear it. Once per server per process (a push in flight does it itself).
-                self.fanout.recover(body.servers)
+                # that would clear it. Off this loop (a server that does not answer takes a call
+                # timeout, longer than the peers' heartbeats), after any push in flight.
+                self.fanout.recover_soon(body.servers)
             self._apply(effects, identity, msg)
             return
         if not p.touch(sender, now):

@@ -47,6 +47,7 @@ past ``push``. The push runs on the broadcaster's collective thread, not its loo
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -128,6 +129,8 @@ class SGLangFanout:
         self.recovered: set[str] = set()  # servers whose stale session and pause were cleared
         self._prefix = f"april-{os.urandom(3).hex()}"
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bcast-sglang")
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-recover")
+        self._lock = threading.Lock()  # one of recover and push at a time: they share the state above
 
     def _client(self, url: str) -> ServerClient:
         if url not in self.clients:
@@ -140,13 +143,24 @@ class SGLangFanout:
 
     # ------------------------------------------------------------------ recovery
 
+    def recover_soon(self, urls) -> Future:
+        """``recover(urls)`` on a thread of its own, after any push in flight: for the broadcaster's
+        loop, which must not wait on servers that may not answer for a call timeout or more."""
+        return self._background.submit(self.recover, tuple(urls))
+
     def recover(self, urls) -> dict[str, str | None]:
         """End any weight-update session left open on ``urls`` and continue their generation —
         what a broadcaster that died mid-push left behind (SGLang offers no query for either, so
         both are sent unconditionally; "no session" is the usual answer). Each server once per
         process, and again after a push to it failed (an end that did not arrive leaves a session
-        open, which refuses every later begin); per server None, or what failed (tried again next time)."""
-        urls = [u for u in urls if u not in self.recovered]
+        open, which refuses every later begin); per server None, or what failed (tried again next time).
+        A server of a version this fan-out was not checked against is left alone, as the group
+        refuses it."""
+        with self._lock:
+            return self._recover(urls)
+
+    def _recover(self, urls) -> dict[str, str | None]:
+        urls = [u for u in urls if u not in self.recovered and self._supported(u)]
         ended = self._each(urls, ServerClient.end_any_update)
         errors = _errors(ended)
         # Not one this process left paused on purpose (half-new weights): the push resumes it.
@@ -163,6 +177,22 @@ class SGLangFanout:
             else:
                 self.log.warning("recover_failed", server=u, error=str(err))
         return out
+
+    def _supported(self, url: str) -> bool:
+        """Whether ``url`` runs an SGLang version this fan-out was checked against (read once;
+        ``any_sglang_version`` admits any). A server that cannot be asked is tried (and fails)."""
+        if self.cfg.any_sglang_version:
+            return True
+        if url not in self.versions:
+            try:
+                self.versions[url] = self._client(url).server_version()
+            except SGLangError:
+                return True  # unreachable now: recovery fails and is tried again
+        if self.versions[url] in SUPPORTED_SGLANG:
+            return True
+        self.log.warning("recover_skipped", server=url, version=self.versions[url] or "(none)",
+                         why="not a checked SGLang version: the group refuses it")
+        return False
 
     # ------------------------------------------------------------------ group
 
@@ -219,10 +249,15 @@ class SGLangFanout:
              bucket_bytes: int) -> dict[str, str | None]:
         """Bring every server of ``servers`` (member name -> its URLs) to ``version``; per member,
         None when all its servers hold it, else what failed."""
+        with self._lock:
+            return self._push(servers, version, tensors, buffer, bucket_bytes)
+
+    def _push(self, servers: dict[str, list[str]], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
+              bucket_bytes: int) -> dict[str, str | None]:
         urls = tuple(u for member in sorted(servers) for u in servers[member])
         failed: dict[str, str] = {}
         t0 = time.monotonic()
-        self.recover(urls)
+        self._recover(urls)
         try:
             if urls != self.urls or self.pg is None:
                 self._form(urls)
@@ -355,6 +390,7 @@ class SGLangFanout:
             self.log.warning("cache_kept", pause=self.cfg.pause, servers={u: str(e) for u, e in errors.items() if e})
 
     def close(self) -> None:
+        self._background.shutdown(wait=False, cancel_futures=True)
         self._leave()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients.values():

@@ -854,3 +854,29 @@ def test_an_end_that_never_arrived_is_ended_by_the_next_push(ckpts, standins, st
     state = server.state()
     assert not state["paused"] and state["weight_version"] == "2" and not state["session"], state
 
+
+def test_recovery_runs_off_the_callers_thread_and_leaves_unchecked_versions_alone(standins, store):
+    """The broadcaster's loop asks for recovery when a generator says hello: against a server that
+    accepts connections and never answers, that is a call timeout or more, so it runs on a thread
+    of its own. A server of a version the group would refuse is not touched at all."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are accepted by the kernel; nothing ever answers them
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    odd = standins("--sglang-version", "0.5.99")
+    httpx.post(f"{odd.url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+    fanout = fanout_for(store, call_timeout_s=1.0)
+    try:
+        t0 = time.monotonic()
+        pending = fanout.recover_soon([url])
+        assert time.monotonic() - t0 < 0.5 and not pending.done()
+        assert pending.result(timeout=30)[url] is not None  # it failed, later, where no one waited
+        assert fanout.recover([odd.url]) == {}
+        assert odd.state()["paused"], "a server of an unchecked version was resumed"
+    finally:
+        fanout.close()
+        silent.close()
+        httpx.post(f"{odd.url}/continue_generation", json={}, timeout=10)
+
