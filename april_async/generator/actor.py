@@ -103,6 +103,7 @@ class GeneratorActor:
         self.log = get_logger(actor="generator", instance=cfg.name)
         self.work: dict[int, LeaseWork] = {}
         self.waiting: deque[EngineRequest] = deque()  # leases beyond the engine's free slots
+        self._held_back: int | None = None  # the lease last logged as waiting for newer weights
         self.unacked: list[m.Finished] = []  # finished reports not yet journaled by the broker
         self.unacked_seq: list[int] = []
         self.sessions = 0
@@ -236,6 +237,10 @@ class GeneratorActor:
         while self.waiting and self.engine.active() < self.engine.slots:
             req = self.waiting[0]
             if req.min_version > self.engine.newest_version:
+                if self._held_back != req.lease_id:  # once per lease: what a stalled run shows first
+                    self._held_back = req.lease_id
+                    self.log.info("lease_waits_for_weights", lease=req.lease_id, min_version=req.min_version,
+                                  engine_version=self.engine.newest_version, waiting=len(self.waiting))
                 return
             self.waiting.popleft()
             if req.lease_id in self.work:  # not aborted while it waited
