@@ -92,6 +92,7 @@ import torch.distributed as dist
 from april_async.engines.base import EngineRequest
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM
+from april_async.model.tokenizer import checkpoint_eos_ids
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -118,21 +119,6 @@ def status_abort(status_code: int, message: str) -> dict:
     only the 400 of a too-long input names an ``err_type``; the 503 timeouts and the 500 out-of-memory don't)."""
     err_type = "BadRequestError" if status_code == 400 else None
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
-
-
-def eos_ids(checkpoint: Path) -> tuple[int, ...]:
-    """Every end-of-sequence id of the model: ``eos_token_id`` (an id or a list) of ``config.json``
-    and of ``generation_config.json``, as SGLang's ``ModelConfig`` gathers them."""
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        try:
-            value = json.loads((checkpoint / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
-        for t in value if isinstance(value, list) else [value]:
-            if is_int(t) and t not in ids:
-                ids.append(t)
-    return tuple(ids)
 
 
 def weight_version_spans(versions: list[str]) -> list[dict]:
@@ -226,7 +212,7 @@ class Core:
         self.update_lock = threading.Lock()
         self.groups: dict[str, object] = {}  # name -> process group (None while it forms)
         self.session = False
-        self.eos = eos_ids(Path(args.checkpoint))
+        self.eos = checkpoint_eos_ids(Path(args.checkpoint))  # as SGLang's ModelConfig gathers them
         self.fail_next: deque[dict] = deque()  # test hook: status-coded aborts for the next requests
 
     # ------------------------------------------------------------------ requests

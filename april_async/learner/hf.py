@@ -84,13 +84,14 @@ def empty_model(config, dtype: torch.dtype, attn: str) -> nn.Module:
     return model
 
 
-def load_pretrained(source: Path | str, dtype: torch.dtype, attn: str) -> nn.Module:
-    """The model of checkpoint ``source`` with its weights, on the CPU (see the module docstring)."""
+def load_pretrained(source: Path | str, dtype: torch.dtype, attn: str, config=None) -> nn.Module:
+    """The model of checkpoint ``source`` with its weights, on the CPU (see the module docstring);
+    ``config``: its ``read_config``, when the caller has it already."""
     transformers = _transformers()
-    read_config(source)  # its errors first, with the file named
+    config = config if config is not None else read_config(source)  # its errors first, with the file named
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(source), dtype=dtype, attn_implementation=attn, output_loading_info=True,
+            str(source), config=config, dtype=dtype, attn_implementation=attn, output_loading_info=True,
             ignore_mismatched_sizes=True)  # reported in ``info`` rather than in a log, refused below
     except (OSError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -166,9 +166,9 @@ class ShardedPolicy:
                 model.tie_weights()  # to_empty gave the tied tensors two storages
             hf.fill_buffers(model)
             if not sharded:
-                self._load_hf(model, source, storage)
+                self._load_hf(model, source, storage, config)
         else:
-            model = hf.load_pretrained(source, storage, self.attention).to(group.device)
+            model = hf.load_pretrained(source, storage, self.attention, config).to(group.device)
             if cfg.activation_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model.train()
@@ -177,13 +177,13 @@ class ShardedPolicy:
         if sharded:
             self.load_sharded(source)
 
-    def _load_hf(self, model, source: Path, storage: torch.dtype) -> None:
+    def _load_hf(self, model, source: Path, storage: torch.dtype, config) -> None:
         """Rank 0 reads the Hugging Face checkpoint (checking it) and broadcasts it into the shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = {}
         if self.group.rank == 0:
-            full = hf.load_pretrained(source, storage, self.attention).state_dict()
+            full = hf.load_pretrained(source, storage, self.attention, config).state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     # ------------------------------------------------------------------ training

@@ -126,9 +126,9 @@ class HFTokenizer:
                           if i is not None and i != self._tok.unk_token_id), None)
         self.eos_id: int | None = named
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(
-            ([named] if named is not None else []) + (_checkpoint_eos_ids(path) if path.is_dir() else [])))
+            ([named] if named is not None else []) + list(checkpoint_eos_ids(path) if path.is_dir() else ())))
         """Every id that ends a response: the tokenizer's end-of-sequence token, then those of the
-        checkpoint's ``generation_config.json`` and ``config.json`` (a list in Qwen3 and Llama 3)."""
+        checkpoint's model files (``checkpoint_eos_ids``; a list in Qwen3 and Llama 3)."""
 
     @property
     def chat_template(self) -> bool:
@@ -163,17 +163,20 @@ class HFTokenizer:
         return directory / "tokenizer.json"
 
 
-def _checkpoint_eos_ids(directory: Path) -> list[int]:
-    """The ``eos_token_id`` (an id or a list) of a checkpoint's ``generation_config.json`` and
-    ``config.json``, in that order; unreadable files give none (the model's loader names them)."""
+def checkpoint_eos_ids(directory: Path) -> tuple[int, ...]:
+    """Every end-of-sequence id a checkpoint's model files name: ``eos_token_id`` (an id or a list)
+    of ``config.json`` and of ``generation_config.json``, once each, as SGLang's ``ModelConfig``
+    gathers them. An unreadable or absent file names none (the model's loader reports it)."""
     ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
+    for name in ("config.json", "generation_config.json"):
         try:
-            value = json.loads((directory / name).read_text()).get("eos_token_id")
+            value = json.loads((Path(directory) / name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
-        ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
-    return ids
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, int) and not isinstance(t, bool) and t not in ids:
+                ids.append(t)
+    return tuple(ids)
 
 
 def load_tokenizer(spec: str | Path) -> CharTokenizer | HFTokenizer:

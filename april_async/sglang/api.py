@@ -147,13 +147,17 @@ class Delta:
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
     finish_detail: dict | None = None
-    weight_version: int | None = None
     raw_weight_version: Any = None
     """``meta_info.weight_version`` as sent: ``"default"`` (a server never updated, or restarted)
     is not a number but still a version, the initial one."""
     # Per new token, the raw ``version`` of its ``weight_versions`` span (a string; "default" before
     # any update), None where no span covers it; empty where the server sends no spans.
     versions: list[Any] = field(default_factory=list)
+
+    @property
+    def weight_version(self) -> int | None:
+        """``raw_weight_version`` as a number; None for ``"default"`` or none sent."""
+        return parse_weight_version(self.raw_weight_version)
 
     @property
     def status_code(self) -> int | None:
@@ -193,8 +197,7 @@ class Stream:
             pairs = pairs[self.seen:]
         elif len(pairs) != new:
             raise self._bad(f"{len(pairs)} log-probs for {new} new of {total} tokens")
-        delta = Delta(weight_version=parse_weight_version(meta.get("weight_version")),
-                      raw_weight_version=meta.get("weight_version"))
+        delta = Delta(raw_weight_version=meta.get("weight_version"))
         try:
             for item in pairs:
                 delta.logprobs.append(float(item[0]))
