@@ -3,9 +3,11 @@ whatever the ranks and micro-batches, and sharded checkpoints that resume at ano
 
 Each run trains a tiny tied-embedding model on synthetic batches and publishes every version as a
 checkpoint (a collective save: sharded state plus the bucket-by-bucket Hugging Face export); the
-tests compare those exports, so the gather and the export are checked on the way.
+tests compare those exports, so the gather and the export are checked on the way. The runs share
+two pooled learner processes (``RankPool``): each run forms and leaves its own group.
 """
 
+import functools
 import shutil
 
 import pytest
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 
 from april_async.learner.step import plan_step
 from april_async.model.decoder import CausalLM, ModelConfig
-from april_async.learner.offline import run_steps, synthetic_batch
+from april_async.learner.offline import RankPool, run_steps, synthetic_batch
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +36,26 @@ def init(tmp_path_factory):
     return path
 
 
-def run(init, name, ranks, learner, batches, *, resume_from=None):
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """Two learner processes that run every rank of this module's runs (each run its own group)."""
+    with RankPool(2, tmp_path_factory.mktemp("rank-pool")) as p:
+        yield p
+
+
+@pytest.fixture
+def run(pool):
+    return functools.partial(train, pool)
+
+
+def train(pool, init, name, ranks, learner, batches, *, resume_from=None):
     """Train ``batches`` at ``ranks``; returns the exported weights of every version, by version."""
     work = init.parent / name
     shutil.rmtree(work, ignore_errors=True)
     if resume_from is not None:
         shutil.copytree(resume_from, work / "run")
     spec = {"checkpoint": str(init), "run_dir": str(work / "run"), "learner": learner, "batches": batches}
-    result = run_steps(spec, ranks, work)
+    result = run_steps(spec, ranks, work, pool=pool)
     out = {}
     for d in sorted((work / "run" / "checkpoints").iterdir()):
         out[int(d.name[1:])] = load_file(str(d / "model.safetensors"))
@@ -58,7 +72,7 @@ def batch(seed):
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "gspo"])
-def test_one_step_at_two_ranks_is_the_one_process_step(init, algorithm):
+def test_one_step_at_two_ranks_is_the_one_process_step(init, run, algorithm):
     learner = {"algorithm": algorithm, "correction": "tis", "lr": 1e-2,
                **({"clip_low": 3e-4} if algorithm == "gspo" else {})}
     one_res, one, _ = run(init, f"{algorithm}-one", 1, learner, [batch(1)])
@@ -72,7 +86,7 @@ def test_one_step_at_two_ranks_is_the_one_process_step(init, algorithm):
     assert r2["ess"] == pytest.approx(r1["ess"], rel=1e-5) and r2["tokens_used"] == r1["tokens_used"]
 
 
-def test_a_qwen3_written_by_transformers_steps_the_same_at_two_ranks(tmp_path_factory):
+def test_a_qwen3_written_by_transformers_steps_the_same_at_two_ranks(tmp_path_factory, run):
     """The learner builds the checkpoint's own ``transformers`` model: q/k norms, an explicit
     ``head_dim`` and tied embeddings, sharded per decoder layer as the model declares them."""
     transformers = pytest.importorskip("transformers")
@@ -90,7 +104,7 @@ def test_a_qwen3_written_by_transformers_steps_the_same_at_two_ranks(tmp_path_fa
     assert max_diff(two[1], one[1]) <= TOL
 
 
-def test_four_micro_batches_make_the_one_micro_batch_step_at_one_and_two_ranks(init):
+def test_four_micro_batches_make_the_one_micro_batch_step_at_one_and_two_ranks(init, run):
     learner = {"algorithm": "dapo", "correction": "tis", "lr": 1e-2}
     b = synthetic_batch(GROUPS, seed=1, vocab=MODEL.vocab_size, lens=6)
     lengths = [3 - 1 + s.response_len for g in b.groups for s in g.samples]
@@ -107,7 +121,7 @@ def test_four_micro_batches_make_the_one_micro_batch_step_at_one_and_two_ranks(i
     assert max_diff(micro2[1], whole[1]) <= TOL
 
 
-def test_activation_checkpointing_changes_memory_not_the_step(init):
+def test_activation_checkpointing_changes_memory_not_the_step(init, run):
     learner = {"algorithm": "grpo", "correction": "tis", "lr": 1e-2}
     _, plain, _ = run(init, "ac-off", 1, learner, [batch(5)])
     _, ac1, _ = run(init, "ac-one", 1, {**learner, "activation_checkpointing": True}, [batch(5)])
@@ -117,7 +131,7 @@ def test_activation_checkpointing_changes_memory_not_the_step(init):
     assert max_diff(ac2[1], plain[1]) <= TOL
 
 
-def test_minibatches_and_the_decoupled_correction_split_the_same_way(init):
+def test_minibatches_and_the_decoupled_correction_split_the_same_way(init, run):
     """Two optimizer steps per batch (π_prox fixed first) and a token mask that depends on π_prox."""
     learner = {"algorithm": "grpo", "correction": "decoupled", "behav_weight_cap": 1.5, "minibatches": 2,
                "lr": 1e-2}
@@ -126,7 +140,7 @@ def test_minibatches_and_the_decoupled_correction_split_the_same_way(init):
     assert max_diff(two[1], one[1]) <= TOL
 
 
-def test_a_sharded_checkpoint_resumes_at_another_number_of_ranks(init):
+def test_a_sharded_checkpoint_resumes_at_another_number_of_ranks(init, run):
     """Written at 2 ranks, resumed at 1 and at 2 (and written at 1, resumed at 2): the next step's
     parameters are those of an uninterrupted run, so model and optimizer state were both resharded."""
     learner = {"algorithm": "grpo", "correction": "tis", "lr": 1e-2}
@@ -143,9 +157,18 @@ def test_a_sharded_checkpoint_resumes_at_another_number_of_ranks(init):
     assert max_diff(straight[2], straight[1]) > 100 * TOL
 
 
+def test_a_pooled_run_that_fails_names_its_rank_and_the_next_run_gets_fresh_processes(init, run, pool, tmp_path):
+    learner = {"algorithm": "grpo", "lr": 1e-2}
+    with pytest.raises(RuntimeError, match=r"learner rank [01] of 2 \(pooled\) failed:\n(.|\n)*missing"):
+        run(tmp_path / "missing", "no-checkpoint", 2, learner, [batch(1)])
+    assert pool.procs == []  # a rank may have been left in a collective: the pool was ended
+    _, out, _ = run(init, "after-failure", 1, learner, [batch(1)])
+    assert max_diff(out[1], load_file(str(init / "model.safetensors"))) > 100 * TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_step_on_cuda_in_bfloat16_mixed_precision(init):
+def test_a_step_on_cuda_in_bfloat16_mixed_precision(init, run):
     """``device = auto`` on a GPU host: CUDA, bfloat16 compute over float32 master weights."""
     res, out, _ = run(init, "cuda", 1, {"algorithm": "grpo", "lr": 1e-2}, [batch(1)])
     start = load_file(str(init / "model.safetensors"))
