@@ -117,6 +117,7 @@ from april_async.weights.flat import bucket_digests, check_layout
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.weights.handoff_recv import PartRefused, PartsReceiver, Whole
 from april_async.wire import messages as m
+from april_async.wire import roles
 from april_async.wire.version import parse
 
 
@@ -336,10 +337,16 @@ class BroadcasterActor:
                 self.fanout.recover_soon(body.servers)
             self._apply(effects, identity, msg)
             return
-        if not p.touch(sender, now):
+        session = p.sessions.get(sender)
+        if session is None:
             self.hub.send(identity, m.Error(code="refused", message=f"no session for {sender!r}: send hello"),
                           parent_id=msg.msg_id)
             return
+        if (why := roles.refusal(session.role, msg.msg_type)) is not None:  # acted on in nothing, heard included
+            self.log.warning("refused", peer=sender, role=session.role, msg_type=msg.msg_type, error=why)
+            self.hub.send(identity, m.Error(code="refused", message=why), parent_id=msg.msg_id)
+            return
+        p.touch(sender, now)
         if isinstance(body, m.WeightsUpdate):
             self._update(sender, identity, msg, now)
         elif isinstance(body, m.Heartbeat):
