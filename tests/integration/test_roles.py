@@ -152,7 +152,8 @@ def test_one_instance_of_a_role_moves_the_version_at_a_time(broker, role):
     move = (lambda v: m.BatchReport(batch_id=10_000, policy_version=v)) if role == "learner" else \
         (lambda v: m.WeightsPublished(version=v))
     first, restarted, second = f"{role}-a-1", f"{role}-a-2", f"{role}-b-1"
-    _, answers = broker.send(first, m.Hello(role=role, instance=f"{role}-a", policy_version=svc.core.version), reply=True)
+    hello = m.Hello(role=role, instance=f"{role}-a", policy_version=svc.core.version)
+    _, answers = broker.send(first, hello, reply=True)
     assert answers[0].body.msg_type == "welcome"
     v = svc.core.version + 1
     msg_id, answers = broker.send(first, move(v))

@@ -47,6 +47,7 @@ def test_the_role_table_is_specs():
 def test_a_refusal_names_the_role_the_type_and_who_sends_it():
     assert roles.refusal("generator", "token_chunk") is None
     why = roles.refusal("generator", "weights_published")
-    assert why.startswith("a generator may not send weights_published") and "(sent by broker, learner, broadcaster;" in why
+    assert why.startswith("a generator may not send weights_published")
+    assert "(sent by broker, learner, broadcaster;" in why
     assert roles.refusal("broker", "hello").startswith("a broker may not send hello")
     assert "sent by nobody" in roles.refusal("learner", "no_such_type")
