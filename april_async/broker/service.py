@@ -71,7 +71,7 @@ class BrokerService:
         self.log = get_logger(actor="broker", epoch=self.epoch)
         self.peers: dict[str, PeerState] = {}
         self.batch_waiters: deque[tuple[str, str, int | None]] = deque()  # (sender, msg_id, acked batch)
-        self.movers: dict[str, str] = {}  # role -> the instance whose messages move the version (``_mover``)
+        self.version_right = roles.VersionRight()  # which learner, which broadcaster moves the version
         self.journal: Journal | None = None
         self.records_since_snapshot = 0
         self.core = self._recover()
@@ -231,19 +231,10 @@ class BrokerService:
         self.hub.send(identity, m.Error(code="refused", message=why[:500]), parent_id=msg.msg_id)
 
     def _mover(self, role: str, instance: str) -> str | None:
-        """Claim the right to move the policy version for ``instance`` of ``role``; None when it
-        holds it now, else why not. One instance of each role holds it at a time (a second learner or
-        broadcaster would announce versions of weights nobody else has); it passes on once no session
-        of the holder's instance is left. A restarted process keeps its instance name, so it holds the
-        right again at once, even beside its old session that has not expired yet."""
-        holder = self.movers.get(role)
-        if holder is not None and holder != instance:
-            live = [name for name, p in self.peers.items() if p.role == role and p.instance == holder]
-            if live:
-                return (f"the {role} {holder!r} (session {live[0]!r}) moves the policy version while its session "
-                        f"lives: a second {role}, {instance!r}, may not")
-        self.movers[role] = instance
-        return None
+        """Claim the right to move the policy version for ``instance`` of ``role`` (``roles.VersionRight``):
+        None when it holds it, else why not. A second learner or broadcaster would announce versions of
+        weights nobody else has."""
+        return self.version_right.claim(role, instance, ((n, p.role, p.instance) for n, p in self.peers.items()))
 
     def _hello(self, identity: bytes, msg, now: float) -> None:
         body: m.Hello = msg.body

@@ -84,7 +84,7 @@ def broker_state(svc: BrokerService) -> tuple:
     """What a refused message must leave as it was: the ledger (policy version included), the
     sessions, the waiting batch requests, the version's movers."""
     return (svc.ledger(), {n: (p.role, p.instance, p.capacity) for n, p in svc.peers.items()},
-            list(svc.batch_waiters), dict(svc.movers), len(svc.core.leases))
+            list(svc.batch_waiters), dict(svc.version_right.holders), len(svc.core.leases))
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,26 @@ def test_every_type_from_every_role_to_the_broadcaster(broadcaster, role):
         assert refusals(answers, msg_id) == [roles.refusal(role, msg_type)], (msg_type, answers)
         assert (actor.planner.held_version, dict(actor.planner.sessions), actor.parts.assembly) == before
     broadcaster.send(sender, m.Bye())
+
+
+def test_one_learner_instance_hands_versions_to_the_broadcaster(broadcaster):
+    """A second learner instance's weights_update is refused while the first one's session lives,
+    and the held version stays; once the first has left, the second's is taken."""
+    import msgspec
+
+    actor = broadcaster.service
+    update = vector("weights_update")
+    for sender in ("learner-a-1", "learner-b-1"):
+        _, answers = broadcaster.send(sender, m.Hello(role="learner", instance=sender[:-2]), reply=True)
+        assert answers[0].body.msg_type == "welcome"
+    base = max(actor.planner.held_version or 0, update.version)
+    msg_id, answers = broadcaster.send("learner-a-1", msgspec.structs.replace(update, version=base + 1))
+    assert not refusals(answers, msg_id) and actor.planner.held_version == base + 1
+    msg_id, answers = broadcaster.send("learner-b-1", msgspec.structs.replace(update, version=base + 2), reply=True)
+    [why] = refusals(answers, msg_id)
+    assert "the learner 'learner-a' (session 'learner-a-1') moves the policy version" in why
+    assert actor.planner.held_version == base + 1
+    broadcaster.send("learner-a-1", m.Bye())
+    msg_id, answers = broadcaster.send("learner-b-1", msgspec.structs.replace(update, version=base + 3))
+    assert not refusals(answers, msg_id) and actor.planner.held_version == base + 3
+    broadcaster.send("learner-b-1", m.Bye())
