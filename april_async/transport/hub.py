@@ -136,8 +136,9 @@ class Hub:
         if self.key_roles is not None and (why := self._key_refusal(msg, key)) is not None:
             self.counters["key_refused"] += 1
             self.log.warning("key_refused", peer=sender, msg_type=msg.msg_type, error=why)
-            self.send(identity, m.Error(code="refused", message=why[:500]), parent_id=msg.msg_id)
-            self.counters["errors_sent"] += 1
+            if msg.msg_type != "error":  # an error is never answered with another
+                self.send(identity, m.Error(code="refused", message=why[:500]), parent_id=msg.msg_id)
+                self.counters["errors_sent"] += 1
             return None
         if msg.msg_type == "hello":
             # A new session (or a restarted process, which starts again at 1). Messages of an
@@ -155,18 +156,19 @@ class Hub:
         return msg
 
     def _key_refusal(self, msg, key: str | None) -> str | None:
-        """Why a message under client ``key`` is refused, or None: a ``hello`` claiming a role that
-        key may not claim (``curve.KeyRoles``), or a message of a sender that said hello under
-        another key (a host speaking in another's name). A hello accepted binds its sender to the key."""
+        """Why a message under client ``key`` is refused, or None: any message, a ``hello`` included,
+        of a sender that said hello under another key (a host speaking in another's name; the
+        binding lasts until the sender expires), or a ``hello`` claiming a role that key may not
+        claim (``curve.KeyRoles``). A hello accepted binds its sender to the key."""
+        bound = self.peer_keys.get(msg.sender, key)
+        if bound != key:
+            return (f"{msg.sender!r} said hello from host {self.key_roles.host(bound)!r}; this message comes "
+                    f"from host {self.key_roles.host(key)!r}")
         if msg.msg_type == "hello":
             why = self.key_roles.refusal(key, msg.body.role)
             if why is None:
                 self.peer_keys[msg.sender] = key
             return why
-        bound = self.peer_keys.get(msg.sender, key)
-        if bound != key:
-            return (f"{msg.sender!r} said hello from host {self.key_roles.host(bound)!r}; this message comes "
-                    f"from host {self.key_roles.host(key)!r}")
         return None
 
     def _reply_error(self, identity: bytes, e: WireError) -> None:

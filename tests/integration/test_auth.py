@@ -364,6 +364,8 @@ def test_a_hosts_key_claims_only_the_roles_its_roles_file_gives_it(tmp_path):
         passed, answer = exchange(hub, b, m.BatchReport(batch_id=1, policy_version=99), "a-learner", 5)
         assert passed == [] and answer.body.code == "refused"
         assert answer.body.message == "'a-learner' said hello from host 'a'; this message comes from host 'b'"
+        passed, answer = exchange(hub, b, m.Hello(role="generator", instance="x"), "a-learner", 6)
+        assert passed == [] and "said hello from host 'a'" in answer.body.message  # nor take its session over
         passed, _ = exchange(hub, a, m.BatchRequest(policy_version=0), "a-learner", 2)
         assert [p.msg_type for p in passed] == ["batch_request"]
     finally:
