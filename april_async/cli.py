@@ -64,7 +64,10 @@ def _keys(args: argparse.Namespace) -> int:
 
     try:
         if args.hosts is not None:
-            hosts = make_host_keys(args.directory, [h.strip() for h in args.hosts.split(",")])
+            hosts = make_host_keys(args.directory, [h.strip() for h in args.hosts.split(",")],
+                                   _roles_given(args.roles))
+        elif args.roles:
+            raise KeysError("--roles binds per-host keys to roles: give --hosts too")
         else:
             written = make_keys(args.directory)
     except (KeysError, OSError) as e:
@@ -80,19 +83,38 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _roles_given(given: list[str]) -> dict[str, list[str]]:
+    """``--roles NAME=ROLE,ROLE`` flags as host → roles (checked by ``curve.host_roles``)."""
+    from april_async.transport.curve import KeysError
+
+    out = {}
+    for item in given:
+        name, eq, roles = item.partition("=")
+        if not eq or not name.strip():
+            raise KeysError(f"--roles {item!r}: expected NAME=ROLE[,ROLE...], e.g. node2=generator,scorer")
+        out[name.strip()] = [r.strip() for r in roles.split(",") if r.strip()]
+    return out
+
+
 def _print_host_plan(directory: Path, hosts: dict[str, list[Path]]) -> None:
     """What to copy where: each host's directory to that host alone, since it holds that host's secret."""
+    import tomllib
+
+    from april_async.transport.curve import ROLES_FILE
+
     head = next(iter(hosts))
+    claims = tomllib.loads((directory / head / ROLES_FILE).read_text())["hosts"]
     for name, files in hosts.items():
         role = "the head: run the broker and the broadcaster here" if name == head else "a member"
         listed = " ".join(f.relative_to(directory / name).as_posix() for f in files)
-        print(f"host {name} ({role}): copy {directory / name}/ to host {name} and point its APRIL_KEYS at the "
-              f"copy: {listed}")
+        print(f"host {name} ({role}; may claim {','.join(claims[name])}): copy {directory / name}/ to host {name} "
+              f"and point its APRIL_KEYS at the copy: {listed}")
     print(f"april keys: {directory} holds every host's secret key. Copy {directory}/NAME/ to host NAME only, at the "
           f"same path (launch/cluster.sh with APRIL_KEYS={directory} gives each host APRIL_KEYS={directory}/NAME), "
           f"keep {directory} off shared filesystems, and once copied delete the other hosts' *.key_secret files "
           f"here. To lock a host out, delete authorized/NAME.key in the head's directory and restart the broker "
-          f"and the broadcaster", file=sys.stderr)
+          f"and the broadcaster. The roles each host's key may claim are in {directory / head / ROLES_FILE} (read "
+          f"when the hubs start)", file=sys.stderr)
 
 
 KEYS_EPILOG = """\
@@ -110,6 +132,10 @@ layouts:
                                    member's directory cannot serve a hub: the hubs' secret stays on the head.
                                    Lock a host out: delete authorized/NAME.key in the head's directory and
                                    restart the broker and the broadcaster (the list is read when a hub starts).
+                                   DIR/a/roles.toml: the roles each host's key may claim; the head all of
+                                   them, the others generator and scorer, unless --roles NAME=ROLE,... (e.g.
+                                   --roles b=learner,generator) says otherwise. A hub refuses a hello
+                                   claiming any other.
 secret files (*.key_secret) are mode 0600; nothing is ever overwritten.
 """
 
@@ -150,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--hosts", metavar="HEAD[,NAME...]",
                    help="one keys directory per host, DIR/NAME/, each host with a client key of its own; the "
                         "first name is the head, the only one holding the hubs' secret")
+    k.add_argument("--roles", action="append", default=[], metavar="NAME=ROLE[,ROLE...]",
+                   help="with --hosts: the roles host NAME's key may claim (default: the head every role, other "
+                        "hosts generator,scorer); repeatable")
     k.set_defaults(func=_keys)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines "
                                          "(tools/simulate.py)")

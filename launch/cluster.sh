@@ -27,7 +27,10 @@
 # machine (the hubs then bind 0.0.0.0 and speak CurveZMQ, admitting only holders of a client key).
 # Either one directory for every host (`april keys DIR`), or one per host (`april keys DIR --hosts
 # h1,h2,...`: DIR/<host>/), where each host gets APRIL_KEYS=DIR/<host>; the path must hold the
-# keys on that host. APRIL_STOP_WAIT_S (default 180): how long a stop waits for the hosts.
+# keys on that host. Per-host keys also bind each host to the roles it may run (the head's
+# roles.toml): the head all of them, the others generator and scorer unless `april keys ... --roles
+# HOST=learner,...` says otherwise (a learner line on another host needs it).
+# APRIL_STOP_WAIT_S (default 180): how long a stop waits for the hosts.
 # Ctrl-C (or TERM, HUP), or the head's run ending, stops every host: each gets a Ctrl-C on its
 # terminal (local and srun hosts SIGTERM) and stops its actors in order; this waits for all of
 # them, hangs up whatever still runs after APRIL_STOP_WAIT_S or at a second Ctrl-C, and exits

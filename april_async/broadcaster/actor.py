@@ -5,7 +5,9 @@ Start:  april broadcaster --config run.toml   (section [broadcaster])
 Sessions. Learners and generators open sessions on the broadcaster's own hub with ``hello``
 (role ``learner`` or ``generator``; a generator's carries the version it holds). A learner hands
 each new version over once (``weights_update``); only the newest is kept, an older or equal one
-is ignored. A generator acknowledges each version with ``heartbeat`` ``policy_version``. A version
+is ignored. A message the session's role may not send (``wire.roles``), and a ``weights_update``
+from a second learner instance while the first one's session lives (``roles.VersionRight``), are
+refused and acted on in nothing. A generator acknowledges each version with ``heartbeat`` ``policy_version``. A version
 in one message is held as it arrived, without a copy: the hub takes large bulk frames as views of
 ZeroMQ's own message (``Hub._recv_frames``), which lives until a newer version replaces it.
 
@@ -117,6 +119,7 @@ from april_async.weights.flat import bucket_digests, check_layout
 from april_async.weights.group import GroupError, WeightGroup
 from april_async.weights.handoff_recv import PartRefused, PartsReceiver, Whole
 from april_async.wire import messages as m
+from april_async.wire import roles
 from april_async.wire.version import parse
 
 
@@ -255,6 +258,8 @@ class BroadcasterActor:
                                     epoch_id=os.urandom(6).hex(), key_prefix=secrets.token_hex(16),
                                     rendezvous=self.group.rendezvous or "")
         self.links: dict[str, Link] = {}
+        self.instances: dict[str, str] = {}  # sender -> the instance its hello named, for every session
+        self.version_right = roles.VersionRight()  # which learner instance hands versions over now
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
         self._job_buffer: Buffer | None = None  # what the job reads
@@ -334,12 +339,24 @@ class BroadcasterActor:
                 # that would clear it. Off this loop (a server that does not answer takes a call
                 # timeout, longer than the peers' heartbeats), after any push in flight.
                 self.fanout.recover_soon(body.servers)
+            if any(isinstance(e, Open) for e in effects):
+                self.instances[sender] = body.instance
             self._apply(effects, identity, msg)
             return
-        if not p.touch(sender, now):
+        session = p.sessions.get(sender)
+        if session is None:
             self.hub.send(identity, m.Error(code="refused", message=f"no session for {sender!r}: send hello"),
                           parent_id=msg.msg_id)
             return
+        why = roles.refusal(session.role, msg.msg_type)
+        if why is None and isinstance(body, m.WeightsUpdate):  # one learner instance hands versions over
+            why = self.version_right.claim(session.role, self.instances.get(sender, ""),
+                                           ((n, s.role, self.instances.get(n, "")) for n, s in p.sessions.items()))
+        if why is not None:  # acted on in nothing, heard included
+            self.log.warning("refused", peer=sender, role=session.role, msg_type=msg.msg_type, error=why)
+            self.hub.send(identity, m.Error(code="refused", message=why), parent_id=msg.msg_id)
+            return
+        p.touch(sender, now)
         if isinstance(body, m.WeightsUpdate):
             self._update(sender, identity, msg, now)
         elif isinstance(body, m.Heartbeat):
@@ -490,6 +507,7 @@ class BroadcasterActor:
                 self.links[e.name] = Link(identity)
             elif isinstance(e, Forget):
                 self.links.pop(e.name, None)
+                self.instances.pop(e.name, None)
             elif isinstance(e, Reply):
                 self.hub.send(identity, e.body, parent_id=msg.msg_id)
             elif isinstance(e, Keep):

@@ -10,6 +10,12 @@ newest snapshot rebuilds the exact state. Expiry decisions are journaled as ``Re
 ``RequeueScore`` records (heartbeats move deadlines and are not journaled), and lease calls that
 granted nothing are not written at all. A ``progress`` message (many leases' tokens) is one
 ``Progress`` record, applied live and on replay by the same ``apply_progress``.
+
+Refusals (``error`` ``refused``, nothing acted on, nothing journaled): a message from a sender
+with no session; a message type the role its sender said ``hello`` as may not send
+(``wire.roles``, SPEC's message table); and a message that moves the policy version (``hello``
+with a version, ``batch_request``, ``batch_report``, ``weights_published``) from a learner or
+broadcaster instance other than the one whose session moves it now (``_mover``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from april_async.logs import get_logger
 from april_async.tasks.source import PromptSource, encode_prompt
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
+from april_async.wire import roles
 
 if TYPE_CHECKING:
     from april_async.broker.journal import Journal
@@ -43,11 +50,14 @@ if TYPE_CHECKING:
 class PeerState:
     role: str
     identity: bytes
+    instance: str = ""
     capacity: int = 0
     acks: deque = field(default_factory=deque)  # (journal records needed, seq)
     last_heartbeat_sent: float = 0.0
 
 
+VERSION_MOVERS = ("learner", "broadcaster")
+"""The roles whose messages move the policy version; one instance of each at a time (``_mover``)."""
 LEASE_ROUNDS = 8
 """A tick deals its leases in up to this many rounds over the generators (``_lease``)."""
 
@@ -61,6 +71,7 @@ class BrokerService:
         self.log = get_logger(actor="broker", epoch=self.epoch)
         self.peers: dict[str, PeerState] = {}
         self.batch_waiters: deque[tuple[str, str, int | None]] = deque()  # (sender, msg_id, acked batch)
+        self.version_right = roles.VersionRight()  # which learner, which broadcaster moves the version
         self.journal: Journal | None = None
         self.records_since_snapshot = 0
         self.core = self._recover()
@@ -145,6 +156,12 @@ class BrokerService:
             self.hub.send(identity, m.Error(code="refused", message=f"no session for {sender!r}: send hello"),
                           parent_id=msg.msg_id)
             return
+        why = roles.refusal(peer.role, msg.msg_type)
+        if why is None and moves_version(body):
+            why = self._mover(peer.role, peer.instance)
+        if why is not None:
+            self._refuse(identity, msg, peer.role, why)
+            return
         self.core.touch(sender, now)
         if isinstance(body, m.Progress):
             self._progress(body, now)
@@ -208,9 +225,26 @@ class BrokerService:
         needed = self.journal.records_appended if self.journal is not None else 0
         peer.acks.append((needed, seq))
 
+    def _refuse(self, identity: bytes, msg, role: str, why: str) -> None:
+        """Refuse a message its sender's role may not send (or may not send now), acting on nothing in it."""
+        self.log.warning("refused", peer=msg.sender, role=role, msg_type=msg.msg_type, error=why)
+        self.hub.send(identity, m.Error(code="refused", message=why[:500]), parent_id=msg.msg_id)
+
+    def _mover(self, role: str, instance: str) -> str | None:
+        """Claim the right to move the policy version for ``instance`` of ``role`` (``roles.VersionRight``):
+        None when it holds it, else why not. A second learner or broadcaster would announce versions of
+        weights nobody else has."""
+        return self.version_right.claim(role, instance, ((n, p.role, p.instance) for n, p in self.peers.items()))
+
     def _hello(self, identity: bytes, msg, now: float) -> None:
         body: m.Hello = msg.body
-        self.peers[msg.sender] = peer = PeerState(body.role, identity, body.capacity)
+        why = roles.refusal(body.role, msg.msg_type)
+        if why is None and moves_version(body):
+            why = self._mover(body.role, body.instance)
+        if why is not None:
+            self._refuse(identity, msg, body.role, why)
+            return
+        self.peers[msg.sender] = peer = PeerState(body.role, identity, body.instance, body.capacity)
         if body.role == "generator":
             held = set(self.core.leases_of(msg.sender))
             reported = {x.lease_id for x in body.inflight}
@@ -382,6 +416,14 @@ def replay(journal: Journal, rollout: RolloutConfig) -> tuple[BrokerCore, int, b
     for data in records:
         r.apply(core, r.decode(data))
     return core, len(records), snapshot is not None
+
+
+def moves_version(body: m.Body) -> bool:
+    """Whether the broker takes a policy version from this message (``_version_at_least``,
+    ``PublishVersion``): only one instance of a role may send such messages at a time."""
+    if isinstance(body, m.Hello):
+        return body.role in VERSION_MOVERS and body.policy_version is not None
+    return isinstance(body, m.BatchRequest | m.BatchReport | m.WeightsPublished)
 
 
 SCORE_ERROR_KINDS = frozenset({"reward_error", "reward_timeout", "bad_reward"})

@@ -32,12 +32,24 @@ is the head, the host that runs the hubs (the broker and the broadcaster)::
     DIR/NAME/server.key                       a member: the hubs' public key, to know the hub by
     DIR/NAME/client.key, client.key_secret    the member's own key pair
 
+    DIR/HEAD/roles.toml                       the roles each host's key may claim in ``hello``
+
 Copy ``DIR/NAME/`` to host NAME only and point its ``APRIL_KEYS`` there (``launch/cluster.sh``
 with ``APRIL_KEYS=DIR`` gives each host ``DIR/NAME``: keep that path). A member's directory
 cannot serve a hub (``KeysError``): the hub's secret stays on the head. To lock one host out,
 delete ``authorized/NAME.key`` from the head's directory and restart the hubs: pyzmq's
 ``ThreadAuthenticator`` reads ``authorized/`` when a hub is set up (``configure_curve``) and
 never again, and a connection already made is not checked again either.
+
+Roles. In the head's directory ``roles.toml`` says which roles each host's key may claim: the head
+every actor's role, any other host ``generator`` and ``scorer`` unless ``april keys --roles
+NAME=ROLE,...`` says otherwise (or the file is edited; it is read when a hub is set up, like
+``authorized/``). A hub with that file learns each message's client key from CurveZMQ (the ZAP
+handler's User-Id: the key's Z85 text) and refuses (``refused``) a ``hello`` claiming a role that
+key may not claim, and any later message of that sender under another key (``KeyRoles``), so a
+generator host cannot say hello as the learner, nor speak in the learner's name. A key of
+``authorized/`` with no line in the file may claim no role. Without the file (the one-directory
+layout, whose one client key every host shares) any admitted key may claim any role.
 
 Secret files are written mode 0600 (host directories 0700). The weights group's rendezvous runs
 over CurveZMQ too (``weights.zstore``), but the gloo/NCCL traffic itself is not encrypted, and
@@ -56,11 +68,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import json
+import tomllib
+
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from april_async.wire.roles import ACTORS
+
 SERVER, CLIENT, AUTHORIZED = "server", "client", "authorized"
+ROLES_FILE = "roles.toml"
+MEMBER_ROLES = ("generator", "scorer")
+"""The roles a host other than the head may claim unless ``april keys --roles`` says otherwise."""
 ZAP_DOMAIN = "april"
 
 
@@ -112,11 +132,40 @@ def check_hosts(names: list[str]) -> list[str]:
     return list(names)
 
 
-def make_host_keys(directory: Path, hosts: list[str]) -> dict[str, list[Path]]:
+def host_roles(hosts: list[str], roles: dict[str, list[str]] | None = None) -> dict[str, tuple[str, ...]]:
+    """The roles each host's key may claim: the head (the first) every actor's, the others
+    ``MEMBER_ROLES``, except where ``roles`` (host → roles, from ``--roles``) names a host. A host
+    ``roles`` names that is not one of ``hosts``, or a role that is no actor's, is refused."""
+    out = {name: ACTORS if i == 0 else MEMBER_ROLES for i, name in enumerate(hosts)}
+    for name, claimed in (roles or {}).items():
+        if name not in out:
+            raise KeysError(f"--roles names host {name!r}, which is not one of --hosts ({', '.join(hosts)})")
+        bad = [r for r in claimed if r not in ACTORS]
+        if bad or not claimed:
+            raise KeysError(f"--roles {name}={','.join(claimed)}: {bad[0] if bad else 'nothing'!r} is no role a "
+                            f"host may claim (one or more of {', '.join(ACTORS)})")
+        out[name] = tuple(r for r in ACTORS if r in claimed)
+    return out
+
+
+def _write_roles(directory: Path, table: dict[str, tuple[str, ...]]) -> Path:
+    path = directory / ROLES_FILE
+    lines = ["# The roles each host's client key (authorized/NAME.key) may claim in hello: a hub refuses any",
+             "# other (proto/SPEC.md, Security). Read when a hub starts: edit, then restart the broker and the",
+             "# broadcaster. A key with no line here may claim no role.", "[hosts]"]
+    lines += [f"{json.dumps(name)} = {json.dumps(list(roles))}" for name, roles in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_host_keys(directory: Path, hosts: list[str],
+                   roles: dict[str, list[str]] | None = None) -> dict[str, list[Path]]:
     """Write one keys directory per host, ``DIR/NAME/``, the first host being the head; returns the
     files written for each host. Each host gets a client key of its own, so that one can be locked
-    out alone, and only the head gets the hubs' secret, so that no other host can pose as the hub."""
+    out alone, and only the head gets the hubs' secret, so that no other host can pose as the hub.
+    The head's ``roles.toml`` binds each host's key to the roles it may claim (``host_roles``)."""
     hosts, directory = check_hosts(list(hosts)), Path(directory)
+    table = host_roles(hosts, roles)
     _refuse_existing(directory, hosts)
     head = hosts[0]
     head_dir = _private_dir(directory / head)
@@ -131,7 +180,55 @@ def make_host_keys(directory: Path, hosts: list[str]) -> dict[str, list[Path]]:
         public, secret = _pair(own, CLIENT)
         written[name] += [public, secret]
         written[head].append(_copy(public, authorized / f"{name}.key"))
+    written[head].append(_write_roles(head_dir, table))
     return written
+
+
+class KeyRoles:
+    """Which roles each admitted client key may claim (a hub's ``roles.toml``, read by ``load_roles``).
+    Keys are named by the ZAP handler's User-Id for them, their Z85 text."""
+
+    def __init__(self, path: Path, hosts: dict[str, str], roles: dict[str, frozenset[str]]):
+        self.path = path
+        self.hosts = hosts  # key (Z85) -> host name (its file in authorized/)
+        self.roles = roles  # host name -> the roles it may claim
+
+    def host(self, key: str | None) -> str:
+        return self.hosts.get(key or "", "(a key not in authorized/)")
+
+    def refusal(self, key: str | None, role: str) -> str | None:
+        """Why a ``hello`` claiming ``role`` under client ``key`` is refused, or None."""
+        host = self.host(key)
+        allowed = self.roles.get(host, frozenset())
+        if role in allowed:
+            return None
+        may = ", ".join(r for r in ACTORS if r in allowed) or "no role"
+        return (f"host {host!r} may not claim the role {role!r}: its key may claim {may} ({self.path}; "
+                f"'april keys --roles' writes it, and the hubs read it when they start)")
+
+
+def load_roles(keys: Path) -> KeyRoles | None:
+    """The head's ``roles.toml`` with the keys of its ``authorized/``, or None when there is no such
+    file (any admitted key may then claim any role). A file that is not TOML, or names a role that is
+    no actor's, is a ``KeysError``."""
+    path = Path(keys) / ROLES_FILE
+    if not path.is_file():
+        return None
+    try:
+        table = tomllib.loads(path.read_text()).get("hosts", {})
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise KeysError(f"{path} is not a roles file: {e}") from None
+    roles = {}
+    for host, claimed in table.items():
+        if not isinstance(claimed, list) or any(r not in ACTORS for r in claimed):
+            raise KeysError(f"{path}: host {host!r} = {claimed!r}: a list of roles is expected, each one of "
+                            f"{', '.join(ACTORS)}")
+        roles[host] = frozenset(claimed)
+    hosts = {}
+    for public in sorted(_authorized(keys).glob("*.key")):
+        key, _ = _load(public.parent, public.stem, secret=False)
+        hosts[key.decode()] = public.stem
+    return KeyRoles(path, hosts, roles)
 
 
 def _refuse_existing(directory: Path, hosts: list[str]) -> None:

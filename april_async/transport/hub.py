@@ -16,7 +16,11 @@
   the same name take its old connection over.
 - Authentication (``transport/curve.py``): with keys the hub is a CurveZMQ server that admits
   only listed clients, and logs every refused handshake (``auth_refused``); without keys it
-  binds loopback addresses only, unless ``link.allow_open``.
+  binds loopback addresses only, unless ``link.allow_open``. With a ``roles.toml`` beside the
+  keys (``april keys --hosts``) every message's client key is read (ZeroMQ's ``User-Id``
+  property, set by the ZAP handler) and a ``hello`` claiming a role that key may not claim is
+  refused here, before any service sees it; so is a later message of that sender under another
+  key. Nothing of a refused message is kept: no seq mark, no expiry.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class Hub:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.log = get_logger(actor=name, component="hub")
         self.refusals = curve.RefusalLog(self.log, self.clock)
+        self.key_roles = curve.load_roles(link.keys) if self.secure else None
+        self.peer_keys: dict[str, str | None] = {}  # sender -> the client key of its hello (with key_roles)
         self.highest_seq: dict[str, int] = {}
         self.expiry: dict[str, float] = {}
         self.identities: dict[str, bytes] = {}
@@ -78,16 +84,17 @@ class Hub:
         out = []
         for _ in range(MAX_BATCH):
             try:
-                frames = self._recv_frames()
+                frames, key = self._recv_frames()
             except zmq.Again:
                 break
-            msg = self._accept(frames)
+            msg = self._accept(frames, key)
             if msg is not None:
                 out.append((frames[0], msg))
         return out
 
-    def _recv_frames(self) -> list[bytes | memoryview]:
-        """One message's frames; raises ``zmq.Again`` when none is waiting.
+    def _recv_frames(self) -> tuple[list[bytes | memoryview], str | None]:
+        """One message's frames, and its client key when roles are bound to keys (else None);
+        raises ``zmq.Again`` when none is waiting.
 
         The routing id and the envelope come as ``bytes`` (the hub's traffic is many small
         messages, for which pyzmq's bytes are far cheaper than ``Frame`` objects). A bulk frame
@@ -95,14 +102,19 @@ class Hub:
         ZeroMQ's own message, which lives as long as the arrays decoded from it (a weights version
         is held by the broadcaster for a whole round; copying 400 MB out took 0.2 s of its loop).
         pyzmq's ``recv_multipart`` is this same loop of ``recv`` calls, so small messages pay nothing."""
-        frames: list[bytes | memoryview] = [self.sock.recv(zmq.NOBLOCK)]
+        key = None
+        if self.key_roles is None:
+            frames: list[bytes | memoryview] = [self.sock.recv(zmq.NOBLOCK)]
+        else:  # a Frame, for its metadata; the routing id carries the message's
+            first = self.sock.recv(zmq.NOBLOCK, copy=False)
+            frames, key = [first.bytes], first.get("User-Id")
         while self.sock.getsockopt(zmq.RCVMORE):
             if len(frames) < 2:
                 frames.append(self.sock.recv(zmq.NOBLOCK))
                 continue
             frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             frames.append(frame.buffer if len(frame) >= ZERO_COPY_MIN_BYTES else frame.bytes)
-        return frames
+        return frames, key
 
     def _refusals(self) -> None:
         """Count and log every handshake the CurveZMQ layer refused since the last poll."""
@@ -110,7 +122,7 @@ class Hub:
             self.counters["auth_refused"] += 1
             self.refusals.note(event)
 
-    def _accept(self, frames: list[bytes]):
+    def _accept(self, frames: list[bytes], key: str | None = None):
         identity = frames[0]
         self.counters["received"] += 1
         try:
@@ -121,6 +133,13 @@ class Hub:
             self._reply_error(identity, e)
             return None
         sender = msg.sender
+        if self.key_roles is not None and (why := self._key_refusal(msg, key)) is not None:
+            self.counters["key_refused"] += 1
+            self.log.warning("key_refused", peer=sender, msg_type=msg.msg_type, error=why)
+            if msg.msg_type != "error":  # an error is never answered with another
+                self.send(identity, m.Error(code="refused", message=why[:500]), parent_id=msg.msg_id)
+                self.counters["errors_sent"] += 1
+            return None
         if msg.msg_type == "hello":
             # A new session (or a restarted process, which starts again at 1). Messages of an
             # earlier session of the same process still in flight on its old connection have a
@@ -135,6 +154,22 @@ class Hub:
         self.expiry[sender] = self.clock() + self.link.peer_timeout_s
         self.identities[sender] = identity
         return msg
+
+    def _key_refusal(self, msg, key: str | None) -> str | None:
+        """Why a message under client ``key`` is refused, or None: any message, a ``hello`` included,
+        of a sender that said hello under another key (a host speaking in another's name; the
+        binding lasts until the sender expires), or a ``hello`` claiming a role that key may not
+        claim (``curve.KeyRoles``). A hello accepted binds its sender to the key."""
+        bound = self.peer_keys.get(msg.sender, key)
+        if bound != key:
+            return (f"{msg.sender!r} said hello from host {self.key_roles.host(bound)!r}; this message comes "
+                    f"from host {self.key_roles.host(key)!r}")
+        if msg.msg_type == "hello":
+            why = self.key_roles.refusal(key, msg.body.role)
+            if why is None:
+                self.peer_keys[msg.sender] = key
+            return why
+        return None
 
     def _reply_error(self, identity: bytes, e: WireError) -> None:
         # Peers never answer an ``error``, so a refusal cannot start a ping-pong.
@@ -162,6 +197,7 @@ class Hub:
         for name in dead:
             del self.expiry[name]
             self.highest_seq.pop(name, None)
+            self.peer_keys.pop(name, None)
         return dead
 
     def close(self) -> None:

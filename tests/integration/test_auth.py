@@ -224,7 +224,7 @@ def test_april_keys_hosts_writes_a_directory_per_host_and_says_where_it_goes(hos
     keys, done = hosts
     files = {d.name: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()) for d in keys.iterdir()}
     assert files == {"a": ["authorized/a.key", "authorized/b.key", "authorized/c.key", "client.key",
-                           "client.key_secret", "server.key", "server.key_secret"],
+                           "client.key_secret", "roles.toml", "server.key", "server.key_secret"],
                      "b": ["client.key", "client.key_secret", "server.key"],
                      "c": ["client.key", "client.key_secret", "server.key"]}
     for secret in keys.rglob("*.key_secret"):
@@ -234,7 +234,8 @@ def test_april_keys_hosts_writes_a_directory_per_host_and_says_where_it_goes(hos
     assert plan[0].startswith(f"host a (the head") and f"copy {keys / 'a'}/ to host a" in plan[0]
     assert "server.key_secret" in plan[0] and "authorized/c.key" in plan[0]
     for line, name in zip(plan[1:], "bc"):
-        assert f"host {name} (a member): copy {keys / name}/ to host {name}" in line and "server.key_secret" not in line
+        assert f"host {name} (a member; may claim generator,scorer): copy {keys / name}/ to host {name}" in line
+        assert "server.key_secret" not in line
     assert "delete authorized/NAME.key in the head's directory and restart" in done.stderr
     bad = april("keys", str(keys.parent / "other"), "--hosts", "a,../b")
     assert bad.returncode == 2 and "'../b'" in bad.stderr and not (keys.parent / "other").exists()
@@ -306,3 +307,85 @@ def test_a_refused_peer_says_why_once_per_streak(case, reason, tmp_path, capsys)
     lines = peer_lines(out, "b")
     assert len(lines) == 1 and reason in lines[0], out
     assert peer.auth_refusals >= 2, f"{case}: one refusal only, the streak was not tested"
+
+
+def curve_dealer(endpoint: str, routing_id: str, keys: Path):
+    """A bare DEALER with a host's client key, to send exactly what a test says."""
+    import zmq
+
+    from april_async.transport import curve
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, routing_id.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    curve.connect(sock, keys)
+    sock.connect(endpoint)
+    return sock
+
+
+def exchange(hub: Hub, sock, body: m.Body, sender: str, seq: int, seconds: float = 3.0):
+    """Send ``body`` as ``sender``; what the hub passed on of it, and the hub's answer to it (or None)."""
+    from april_async.wire.codec import decode, encode
+
+    frames = encode(body, sender=sender, seq=seq)
+    msg_id = decode(frames).msg_id
+    sock.send_multipart(frames)
+    passed, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        passed += [msg for _, msg in hub.poll(0.02) if msg.msg_id == msg_id]
+        if sock.poll(0):
+            answer = decode(sock.recv_multipart())
+            if answer.parent_id == msg_id:
+                return passed, answer
+        if passed:
+            return passed, None
+    return passed, None
+
+
+def test_a_hosts_key_claims_only_the_roles_its_roles_file_gives_it(tmp_path):
+    """With per-host keys, the head's roles.toml binds each key to roles: a member host's key
+    claiming the learner is refused, naming host and role, and the hub keeps nothing of it; as a
+    generator it gets in; it cannot speak in the name of a sender that said hello from the head."""
+    keys = tmp_path / "keys"
+    make_host_keys(keys, ["a", "b"])
+    hub = Hub(f"tcp://127.0.0.1:{free_port()}", link=LinkConfig(keys=keys / "a", **FAST))
+    a, b = curve_dealer(hub.endpoint, "a-learner", keys / "a"), curve_dealer(hub.endpoint, "b-gen", keys / "b")
+    try:
+        passed, answer = exchange(hub, b, m.Hello(role="learner", instance="b-gen"), "b-gen", 1)
+        assert passed == [] and answer is not None and answer.body.code == "refused", answer
+        assert answer.body.message.startswith("host 'b' may not claim the role 'learner': its key may claim "
+                                              "generator, scorer"), answer.body.message
+        assert "b-gen" not in hub.highest_seq and "b-gen" not in hub.expiry and hub.counters["key_refused"] == 1
+        passed, answer = exchange(hub, b, m.Hello(role="generator", instance="b-gen"), "b-gen", 2)
+        assert [p.msg_type for p in passed] == ["hello"] and answer is None
+        passed, answer = exchange(hub, a, m.Hello(role="learner", instance="a-learner"), "a-learner", 1)
+        assert [p.msg_type for p in passed] == ["hello"] and answer is None
+        # b, in the learner's name: refused, and the learner's own next message still passes
+        passed, answer = exchange(hub, b, m.BatchReport(batch_id=1, policy_version=99), "a-learner", 5)
+        assert passed == [] and answer.body.code == "refused"
+        assert answer.body.message == "'a-learner' said hello from host 'a'; this message comes from host 'b'"
+        passed, answer = exchange(hub, b, m.Hello(role="generator", instance="x"), "a-learner", 6)
+        assert passed == [] and "said hello from host 'a'" in answer.body.message  # nor take its session over
+        passed, _ = exchange(hub, a, m.BatchRequest(policy_version=0), "a-learner", 2)
+        assert [p.msg_type for p in passed] == ["batch_request"]
+    finally:
+        a.close()
+        b.close()
+        hub.close()
+
+
+def test_roles_given_to_a_host_let_it_claim_them(tmp_path):
+    keys = tmp_path / "keys"
+    done = april("keys", str(keys), "--hosts", "a,b", "--roles", "b=learner,generator")
+    assert done.returncode == 0, done.stderr
+    assert "host b (a member; may claim generator,learner)" in done.stdout
+    hub = Hub(f"tcp://127.0.0.1:{free_port()}", link=LinkConfig(keys=keys / "a", **FAST))
+    b = curve_dealer(hub.endpoint, "b-learner", keys / "b")
+    try:
+        passed, answer = exchange(hub, b, m.Hello(role="learner", instance="b-learner"), "b-learner", 1)
+        assert [p.msg_type for p in passed] == ["hello"] and answer is None
+        passed, answer = exchange(hub, b, m.Hello(role="scorer", instance="b-learner"), "b-learner", 2)
+        assert passed == [] and "host 'b' may not claim the role 'scorer'" in answer.body.message
+    finally:
+        b.close()
+        hub.close()

@@ -47,7 +47,7 @@ def test_one_directory_per_host_the_hubs_secret_on_the_head_only(tmp_path):
     k = tmp_path / "k"
     assert sorted(p.name for p in k.iterdir()) == ["a", "b", "c"]
     assert files(k / "a") == ["authorized/a.key", "authorized/b.key", "authorized/c.key", "client.key",
-                              "client.key_secret", "server.key", "server.key_secret"]
+                              "client.key_secret", "roles.toml", "server.key", "server.key_secret"]
     for member in ("b", "c"):
         assert files(k / member) == ["client.key", "client.key_secret", "server.key"]
         assert (k / member / "server.key").read_bytes() == (k / "a" / "server.key").read_bytes()
@@ -95,3 +95,27 @@ def test_the_peer_names_why_it_was_refused():
     assert "this peer has none" in curve.refused_by_hub(protocol, mismatch, secure=False)
     assert "protocol error 0x11000001" in curve.refused_by_hub(protocol, 0x11000001, secure=True)
     assert "hung up" in curve.refused_by_hub(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 32, secure=True)
+
+
+def test_roles_file_binds_each_hosts_key_to_roles(tmp_path):
+    """The head's roles.toml: the head every actor's role, members generator and scorer unless
+    given others; read back with the keys of authorized/, a key in no line may claim nothing."""
+    k = tmp_path / "k"
+    make_host_keys(k, ["a", "b", "c.d"], {"c.d": ["learner"]})
+    roles = curve.load_roles(k / "a")
+    key = {name: zmq.auth.load_certificate(str(k / name / "client.key"))[0].decode() for name in ("a", "b", "c.d")}
+    assert all(roles.refusal(key["a"], r) is None for r in ("generator", "scorer", "learner", "broadcaster"))
+    assert roles.refusal(key["b"], "generator") is None and roles.refusal(key["b"], "scorer") is None
+    assert roles.refusal(key["b"], "learner").startswith("host 'b' may not claim the role 'learner'")
+    assert roles.refusal(key["c.d"], "learner") is None and roles.refusal(key["c.d"], "generator") is not None
+    (k / "a" / "roles.toml").write_text('[hosts]\n"a" = ["learner"]\n')
+    roles = curve.load_roles(k / "a")
+    assert "its key may claim no role" in roles.refusal(key["b"], "generator")
+    (k / "a" / "roles.toml").write_text('[hosts]\n"a" = ["brokr"]\n')
+    with pytest.raises(KeysError, match="'brokr'"):
+        curve.load_roles(k / "a")
+    with pytest.raises(KeysError, match="names host 'x', which is not one of --hosts"):
+        make_host_keys(tmp_path / "other", ["a", "b"], {"x": ["learner"]})
+    one = tmp_path / "one"
+    make_keys(one)
+    assert curve.load_roles(one) is None  # one key for every host: nothing to bind
