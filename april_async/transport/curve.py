@@ -62,14 +62,13 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import itertools
+import json
 import os
 import shutil
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
-
-import json
-import tomllib
 
 import zmq
 import zmq.auth
