@@ -132,13 +132,16 @@ def test_a_flush_over_the_size_bound_is_split_over_messages():
 
 def test_after_a_new_session_every_lease_is_sent_again_from_its_start_at_once():
     broker = FakeBroker(LINK, proto_version="1.7")
-    actor, stop, thread = start_generator(broker.endpoint, progress_interval_s=5.0)  # no flush by time here
+    actor, stop, thread = start_generator(broker.endpoint, progress_interval_s=60.0)  # no flush by time here
     try:
         lease_all(broker, 4)
-        broker.pump(0.5)
+        deadline = time.monotonic() + 10.0  # ~0.25 s at the scripted engine's pace, more on a busy machine
+        while not (len(actor.work) == 4 and all(len(w.tokens) > 50 for w in list(actor.work.values()))):
+            assert time.monotonic() < deadline, "the leases made no 50 tokens each"
+            broker.pump(0.05)
         assert not broker.reports  # tokens wait for the interval
         broker.send(broker.peers["gen-p"], m.Error(code="refused", message="no session: send hello"))
-        deadline = time.monotonic() + 2.0  # well before the interval
+        deadline = time.monotonic() + 10.0  # well before the interval
         while not broker.reports:
             assert time.monotonic() < deadline, "nothing re-sent"
             broker.pump(0.05)
