@@ -75,8 +75,10 @@ class StandinPool:
     A server is handed out only while it is provably as it started: alive, and its ``state()`` read
     over HTTP equal to the one it had before first use (nothing running or waiting, not paused, the
     same weights and weight version, no weight-update group or session, no test hook pending, no
-    cache flush). That is checked when a test gives it back and again when one takes it; a server
-    that fails is killed, and a fresh one started in its place. ``close`` kills what the pool holds."""
+    cache flush). A server given back changed (pushed to, paused) is first reset
+    (``/standin/reset``: refused while it holds requests or groups); one still not as it started is
+    killed, and a fresh one started in its place. That is checked when a test gives it back and
+    again when one takes it. ``close`` kills what the pool holds."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
@@ -97,8 +99,8 @@ class StandinPool:
         return s
 
     def give_back(self, s: StandIn) -> None:
-        """Keep ``s`` for a later ``take`` if it is still as it started; else kill it."""
-        if self.as_started(s):
+        """Keep ``s`` for a later ``take`` if it is as it started, or is once reset; else kill it."""
+        if self.as_started(s) or (s.proc.poll() is None and self.reset(s) and self.as_started(s)):
             self.idle.setdefault(self.started[s][0], []).append(s)
         else:
             self.discard(s)
@@ -109,6 +111,13 @@ class StandinPool:
             return False
         try:
             return s.state() == self.started[s][1]
+        except httpx.HTTPError:
+            return False
+
+    @staticmethod
+    def reset(s: StandIn) -> bool:
+        try:
+            return httpx.post(f"{s.url}/standin/reset", json={}, timeout=10.0).status_code == 200
         except httpx.HTTPError:
             return False
 

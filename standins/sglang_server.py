@@ -33,6 +33,8 @@ Endpoints:
                                           with an abort of ``status_code`` 400/503/500
     GET  /standin/state                   TEST HOOK (not SGLang): what a test can leave behind
                                           (requests, pause, weights, groups, session, hooks, flushes)
+    POST /standin/reset                   TEST HOOK (not SGLang): back to that state as it started,
+                                          refused while it holds requests or weight-update groups
 
 As strict as SGLang where a client can go wrong: a refused request (prompt + budget over
 ``--max-seq-len``, a duplicate rid, a bad sampling value) is answered, streamed, HTTP 200 + one
@@ -198,6 +200,7 @@ class Core:
         self.engine = TorchEngine(model, slots=args.slots, max_seq_len=args.max_seq_len)
         self.vocab = model.config.vocab_size
         self.params = dict(model.state_dict())
+        self.initial = {n: t.detach().clone() for n, t in self.params.items()}  # for /standin/reset
         self.cv = threading.Condition()
         self.waiting: deque[Req] = deque()
         self.running: dict[int, Req] = {}  # lease id -> request
@@ -366,6 +369,24 @@ class Core:
                     "weight_version": self.weight_version, "weights": weights.hexdigest(),
                     "groups": sorted(self.groups), "session": self.session,
                     "abort_next": len(self.fail_next), "flushes": self.flushes}
+
+    def reset(self) -> dict:
+        """TEST HOOK (``/standin/reset``), not SGLang: back to the state the server started in (its
+        weights, weight version, no pause, no session, no hook pending, no flush counted), for a
+        test harness that hands one server from test to test. Refused while it holds a request or a
+        weight-update group (which a harness then replaces with a fresh server)."""
+        with self.update_lock, self.cv:
+            if self.running or self.waiting or self.groups:
+                raise refused(f"reset: the server holds {len(self.running) + len(self.waiting)} request(s) and "
+                              f"{len(self.groups)} weight-update group(s)")
+            self.engine.load_weights(self.initial, 0)
+            self.weight_version = self.args.weight_version
+            self.paused, self.pause_mode, self.gate, self.session = False, None, None, False
+            self.fail_next.clear()
+            self.flushes = 0
+            self.cv.notify_all()
+        log("reset to the state it started in")
+        return {"success": True}
 
     def flush_blocked(self) -> bool:
         """Whether a cache flush fails now (``Scheduler.flush_cache`` / ``is_fully_idle``): with
@@ -861,6 +882,7 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/update_weight_version": (POST, "", Handler.update_version),
     "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
     "/standin/state": (GET, "", lambda h, b: h.core.state()),  # a test hook, not SGLang
+    "/standin/reset": (POST, "", lambda h, b: h.core.reset()),  # a test hook, not SGLang
 }
 
 

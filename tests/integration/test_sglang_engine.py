@@ -699,21 +699,48 @@ def test_a_server_of_an_unchecked_sglang_version_is_refused_at_join(ckpts, stand
 # ---------------------------------------------------------------------- the stand-in pool
 
 
-def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standin_pool):
+def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standin_pool, store):
     """``StandinPool``: an unchanged server is handed out again; one left paused, or with another
-    weight version, is killed when given back."""
+    weights and weight version (a push), is reset to how it started and handed out again; one that
+    cannot be reset (it holds a request) is killed when given back."""
     flags = ("--max-seq-len", "512", "--slots", "8")
     s = standin_pool.take(ckpts / "v0", *flags)
+    started = s.state()
     standin_pool.give_back(s)
     assert standin_pool.take(ckpts / "v0", *flags) is s
     assert httpx.post(f"{s.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
     standin_pool.give_back(s)
+    assert standin_pool.take(ckpts / "v0", *flags) is s and s.state() == started
+    fanout = fanout_for(store)
+    try:  # other weights and another version, over a group the fan-out leaves at its close
+        specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+        assert fanout.push({"gen": [s.url]}, 7, specs, buffer, 1 << 20) == {"gen": None}
+    finally:
+        fanout.close()
+    pushed = s.state()
+    assert pushed["weight_version"] == "7" and pushed["weights"] != started["weights"] and not pushed["groups"]
+    standin_pool.give_back(s)
+    assert standin_pool.take(ckpts / "v0", *flags) is s and s.state() == started
+    held = httpx.post(f"{s.url}/pause_generation", json={"mode": "in_place"})  # a request parked behind a pause
+    assert held.status_code == 200
+    def wait_on_the_pause():
+        try:
+            httpx.post(f"{s.url}/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+                "max_new_tokens": 4, "temperature": 0}}, timeout=30)
+        except httpx.HTTPError:  # the server is killed under it
+            pass
+    waiter = threading.Thread(target=wait_on_the_pause)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while s.state()["requests"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the server"
+        time.sleep(0.02)
+    standin_pool.give_back(s)
     assert s.proc.poll() is not None
+    waiter.join(30)
+    assert not waiter.is_alive()
     t = standin_pool.take(ckpts / "v0", *flags)
-    assert t is not s
-    assert httpx.post(f"{t.url}/update_weight_version", json={"new_version": "7"}).status_code == 200
-    standin_pool.give_back(t)
-    assert t.proc.poll() is not None
+    assert t is not s and t.state() == started
 
 
 def test_an_nccl_group_with_a_server_of_another_nccl_is_refused_before_any_pause(ckpts, standins, store, monkeypatch):
