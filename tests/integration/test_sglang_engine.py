@@ -202,7 +202,9 @@ def test_a_pause_that_aborts_everything_is_resumed_with_no_token_lost(ckpts, sta
         assert got[i].finish == "length" and got[i].tokens == greedy(ckpts / "v0", p, n).tokens
 
 
-def test_a_dead_server_returns_its_requests_as_partials_and_its_slots(ckpts, standins):
+def test_a_dead_server_moves_its_requests_to_the_live_one_and_returns_its_slots(ckpts, standins):
+    """Each broken stream carries on, under its lease, on the other server from the tokens it had
+    (the broker sees no end, and no attempt of the sample is used)."""
     doomed, healthy = standins(*OUTLIVE), standins(*OUTLIVE)
     engine = make_engine(doomed.url, healthy.url)
     n = 400
@@ -221,12 +223,9 @@ def test_a_dead_server_returns_its_requests_as_partials_and_its_slots(ckpts, sta
         assert engine.slots == 4, "the dead server's slots are still counted"
     finally:
         engine.close()
-    ends = sorted(o.finish for o in got.values())
-    assert ends == ["abort", "abort", "length", "length"], ends  # two leases on each server
-    for i, o in got.items():  # a partial keeps every token it had, each one right
-        ref = greedy(ckpts / "v0", PROMPTS[i % 4], n).tokens
-        assert o.tokens == ref[: len(o.tokens)] and (o.finish == "abort" or len(o.tokens) == n)
-    assert engine.lost == 2
+    for i, o in got.items():  # every lease whole, each token right (two of them moved mid-way)
+        assert o.finish == "length" and o.tokens == greedy(ckpts / "v0", PROMPTS[i % 4], n).tokens
+    assert engine.lost == 0 and engine.moved == 2
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
@@ -880,3 +879,84 @@ def test_recovery_runs_off_the_callers_thread_and_leaves_unchecked_versions_alon
         silent.close()
         httpx.post(f"{odd.url}/continue_generation", json={}, timeout=10)
 
+
+
+# ---------------------------------------------------------------------- liveness that generates
+
+QUICK_HEALTH = ("--health-check-timeout", "1")
+"""SGLang's health probe gives up after 20 s without a word from the scheduler; the tests' stand-ins after 1 s."""
+
+
+def probing(*urls, **settings) -> SGLangEngine:
+    """An engine that probes with ``/health_generate`` every 0.3 s and calls a server down after 2.5 s of failures."""
+    return make_engine(*urls, **{"generate_probe_interval_s": 0.3, "generate_probe_timeout_s": 2.5,
+                                 "hung_after_s": 2.5, **settings})
+
+
+def wait_for(what, cond, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_hung_scheduler_is_called_down_and_its_requests_move_on_with_their_tokens(ckpts, standins):
+    """``/model_info`` still answers (SGLang's tokenizer manager), so only the generating probe sees
+    the hang. A pause shorter than ``hung_after_s`` is not a hang. The hung server's requests carry
+    on elsewhere under the same lease (no ``stream_idle_s`` wait, no attempt used), and it comes back
+    when it generates again."""
+    hung, other = standins(*OUTLIVE, *QUICK_HEALTH), standins(*OUTLIVE, *QUICK_HEALTH)
+    engine = probing(hung.url, other.url)
+    n = 400
+    events: list[str] = []
+    slots_seen: set[int] = set()
+
+    def act(got):
+        slots_seen.add(engine.slots)
+        if not events and min(len(o.tokens) for o in got.values()) >= 3:
+            httpx.post(f"{hung.url}/pause_generation", json={"mode": "retract"}, timeout=10)
+            threading.Timer(1.2, lambda: httpx.post(f"{hung.url}/continue_generation", json={}, timeout=10)).start()
+            events.append("paused")
+        elif events == ["paused"] and min(len(o.tokens) for o in got.values()) >= 40:
+            httpx.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
+            events.append("hung")
+            slots_seen.clear()
+    try:
+        t0 = time.monotonic()
+        got = drive(engine, [request(i, PROMPTS[i % 4], n) for i in range(4)], each_step=act, timeout_s=60)
+        took = time.monotonic() - t0
+        assert events == ["paused", "hung"] and 4 in slots_seen, "the hung server was never called down"
+        assert engine.slots == 4 and engine.moved == 2 and engine.lost == 0
+        httpx.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+        wait_for("the server never came back", lambda: engine.slots == 8)
+    finally:
+        engine.close()
+        httpx.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+    assert took < 40  # not stream_idle_s (600 s)
+    for i, o in got.items():  # every lease ends whole, each token right: moved, not ended
+        assert o.finish == "length" and o.tokens == greedy(ckpts / "v0", PROMPTS[i % 4], n).tokens
+
+
+def test_a_hung_scheduler_with_nowhere_to_move_ends_its_requests_as_partials_at_once(ckpts, standins):
+    hung = standins(*OUTLIVE, *QUICK_HEALTH)
+    engine = probing(hung.url)
+    n = 400
+
+    def act(got):
+        if min(len(o.tokens) for o in got.values()) >= 3 and not hung.state()["hung"]:
+            httpx.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
+    try:
+        got = drive(engine, [request(i, PROMPTS[i], n) for i in range(2)], each_step=act, timeout_s=30)
+    finally:
+        engine.close()
+        httpx.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+    for i, o in got.items():
+        assert o.finish == "abort" and 3 <= len(o.tokens) < n
+        assert o.tokens == greedy(ckpts / "v0", PROMPTS[i], n).tokens[:len(o.tokens)]
+
+
+def test_generating_probe_settings_are_validated():
+    with pytest.raises(ValueError, match="hung_after_s"):
+        SGLangEngineConfig(servers=["http://x"], generate_probe_timeout_s=30, hung_after_s=10)
+    with pytest.raises(ValueError):
+        SGLangEngineConfig(servers=["http://x"], generate_probe_interval_s=0)
