@@ -39,10 +39,11 @@ Endpoints:
                                           probe fails, while /model_info and the other calls the
                                           tokenizer manager answers go on answering
     POST /standin/faults                  TEST HOOK (not SGLang): ``{"drop", "delay_s", "seed",
-                                          "paths"}``: each call to one of ``paths`` (default every
-                                          control endpoint) is dropped (the connection closed with no
-                                          answer) with probability ``drop``, else delayed by up to
-                                          ``delay_s``; ``{}`` turns faults off
+                                          "paths", "when"}``: each call to one of ``paths`` (default
+                                          every control endpoint) is dropped (the connection closed
+                                          with no answer) with probability ``drop`` ``before`` it is
+                                          handled, ``after``, or ``either`` at random, and delayed by
+                                          up to ``delay_s``; ``{}`` turns faults off
 
 ``/health_generate`` (and ``/health``, the same handler unless SGLang's
 ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is off; on by default in 0.5.15 and 0.5.23) is
@@ -874,10 +875,12 @@ class Handler(BaseHTTPRequestHandler):
         drop = field_of(body, "drop", lambda v: is_num(v) and 0 <= v <= 1, "a probability", 0.0)
         delay = field_of(body, "delay_s", lambda v: is_num(v) and v >= 0, "seconds", 0.0)
         seed = field_of(body, "seed", is_int, "an integer", 0)
+        when = field_of(body, "when", lambda v: v in ("before", "after", "either"), "before, after or either",
+                        "either")
         paths = field_of(body, "paths", lambda v: isinstance(v, list) and all(p in ROUTES for p in v),
                          "a list of this server's paths", sorted(CONTROL_PATHS))
-        FAULTS.set(drop, delay, seed, paths)
-        return {"success": True, "drop": drop, "delay_s": delay, "paths": paths}
+        FAULTS.set(drop, delay, seed, paths, when)
+        return {"success": True, "drop": drop, "delay_s": delay, "paths": paths, "when": when}
 
     def flush_cache(self, body: dict) -> str:
         self.core.last_receive = time.monotonic()  # the scheduler's answer, either way
@@ -954,13 +957,14 @@ class Faults:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.set(0.0, 0.0, 0, [])
+        self.set(0.0, 0.0, 0, [], "either")
 
-    def set(self, drop: float, delay_s: float, seed: int, paths) -> None:
+    def set(self, drop: float, delay_s: float, seed: int, paths, when: str) -> None:
         import random
 
         with self.lock:
             self.drop, self.delay_s, self.paths, self.rng = drop, delay_s, set(paths), random.Random(seed)
+            self.when = ("before", "after") if when == "either" else (when,)
 
     def draw(self, path: str) -> tuple[str | None, float]:
         """For one call: (None | "before" | "after", seconds to wait first)."""
@@ -969,7 +973,7 @@ class Faults:
                 return None, 0.0
             delay = self.rng.uniform(0, self.delay_s) if self.delay_s else 0.0
             if self.rng.random() < self.drop:
-                return self.rng.choice(("before", "after")), delay
+                return self.rng.choice(self.when), delay
             return None, delay
 
 

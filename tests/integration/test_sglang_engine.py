@@ -960,3 +960,156 @@ def test_generating_probe_settings_are_validated():
         SGLangEngineConfig(servers=["http://x"], generate_probe_timeout_s=30, hung_after_s=10)
     with pytest.raises(ValueError):
         SGLangEngineConfig(servers=["http://x"], generate_probe_interval_s=0)
+
+
+def test_a_server_no_continue_reaches_is_called_down_and_recovered_later(ckpts, standins, store):
+    """Every retry of ``/continue_generation`` fails (dropped): the server is stuck paused with the new
+    weights. Its generator calls it down (its requests move to the other server, its version is not
+    counted); the timed recovery continues it once calls get through, and it is back up."""
+    stuck, other = standins(*OUTLIVE, *QUICK_HEALTH), standins(*OUTLIVE, *QUICK_HEALTH)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store, recover_interval_s=0.5)
+    assert fanout.recover([stuck.url, other.url]) == {stuck.url: None, other.url: None}
+    engine = probing(stuck.url, other.url)
+    n = 300
+    pushed = []
+
+    def push_once(got):
+        if not pushed and min(len(o.tokens) for o in got.values()) >= 3:
+            httpx.post(f"{stuck.url}/standin/faults", json={"drop": 1.0, "when": "before",
+                                                                  "paths": ["/continue_generation"]},
+                       timeout=10)
+            pushed.append(fanout.push({"gen": [stuck.url, other.url]}, 1, specs, buffer, 1 << 20))
+    try:
+        got = drive(engine, [request(i, PROMPTS[i % 4], n) for i in range(4)], each_step=push_once, timeout_s=60)
+        assert pushed and pushed[0]["gen"] is not None and stuck.url in pushed[0]["gen"]
+        assert stuck.state()["paused"] and not other.state()["paused"]
+        assert engine.slots == 4 and engine.moved >= 1 and engine.lost == 0
+        assert engine.policy_version == 1 == engine.newest_version
+        httpx.post(f"{stuck.url}/standin/faults", json={}, timeout=10)
+        t0 = time.monotonic()
+        while stuck.state()["paused"]:  # what the broadcaster's timer does every recover_interval_s
+            assert time.monotonic() - t0 < 10, "never resumed"
+            fanout.recover_soon([stuck.url, other.url], again=True).result(10)
+        wait_for("the stuck server never came back", lambda: engine.slots == 8)
+    finally:
+        httpx.post(f"{stuck.url}/standin/faults", json={}, timeout=10)
+        engine.close()
+        fanout.close()
+    for i, o in got.items():  # no lease ended early: the stuck server's moved on
+        assert o.finish == "length" and len(o.tokens) == n, (i, o.finish, len(o.tokens))
+
+
+def test_timed_recovery_asks_every_server_again_and_is_cheap_when_nothing_is_wrong(standins, store, monkeypatch):
+    """``recover_soon(again=True)`` (the broadcaster's timer) recovers servers it recovered before: a
+    server paused since (a resume that failed, a restart) is continued; on a healthy one it is
+    two calls."""
+    server = standins()
+    fanout = fanout_for(store)
+    try:
+        assert fanout.recover([server.url]) == {server.url: None}
+        httpx.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        assert fanout.recover([server.url]) == {}  # once per process: not asked again
+        assert server.state()["paused"]
+        assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
+        assert not server.state()["paused"]
+        calls = flaky(monkeypatch, "resume", fail=set())
+        ends = flaky(monkeypatch, "end_any_update", fail=set())
+        assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
+        assert (calls, ends) == ([server.url], [server.url])
+    finally:
+        fanout.close()
+
+
+class _Hub:
+    endpoint = "inproc://none"
+
+    def send(self, identity, body, parent_id=None) -> bool:
+        return True
+
+    def expired_peers(self, now):
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class _BrokerPeer:
+    def __init__(self, on_connect):
+        on_connect(self)
+
+    def send(self, body, parent_id=None) -> int:
+        return 0
+
+    def poll(self, timeout_s):
+        time.sleep(min(timeout_s, 0.01))
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_broadcaster_recovers_its_sglang_servers_on_a_timer(standins):
+    """Not only at a generator's hello: every ``recover_interval_s`` its tick recovers every server
+    of the generators it knows, off its loop (a server paused since is continued)."""
+    from types import SimpleNamespace
+
+    from april_async.broadcaster.actor import BroadcasterActor
+    from april_async.broadcaster.config import BroadcasterConfig
+    from april_async.wire import messages as m
+    from april_async.wire.version import PROTO_VERSION
+
+    with pytest.raises(ValueError):
+        SGLangFanoutConfig(recover_interval_s=0)
+    server = standins()
+    cfg = BroadcasterConfig(store_port=0, backend="gloo", sglang=SGLangFanoutConfig(recover_interval_s=5.0))
+    actor = BroadcasterActor(cfg, _Hub(), _BrokerPeer)
+    try:
+        now = time.monotonic()
+        hello = m.Hello(role="generator", instance="gen-0", engine="sglang", policy_version=0, servers=[server.url])
+        actor.handle(b"gen-0", SimpleNamespace(body=hello, sender="gen-0", msg_id="h1", msg_type="hello",
+                                               proto_version=PROTO_VERSION), now)
+        assert actor.fanout is not None
+        actor.fanout.recover_soon([]).result(10)  # the hello's recovery has run
+        httpx.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        actor.tick(now + 1.0)  # before the interval: nothing
+        actor.fanout.recover_soon([]).result(10)
+        assert server.state()["paused"]
+        actor.tick(now + 5.5)
+        actor.fanout.recover_soon([]).result(10)  # queued behind the timed one
+        assert not server.state()["paused"], "the timer did not recover the server"
+    finally:
+        actor.close()
+
+
+def test_a_server_with_half_new_weights_stays_paused_until_a_push_completes_there(ckpts, standins, store):
+    """Found by ``tools/sglang_faults.py`` (tokens tagged with a version whose weights did not make
+    them): a push that stops after a bucket because *another* server's call failed leaves this one's
+    weights half new too, though its own calls succeeded; and a later push that fails before its
+    first bucket, or a recovery, must not continue it either."""
+    a, b = standins("--weight-update-session"), standins()
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store)
+    gen = {"gen-a": [a.url], "gen-b": [b.url]}
+    try:
+        assert fanout.push(gen, 1, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
+        # a takes every bucket call but its answer is lost: the push stops after the first bucket
+        httpx.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "after",
+                                                     "paths": ["/update_weights_from_distributed"]}, timeout=10)
+        result = fanout.push(gen, 2, specs, buffer, 64 * 1024)
+        assert result["gen-b"] is not None and "half new" in result["gen-b"], result
+        assert b.state()["paused"] and a.state()["paused"]
+        # the next push fails before any bucket (a's pause never arrives): b stays paused
+        httpx.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "before", "paths": ["/pause_generation"]},
+                   timeout=10)
+        result = fanout.push(gen, 3, specs, buffer, 64 * 1024)
+        assert result["gen-b"] is not None and b.state()["paused"], result
+        fanout.recover([a.url, b.url], again=True)
+        assert b.state()["paused"], "recovery continued a server with half-new weights"
+        httpx.post(f"{a.url}/standin/faults", json={}, timeout=10)
+        assert fanout.push(gen, 4, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
+    finally:
+        httpx.post(f"{a.url}/standin/faults", json={}, timeout=10)
+        fanout.close()
+    for s in (a, b):
+        state = s.state()
+        assert not state["paused"] and state["weight_version"] == "4", state
