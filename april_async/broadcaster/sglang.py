@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.logs import get_logger
-from april_async.sglang.api import SGLangError
+from april_async.sglang.api import TORN_PREFIX, SGLangError
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 from april_async.weights.flat import tensor_buckets, unflatten
@@ -305,6 +305,10 @@ class SGLangFanout:
                    f"set [broadcaster.sglang] allow_torn_updates")
             return {u: why for u in urls}
 
+        # Unpaused over several buckets (allow_torn_updates): requests decode between buckets on
+        # weights of both versions; the first bucket says so in the version the server reports.
+        torn = f"{TORN_PREFIX}{version}" if mode == "none" and len(parts) > 1 else None
+
         def note(errors: dict[str, SGLangError | None]) -> None:
             failed.update({u: str(e) for u, e in errors.items() if e is not None and u not in failed})
 
@@ -334,7 +338,7 @@ class SGLangFanout:
                 calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
                                               dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
                                               group_name=self.group_name, flush_cache=False,
-                                              weight_version=str(version) if last else None,
+                                              weight_version=str(version) if last else torn,
                                               timeout_s=self.cfg.update_timeout_s) for u in urls}
                 try:
                     for t in specs:
@@ -353,7 +357,7 @@ class SGLangFanout:
         # calls all succeeded: the loop stopped when another server's failed (they share the collective).
         # So does one an earlier push left so, until a push completes there.
         half = [u for u in urls if u not in complete and (sent or u in was_half)]
-        left = "left paused" if mode != "none" else "generating on them (pause = \"none\")"
+        left = "left paused" if mode != "none" else "generating on them (pause = \"none\"), tagged torn"
         failed.update({u: (f"version {version}'s push stopped before its last bucket (another server failed): "
                            f"weights half new, {left}") if sent else
                           f"weights half new since an earlier push, and this one did not complete: {left}"

@@ -37,7 +37,10 @@ Per lease, top to bottom:
              from its tokens under the same lease (no attempt of the sample is used), as does a
              request whose stream broke; where none is, it ends as ``abort`` with its tokens (a
              partial for the broker). ``slots`` shrinks, which the actor tells the broker. It
-             comes back when both probes succeed.
+             comes back when both probes succeed;
+    torn     a version ``torn:N`` (an unpaused push between its buckets, ``api.TORN_PREFIX``)
+             tags its tokens with the server's last whole version, and counts them
+             (``counters()``: the generator logs them).
 
 A server that refuses a request answers a streamed one with HTTP 200 and an ``{"error": ...}``
 event, a whole answer with HTTP 400 (``april_async.sglang.api``). The refusal is read by its
@@ -114,6 +117,7 @@ class SGLangEngine(Engine):
         self.resumed = 0  # requests sent again after the server aborted them on its own
         self.lost = 0  # requests ended early by a failure (server down, broken stream)
         self.moved = 0  # requests moved to another server when theirs went down
+        self.torn_tokens = 0  # tokens decoded on torn weights (an unpaused push between buckets)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"{instance}-sglang")
         self._thread.start()
@@ -274,7 +278,7 @@ class SGLangEngine(Engine):
 
     async def _probe(self, s: _Server) -> None:
         try:
-            version = await asyncio.get_running_loop().run_in_executor(None, s.client.weight_version)
+            raw = (await asyncio.get_running_loop().run_in_executor(None, s.client.model_info)).get("weight_version")
         except SGLangError as e:
             s.failures += 1
             if s.alive and s.failures >= self.cfg.dead_after:
@@ -282,7 +286,9 @@ class SGLangEngine(Engine):
             elif s.failures == 1:
                 self.log.warning("probe_failed", server=s.url, error=str(e))
             return
-        s.version = self.cfg.initial_version if version is None else version
+        if api.torn_version(raw) is None:  # torn weights: the last whole version stands
+            version = api.parse_weight_version(raw)
+            s.version = self.cfg.initial_version if version is None else version
         s.failures = 0
         if not s.alive and not s.hung:
             s.alive = True
@@ -445,18 +451,32 @@ class SGLangEngine(Engine):
             return
         # The event's version as its spans read: "default" is the initial version in both (a restarted
         # server's tokens were tagged with the last version known for it, its spans with the initial).
-        version = self._span_version(delta.raw_weight_version, r.server.version)
-        versions = [self._span_version(v, version) for v in delta.versions] or [version] * len(delta.tokens)
+        # Torn weights ("torn:N", between the buckets of an unpaused push) are tagged with the
+        # server's last whole version, and counted: the wire has one version per token.
+        old = r.server.version
+        version = self._span_version(delta.raw_weight_version, old, old)
+        raws = delta.versions or [delta.raw_weight_version] * len(delta.tokens)
+        versions = [self._span_version(v, version, old) for v in delta.versions] or [version] * len(delta.tokens)
+        torn = sum(api.torn_version(v) is not None for v in raws)
+        if torn:
+            self.torn_tokens += torn
+            self.log.debug("torn_tokens", lease=r.request.lease_id, tokens=torn, tagged=old)
         r.tokens += delta.tokens
         self._out.put(EngineOutput(r.request.lease_id, delta.tokens, delta.logprobs, versions))
 
-    def _span_version(self, raw, fallback: int) -> int:
+    def _span_version(self, raw, fallback: int, whole: int) -> int:
         """A version as SGLang sends it (a span's or an event's): ``"default"`` (never updated) is the
-        configured initial version; none at all, ``fallback``."""
+        configured initial version; ``"torn:N"``, ``whole`` (the server's last whole version); none at
+        all, ``fallback``."""
         if raw is None:
             return fallback
+        if api.torn_version(raw) is not None:
+            return whole
         version = api.parse_weight_version(raw)
         return self.cfg.initial_version if version is None else version
+
+    def counters(self) -> dict[str, int]:
+        return {"resumed": self.resumed, "lost": self.lost, "moved": self.moved, "torn_tokens": self.torn_tokens}
 
     async def _events(self, s: _Server, body: dict, rid: str = ""):
         """The answer's events as parsed JSON: one per server-sent event, or the whole answer.

@@ -1081,6 +1081,43 @@ def test_the_broadcaster_recovers_its_sglang_servers_on_a_timer(standins):
         actor.close()
 
 
+def test_tokens_decoded_between_the_buckets_of_an_unpaused_push_are_tagged_old_and_counted_torn(
+        ckpts, standins, store):
+    """``pause = "none"`` with ``allow_torn_updates`` over several buckets: requests decode between
+    buckets on weights of both versions. The first bucket sets the version ``torn:N``; the engine
+    tags those tokens with the server's last whole version (the wire has one version per token) and
+    counts them (``counters()["torn_tokens"]``, logged by the generator); after the last bucket
+    tokens are version N, exactly."""
+    server = standins("--weight-update-session")
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    fanout = fanout_for(store, pause="none", allow_torn_updates=True)
+    engine = make_engine(server.url, slots_per_server=8)
+    seen_raw: set[str] = set()
+    got: list[EngineOutput] = []
+    try:
+        pushing = threading.Thread(target=lambda: got.append(
+            fanout.push({"gen": [server.url]}, 1, specs, buffer, 16 * 1024)))
+        pushing.start()
+        lease = 0
+        while pushing.is_alive():
+            for o in drive(engine, [request(lease + i, PROMPTS[i % 4], 6) for i in range(8)]).values():
+                got.append(o)
+            lease += 8
+            seen_raw.add(httpx.get(f"{server.url}/model_info", timeout=5).json()["weight_version"])
+        pushing.join()
+        after = drive(engine, [request(10_000, PROMPTS[0], 6)])[10_000]
+    finally:
+        engine.close()
+        fanout.close()
+    assert got[-1] == {"gen": None} or {"gen": None} in got
+    counted = engine.counters()["torn_tokens"]
+    assert counted > 0, f"no request ran between buckets (versions seen: {seen_raw})"
+    outs = [o for o in got if isinstance(o, EngineOutput)]
+    assert all(set(o.versions) <= {0, 1} for o in outs)
+    assert sum(o.versions.count(0) for o in outs) >= counted  # torn ones carry the old tag
+    assert after.versions == [1] * 6 and after.tokens == greedy(ckpts / "v1", PROMPTS[0], 6).tokens
+
+
 def test_a_server_with_half_new_weights_stays_paused_until_a_push_completes_there(ckpts, standins, store):
     """Found by ``tools/sglang_faults.py`` (tokens tagged with a version whose weights did not make
     them): a push that stops after a bucket because *another* server's call failed leaves this one's
