@@ -270,19 +270,25 @@ class SGLangFanout:
     def _push(self, servers: dict[str, list[str]], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
               bucket_bytes: int) -> dict[str, str | None]:
         urls = tuple(u for member in sorted(servers) for u in servers[member])
-        failed: dict[str, str] = {}
         t0 = time.monotonic()
         self._recover(urls)
+        # A server that does not answer is left out of this push: one dead server must not hold
+        # every other back (nor keep one that an earlier push left paused, paused).
+        gone = {u: str(e) for u, e in _errors(self._each(urls, ServerClient.server_version)).items() if e}
+        live = tuple(u for u in urls if u not in gone)
+        failed: dict[str, str] = dict(gone)
         try:
-            if urls != self.urls or self.pg is None:
-                self._form(urls)
-            failed = self._update(urls, version, tensors, buffer, bucket_bytes)
+            if live and (live != self.urls or self.pg is None):
+                self._form(live)
+            if live:
+                failed.update(self._update(live, version, tensors, buffer, bucket_bytes))
         except SGLangError as e:
-            failed = {u: str(e) for u in urls}
+            failed.update({u: str(e) for u in live})
         except Exception as e:  # a collective that failed or timed out: every server of the group
-            failed = {u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls}
-        if failed:
+            failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in live})
+        if any(u in failed for u in live):
             self._leave()  # re-formed at the next push
+        if failed:
             self.recovered.difference_update(failed)  # an update session its end did not close: ended then
         out = {member: "; ".join(failed[u] for u in us if u in failed) or None for member, us in servers.items()}
         if failed:
