@@ -445,6 +445,7 @@ class SGLangEngine(Engine):
             return "abort", None
 
     def _emit(self, r: _Req, delta: api.Delta) -> None:
+        old = r.server.version  # the last whole version before this event (whose last span may be newer)
         if delta.weight_version is not None:
             r.server.version = max(r.server.version, delta.weight_version)
         if not delta.tokens:
@@ -453,7 +454,6 @@ class SGLangEngine(Engine):
         # server's tokens were tagged with the last version known for it, its spans with the initial).
         # Torn weights ("torn:N", between the buckets of an unpaused push) are tagged with the
         # server's last whole version, and counted: the wire has one version per token.
-        old = r.server.version
         version = self._span_version(delta.raw_weight_version, old, old)
         raws = delta.versions or [delta.raw_weight_version] * len(delta.tokens)
         versions = [self._span_version(v, version, old) for v in delta.versions] or [version] * len(delta.tokens)
