@@ -307,8 +307,7 @@ class SGLangEngine(Engine):
             return
         started = time.monotonic()
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: s.client.health_generate(timeout_s=self.cfg.generate_probe_timeout_s))
+            await self._health_generate(s)
         except SGLangError as e:
             if s.failing_since is None:
                 s.failing_since = started
@@ -326,6 +325,24 @@ class SGLangEngine(Engine):
             if s.failures == 0:
                 s.alive = True
                 self.log.info("server_up", server=s.url, version=s.version, why="it generates again")
+
+    async def _health_generate(self, s: _Server) -> None:
+        """``GET /health_generate`` (SGLang: 200 once the scheduler answered a one-token request, else
+        503 after ``SGLANG_HEALTH_CHECK_TIMEOUT``; it waits behind a pause), on the loop's own client
+        so that closing the engine cancels it rather than wait up to ``generate_probe_timeout_s``."""
+        timeout = httpx.Timeout(self.cfg.generate_probe_timeout_s, connect=self.cfg.connect_timeout_s)
+        try:
+            resp = await self._http(s).get("/health_generate", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise SGLangError(s.url, "/health_generate", f"{type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise SGLangError(s.url, "/health_generate", f"HTTP {resp.status_code}", status=resp.status_code)
+
+    def _http(self, s: _Server) -> httpx.AsyncClient:
+        if s.http is None:
+            s.http = httpx.AsyncClient(base_url=s.url, limits=httpx.Limits(max_connections=None,
+                                                                           max_keepalive_connections=64))
+        return s.http
 
     def _server_down(self, s: _Server, why: str) -> None:
         s.alive = False
@@ -482,11 +499,8 @@ class SGLangEngine(Engine):
         """The answer's events as parsed JSON: one per server-sent event, or the whole answer.
         ``Refused`` for an HTTP 400 with SGLang's error body (a whole answer refused)."""
         timeout = httpx.Timeout(self.cfg.stream_idle_s, connect=self.cfg.connect_timeout_s)
-        if s.http is None:
-            s.http = httpx.AsyncClient(base_url=s.url, limits=httpx.Limits(max_connections=None,
-                                                                           max_keepalive_connections=64))
         try:
-            async with s.http.stream("POST", "/generate", json=body, timeout=timeout) as resp:
+            async with self._http(s).stream("POST", "/generate", json=body, timeout=timeout) as resp:
                 if resp.status_code != 200:
                     raw = await resp.aread()
                     with contextlib.suppress(ValueError):

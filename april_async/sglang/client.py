@@ -30,13 +30,9 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
                                       abort_all_requests, weight_version: every tensor then
                                       comes as one broadcast from rank 0, in ``names`` order
 
-    GET  /health_generate             200 once the scheduler answered a one-token request (or
-                                      anything else) after the call began, else 503 after
-                                      ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s); the request waits
-                                      behind a pause like any other, so a paused server fails it
-
-``/model_info`` says the server (its tokenizer manager) answers; ``/health_generate`` that its
-scheduler generates. The engine uses both, and allows for the pause (``hung_after_s``).
+``/model_info`` says the server (its tokenizer manager) answers, not that its scheduler
+generates: the engine also asks ``/health_generate`` (on its own loop, so that it can be
+cancelled), and allows for a push's pause (``hung_after_s``).
 """
 
 from __future__ import annotations
@@ -99,10 +95,6 @@ class ServerClient:
 
     def model_info(self) -> dict:
         return self._get_either("/model_info", "/get_model_info")
-
-    def health_generate(self, *, timeout_s: float) -> None:
-        """SGLang's generating probe; ``SGLangError`` (a 503 included) when the scheduler did not answer."""
-        self.call("GET", "/health_generate", timeout_s=timeout_s)
 
     def weight_version(self) -> int | None:
         """The server's weight version as a policy version (None: ``"default"``, never updated)."""
