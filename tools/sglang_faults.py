@@ -67,7 +67,7 @@ LEASE_TOKENS = 24
 BUCKET_BYTES = 64 * 1024  # several buckets per push: a failure can land between two
 TIE = 1e-4  # a token within this of the best logit counts as the greedy choice (float noise)
 FLAGS = ("--max-seq-len", "256", "--slots", "8", "--health-check-timeout", "1", "--step-delay-s", "0.002",
-         "--group-timeout-s", "10")
+         "--group-timeout-s", "5")
 
 
 @dataclass
@@ -192,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     weights = [flatten(m.state_dict()) for m in models]
     flags = {0: ("--weight-update-session",), 1: ()}  # 0.5.23, 0.5.15.post1
     ports = [free_port(), free_port()]
-    servers = [start_standin(root / "v0", root, *FLAGS, *flags[i], name=f"server{i}", port=ports[i]) for i in (0, 1)]
+    servers = [start_standin(root / "v0", root, *FLAGS, *flags[i], name=f"server{i}", port=ports[i], wait=False)
+               for i in (0, 1)]  # both start at once (from this thread: each process ends with its starter)
+    for s in servers:
+        wait_up(s)
     urls = [s.url for s in servers]
     phase("servers up")
     store_port = free_port()
     store = dist.TCPStore("127.0.0.1", store_port, None, True, timeout=datetime.timedelta(seconds=30),
                           wait_for_workers=False)
-    fanout = SGLangFanout(SGLangFanoutConfig(call_timeout_s=2, update_timeout_s=10, flush_timeout_s=3,
+    fanout = SGLangFanout(SGLangFanoutConfig(call_timeout_s=2, update_timeout_s=5, flush_timeout_s=3,
                                              drain_timeout_s=3, recover_interval_s=1.0),
-                          store=store, store_host="127.0.0.1", store_port=store_port, backend="gloo", timeout_s=10)
+                          store=store, store_host="127.0.0.1", store_port=store_port, backend="gloo", timeout_s=5)
     engine = SGLangEngine(SGLangEngineConfig(
         servers=urls, slots_per_server=LEASES, call_timeout_s=2, connect_timeout_s=1, stream_idle_s=30,
         health_interval_s=0.3, dead_after=2, abort_wait_s=2, max_resumes=10_000, generate_probe_interval_s=0.5,
