@@ -42,13 +42,17 @@ class StandIn:
 
 
 def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "standin",
-                  timeout_s: float = 60.0, port: int | None = None) -> StandIn:
-    """A stand-in on ``port`` (default: a free one), once it answers ``/model_info``."""
+                  timeout_s: float = 60.0, port: int | None = None, wait: bool = True) -> StandIn:
+    """A stand-in on ``port`` (default: a free one), once it answers ``/model_info`` (``wait``; else at
+    once, still starting: a server coming back, as clients meet it). The process ends with the
+    thread that started it (``spawn``'s parent-death signal): start it from a thread that stays."""
     port = port or free_port()
     log = log_dir / f"{name}-{port}.log"
     proc = spawn([sys.executable, "-m", "standins.sglang_server", "--checkpoint", str(checkpoint),
                   "--port", str(port), *args], log=log, cwd=ROOT)
     s = StandIn(f"http://127.0.0.1:{port}", proc, log)
+    if not wait:
+        return s
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:

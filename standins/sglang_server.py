@@ -19,10 +19,11 @@ Endpoints:
     POST /abort_request                   by rid prefix, or ``abort_all``
     POST /pause_generation                mode abort | retract | in_place
     POST /continue_generation
-    GET  /model_info, /get_model_info, /server_info, /get_server_info, /health, /health_generate
+    GET  /model_info, /get_model_info, /server_info, /get_server_info
+    GET  /health, /health_generate        a one-token request through the scheduler (below)
     GET|POST /flush_cache
     GET  /v1/loads, /get_load             running and waiting requests as the scheduler counts them
-    GET  /ready                           0.5.23 only: 503 while paused
+    GET  /ready                           0.5.23 only: 503 while paused or after a failed health check
     POST /init_weights_update_group, /destroy_weights_update_group  (gloo on CPU; the group is
                                           formed with ``join_custom_group``, SGLang's recipe)
     POST /update_weights_from_distributed one broadcast from rank 0 per tensor, in ``names`` order
@@ -35,6 +36,27 @@ Endpoints:
                                           (requests, pause, weights, groups, session, hooks, flushes)
     POST /standin/reset                   TEST HOOK (not SGLang): back to that state as it started,
                                           refused while it holds requests or weight-update groups
+    POST /standin/hang                    TEST HOOK (not SGLang): ``{"hung": bool}`` stops (or
+                                          restarts) the scheduler: nothing decodes and the health
+                                          probe fails, while /model_info and the other calls the
+                                          tokenizer manager answers go on answering
+    POST /standin/faults                  TEST HOOK (not SGLang): ``{"drop", "delay_s", "seed",
+                                          "paths", "when"}``: each call to one of ``paths`` (default
+                                          every control endpoint) is dropped (the connection closed
+                                          with no answer) with probability ``drop`` ``before`` it is
+                                          handled, ``after``, or ``either`` at random, and delayed by
+                                          up to ``delay_s``; ``{}`` turns faults off
+
+``/health_generate`` (and ``/health``, the same handler unless SGLang's
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is off; on by default in 0.5.15 and 0.5.23) is
+answered as ``http_server.py`` ``health_generate`` does: a one-token request goes to the
+scheduler, and the answer is 200 as soon as *anything* has come back from the scheduler since
+the probe began (checked once a second), else 503 after ``--health-check-timeout`` (SGLang's
+``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s). While generation is paused the probe's request waits
+before the scheduler like any other (``generate_request`` waits on ``is_pause_cond``), so a paused
+server answers 503 unless a control call's answer (an update, a flush) passes meanwhile; a hung
+scheduler answers 503. A failed probe marks the server unhealthy (0.5.23's ``/ready`` then says
+503) until one succeeds.
 
 As strict as SGLang where a client can go wrong: a refused request (prompt + budget over
 ``--max-seq-len``, a duplicate rid, a bad sampling value) is answered, streamed, HTTP 200 + one
@@ -217,6 +239,10 @@ class Core:
         self.session = False
         self.eos = checkpoint_eos_ids(Path(args.checkpoint))  # as SGLang's ModelConfig gathers them
         self.fail_next: deque[dict] = deque()  # test hook: status-coded aborts for the next requests
+        self.hung = False  # test hook (/standin/hang): the scheduler stopped; nothing decodes
+        self.last_receive = time.monotonic()  # the tokenizer manager's last_receive_tstamp
+        self.health_probes = 0  # health probes' requests that reached the scheduler's queue
+        self.healthy = True  # server_status Up; False after a failed health probe (``/ready`` 503)
 
     # ------------------------------------------------------------------ requests
 
@@ -243,10 +269,13 @@ class Core:
         """The engine thread: admit waiting requests, step, hand each request its tokens."""
         while True:
             with self.cv:
-                self.cv.wait_for(lambda: self.stopping or (
-                    not self.paused and (self.running or self._admissible())))
+                self.cv.wait_for(lambda: self.stopping or (not self.hung and not self.paused and (
+                    self.running or self._admissible() or self.health_probes)))
                 if self.stopping:
                     return
+                if self.health_probes:  # its one token comes back: the tokenizer manager hears from us
+                    self.health_probes = 0
+                    self.last_receive = time.monotonic()
                 while self._admissible() and len(self.running) < self.engine.slots:
                     req = self.waiting.popleft()
                     p = req.params
@@ -282,6 +311,8 @@ class Core:
                         self.engine.abort(lease)
                         self._end(self.running.pop(lease), engine_error(e))
                     outs = []
+                if outs:
+                    self.last_receive = time.monotonic()
                 for out in outs:
                     req = self.running[out.lease_id]
                     req.ids += out.tokens
@@ -368,22 +399,26 @@ class Core:
             return {"requests": len(self.running) + len(self.waiting), "paused": self.paused,
                     "weight_version": self.weight_version, "weights": weights.hexdigest(),
                     "groups": sorted(self.groups), "session": self.session,
-                    "abort_next": len(self.fail_next), "flushes": self.flushes}
+                    "abort_next": len(self.fail_next), "flushes": self.flushes, "hung": self.hung,
+                    "healthy": self.healthy, "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s))}
 
     def reset(self) -> dict:
         """TEST HOOK (``/standin/reset``), not SGLang: back to the state the server started in (its
-        weights, weight version, no pause, no session, no hook pending, no flush counted), for a
-        test harness that hands one server from test to test. Refused while it holds a request or a
-        weight-update group (which a harness then replaces with a fresh server)."""
+        weights, weight version, no pause, no session, no hook pending, no flush counted, healthy,
+        not hung, no faults), for a test harness that hands one server from test to test. Refused
+        while it holds a request, a health probe or a weight-update group (a harness then replaces it
+        with a fresh server)."""
         with self.update_lock, self.cv:
-            if self.running or self.waiting or self.groups:
-                raise refused(f"reset: the server holds {len(self.running) + len(self.waiting)} request(s) and "
-                              f"{len(self.groups)} weight-update group(s)")
+            if self.running or self.waiting or self.groups or self.health_probes:
+                raise refused(f"reset: the server holds {len(self.running) + len(self.waiting)} request(s), "
+                              f"{self.health_probes} health probe(s) and {len(self.groups)} weight-update group(s)")
             self.engine.load_weights(self.initial, 0)
             self.weight_version = self.args.weight_version
             self.paused, self.pause_mode, self.gate, self.session = False, None, None, False
+            self.hung, self.healthy = False, True
             self.fail_next.clear()
             self.flushes = 0
+            FAULTS.set(0.0, 0.0, 0, [], "either")
             self.cv.notify_all()
         log("reset to the state it started in")
         return {"success": True}
@@ -512,6 +547,7 @@ class Core:
                     if version is not None:
                         self.weight_version = version
                     busy = self.flush_blocked()
+                    self.last_receive = time.monotonic()  # the scheduler's answer reaches the tokenizer
             finally:
                 with self.cv:
                     self.gate = None
@@ -638,7 +674,14 @@ class Handler(BaseHTTPRequestHandler):
                 raise bad(f"the body is not valid JSON: {e}") from None
             if not isinstance(body, dict):
                 raise bad("the body must be a JSON object")
+            drop, delay = FAULTS.draw(path)
+            if delay:
+                time.sleep(delay)
+            if drop == "before":
+                raise ClientGone
             result = route[2](self, body)
+            if drop == "after":
+                raise ClientGone
             if result is not None:
                 self.send(200, result)
         except HTTPError as e:
@@ -820,12 +863,51 @@ class Handler(BaseHTTPRequestHandler):
         return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
 
     def ready(self, body: dict) -> None:
-        self.send(503 if self.core.paused else 200, None)
+        self.send(503 if self.core.paused or not self.core.healthy else 200, None)
 
     def health(self, body: dict) -> None:
-        self.send(503 if self.core.paused else 200, None)
+        """``http_server.py`` ``health_generate``: a one-token request for the scheduler (held before it
+        while paused, as every request is), then 200 once anything came back from the scheduler
+        since the probe began, looked at once a second; 503 after ``--health-check-timeout``."""
+        core = self.core
+        tic = time.monotonic()
+        with core.cv:
+            core.health_probes += 1
+            core.cv.notify_all()
+        while time.monotonic() < tic + core.args.health_check_timeout:
+            time.sleep(min(1.0, core.args.health_check_timeout))
+            if core.last_receive > tic:
+                core.healthy = True
+                return self.send(200, None)
+        with core.cv:
+            core.health_probes = max(0, core.health_probes - 1)  # its task is cancelled
+        core.healthy = False
+        log(f"health check failed: nothing from the scheduler for {core.args.health_check_timeout:g} s")
+        self.send(503, None)
+
+    def hang(self, body: dict) -> dict:
+        """TEST HOOK, not SGLang: stop the scheduler (``hung``: true) or let it go on (false)."""
+        hung = field_of(body, "hung", lambda v: isinstance(v, bool), "a boolean", True)
+        with self.core.cv:
+            self.core.hung = hung
+            self.core.cv.notify_all()
+        log(f"scheduler {'hung' if hung else 'running again'} (test hook)")
+        return {"success": True, "hung": hung}
+
+    def faults(self, body: dict) -> dict:
+        """TEST HOOK, not SGLang: drop or delay control calls at random (``Faults``)."""
+        drop = field_of(body, "drop", lambda v: is_num(v) and 0 <= v <= 1, "a probability", 0.0)
+        delay = field_of(body, "delay_s", lambda v: is_num(v) and v >= 0, "seconds", 0.0)
+        seed = field_of(body, "seed", is_int, "an integer", 0)
+        when = field_of(body, "when", lambda v: v in ("before", "after", "either"), "before, after or either",
+                        "either")
+        paths = field_of(body, "paths", lambda v: isinstance(v, list) and all(p in ROUTES for p in v),
+                         "a list of this server's paths", sorted(CONTROL_PATHS))
+        FAULTS.set(drop, delay, seed, paths, when)
+        return {"success": True, "drop": drop, "delay_s": delay, "paths": paths, "when": when}
 
     def flush_cache(self, body: dict) -> str:
+        self.core.last_receive = time.monotonic()  # the scheduler's answer, either way
         if self.core.flush_blocked():
             raise HTTPError(400, "Flush cache failed.\n")
         self.core.flushes += 1
@@ -883,7 +965,44 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
     "/standin/state": (GET, "", lambda h, b: h.core.state()),  # a test hook, not SGLang
     "/standin/reset": (POST, "", lambda h, b: h.core.reset()),  # a test hook, not SGLang
+    "/standin/hang": (POST, "", Handler.hang),  # a test hook, not SGLang
+    "/standin/faults": (POST, "", Handler.faults),  # a test hook, not SGLang
 }
+CONTROL_PATHS = {"/abort_request", "/pause_generation", "/continue_generation", "/model_info", "/server_info",
+                 "/health_generate", "/flush_cache", "/v1/loads", "/init_weights_update_group",
+                 "/destroy_weights_update_group", "/update_weights_from_distributed", "/begin_weight_update",
+                 "/end_weight_update"}
+"""What ``/standin/faults`` disturbs by default: every call but ``/generate`` and the test hooks."""
+
+
+class Faults:
+    """TEST HOOK state: which calls are dropped or delayed (``/standin/faults``). A dropped call
+    is dropped *before* it is handled (the server never saw it) or, for half of them, *after* (it
+    took effect, but its answer never arrived): a client cannot tell the two apart."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.set(0.0, 0.0, 0, [], "either")
+
+    def set(self, drop: float, delay_s: float, seed: int, paths, when: str) -> None:
+        import random
+
+        with self.lock:
+            self.drop, self.delay_s, self.paths, self.rng = drop, delay_s, set(paths), random.Random(seed)
+            self.when = ("before", "after") if when == "either" else (when,)
+
+    def draw(self, path: str) -> tuple[str | None, float]:
+        """For one call: (None | "before" | "after", seconds to wait first)."""
+        with self.lock:
+            if path not in self.paths:
+                return None, 0.0
+            delay = self.rng.uniform(0, self.delay_s) if self.delay_s else 0.0
+            if self.rng.random() < self.drop:
+                return self.rng.choice(self.when), delay
+            return None, delay
+
+
+FAULTS = Faults()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -905,6 +1024,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the KV pool's tokens (SGLang's max_total_num_tokens; 0: unbounded): a prompt it cannot "
                          "hold is aborted with a 400 on 0.5.23 and given no new tokens on 0.5.15")
     ap.add_argument("--group-timeout-s", type=float, default=60.0)
+    ap.add_argument("--health-check-timeout", type=float, default=20.0,
+                    help="SGLANG_HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the scheduler")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
                     help="sleep after each decode step (tests that need requests to stay running)")

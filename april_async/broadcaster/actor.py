@@ -274,6 +274,7 @@ class BroadcasterActor:
         self._status_dirty = True
         self.broker = BrokerLink(cfg.name, broker_peer_factory, cfg.link.heartbeat_interval_s / 4)
         self.fanout: SGLangFanout | None = None  # made when the first SGLang generator says hello
+        self._next_recover = 0.0  # when the SGLang servers are next recovered (``recover_interval_s``)
 
     # ------------------------------------------------------------------ loop
 
@@ -333,6 +334,7 @@ class BroadcasterActor:
                 self.fanout = SGLangFanout(self.cfg.sglang, store=self.group.store, store_host=host,
                                            store_port=int(port), backend=self.backend,
                                            timeout_s=self.cfg.timeout_s, name=self.cfg.name)
+                self._next_recover = now + self.cfg.sglang.recover_interval_s  # the hello's own comes first
             if body.servers and self.fanout is not None:
                 # A broadcaster that died mid-push may have left these servers paused, or with a
                 # weight-update session open; a generator already at the held version gets no push
@@ -565,6 +567,11 @@ class BroadcasterActor:
                 self._apply(p.collective_finished(now, error=f"{type(job.error).__name__}: {job.error}"))
             else:
                 self._apply(p.collective_finished(now, result=job.result))
+        if self.fanout is not None and now >= self._next_recover:
+            self._next_recover = now + self.cfg.sglang.recover_interval_s
+            servers = sorted({u for sess in p.sessions.values() for u in sess.servers})
+            if servers:  # off this loop, after any push in flight; each server asked again
+                self.fanout.recover_soon(servers, again=True)
         self._take_digests(now)
         self._apply(p.tick(now))
         self._tell_regions()

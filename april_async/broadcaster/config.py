@@ -45,6 +45,11 @@ class SGLangFanoutConfig(BaseModel):
     any_sglang_version: bool = False
     """Join servers whose SGLang version is not in ``SUPPORTED_SGLANG`` (``broadcaster.sglang``);
     by default such a server is refused when the group forms, naming its version."""
+    recover_interval_s: float = Field(30.0, gt=0)
+    """Seconds between recoveries of every SGLang server of the current members (an open
+    weight-update session ended, generation continued where no push left it paused on purpose),
+    off the loop: a server whose ``/continue_generation`` failed every retry, or that was
+    restarted, is not left paused until the next push or ``hello``. Two light calls per server."""
 
 
 class BroadcasterConfig(BaseModel):

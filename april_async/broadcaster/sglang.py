@@ -12,7 +12,8 @@ push, top to bottom (``SGLangFanout.push``):
     recover   once per server, the first time this process meets it and again after a push to
               it failed (``recover``): end any session left open (by a previous broadcaster, or
               an end that never arrived) and continue generation (SGLang has no query for either:
-              ``/end_weight_update``'s "no session" answer is expected);
+              ``/end_weight_update``'s "no session" answer is expected); and, off the loop, every
+              ``recover_interval_s`` for every server (``recover_soon(again=True)``);
     pause     ``/pause_generation`` in ``pause`` mode (``abort`` by default: in-flight requests end
               with their tokens and the generator resumes them on the new weights, so every
               token's version is exact); in ``abort`` mode, ``abort_all`` again until
@@ -31,7 +32,10 @@ push, top to bottom (``SGLangFanout.push``):
     resume    ``/end_weight_update`` (in a ``finally``: an open session refuses every later begin),
               then ``/continue_generation``, retried with back-off, on every server whose weights
               are whole: all new (every bucket taken, even if the end or a continue failed) or
-              all old.
+              all old. One whose every retry failed is *stuck* (logged ``server_stuck``): the
+              timed recovery continues it later; meanwhile its generator's generating probe fails
+              and, after ``hung_after_s``, calls it down (its leases move to its other servers, and
+              its version no longer counts).
 
 A server whose push fails once buckets were sent is left paused — its weights may be half new,
 and tokens from them must not be labelled with either version — and the next push re-forms the
@@ -56,7 +60,7 @@ import torch.distributed as dist
 
 from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.logs import get_logger
-from april_async.sglang.api import SGLangError
+from april_async.sglang.api import TORN_PREFIX, SGLangError
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 from april_async.weights.flat import tensor_buckets, unflatten
@@ -130,6 +134,7 @@ class SGLangFanout:
         self._prefix = f"april-{os.urandom(3).hex()}"
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bcast-sglang")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-recover")
+        self._timed: Future | None = None  # the last timed recovery (one at a time: servers may not answer)
         self._lock = threading.Lock()  # one of recover and push at a time: they share the state above
 
     def _client(self, url: str) -> ServerClient:
@@ -143,20 +148,30 @@ class SGLangFanout:
 
     # ------------------------------------------------------------------ recovery
 
-    def recover_soon(self, urls) -> Future:
+    def recover_soon(self, urls, *, again: bool = False) -> Future:
         """``recover(urls)`` on a thread of its own, after any push in flight: for the broadcaster's
-        loop, which must not wait on servers that may not answer for a call timeout or more."""
+        loop, which must not wait on servers that may not answer for a call timeout or more.
+        ``again`` (the timer): each server is recovered even if it was before; not queued while the
+        last such recovery still runs."""
+        if again:
+            if self._timed is not None and not self._timed.done():
+                return self._timed
+            self._timed = self._background.submit(self.recover, tuple(urls), again=True)
+            return self._timed
         return self._background.submit(self.recover, tuple(urls))
 
-    def recover(self, urls) -> dict[str, str | None]:
+    def recover(self, urls, *, again: bool = False) -> dict[str, str | None]:
         """End any weight-update session left open on ``urls`` and continue their generation —
         what a broadcaster that died mid-push left behind (SGLang offers no query for either, so
         both are sent unconditionally; "no session" is the usual answer). Each server once per
         process, and again after a push to it failed (an end that did not arrive leaves a session
         open, which refuses every later begin); per server None, or what failed (tried again next time).
         A server of a version this fan-out was not checked against is left alone, as the group
-        refuses it."""
+        refuses it. ``again``: what was recovered before is forgotten first, so every one of
+        ``urls`` is asked (a resume that failed, a server restarted since)."""
         with self._lock:
+            if again:
+                self.recovered.difference_update(urls)
             return self._recover(urls)
 
     def _recover(self, urls) -> dict[str, str | None]:
@@ -171,9 +186,9 @@ class SGLangFanout:
             err = errors[u] or resumed.get(u)
             out[u] = None if err is None else str(err)
             if err is None:
-                self.recovered.add(u)
-                self.paused.discard(u)
-                self.log.info("recovered", server=u, session_was_open=ended[u].result())
+                self.recovered.add(u)  # one left paused on purpose stays so (and in ``paused``)
+                self.log.info("recovered", server=u, session_was_open=ended[u].result(),
+                              left_paused=u in self.paused)
             else:
                 self.log.warning("recover_failed", server=u, error=str(err))
         return out
@@ -255,19 +270,25 @@ class SGLangFanout:
     def _push(self, servers: dict[str, list[str]], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
               bucket_bytes: int) -> dict[str, str | None]:
         urls = tuple(u for member in sorted(servers) for u in servers[member])
-        failed: dict[str, str] = {}
         t0 = time.monotonic()
         self._recover(urls)
+        # A server that does not answer is left out of this push: one dead server must not hold
+        # every other back (nor keep one that an earlier push left paused, paused).
+        gone = {u: str(e) for u, e in _errors(self._each(urls, ServerClient.server_version)).items() if e}
+        live = tuple(u for u in urls if u not in gone)
+        failed: dict[str, str] = dict(gone)
         try:
-            if urls != self.urls or self.pg is None:
-                self._form(urls)
-            failed = self._update(urls, version, tensors, buffer, bucket_bytes)
+            if live and (live != self.urls or self.pg is None):
+                self._form(live)
+            if live:
+                failed.update(self._update(live, version, tensors, buffer, bucket_bytes))
         except SGLangError as e:
-            failed = {u: str(e) for u in urls}
+            failed.update({u: str(e) for u in live})
         except Exception as e:  # a collective that failed or timed out: every server of the group
-            failed = {u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls}
-        if failed:
+            failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in live})
+        if any(u in failed for u in live):
             self._leave()  # re-formed at the next push
+        if failed:
             self.recovered.difference_update(failed)  # an update session its end did not close: ended then
         out = {member: "; ".join(failed[u] for u in us if u in failed) or None for member, us in servers.items()}
         if failed:
@@ -290,15 +311,19 @@ class SGLangFanout:
                    f"set [broadcaster.sglang] allow_torn_updates")
             return {u: why for u in urls}
 
+        # Unpaused over several buckets (allow_torn_updates): requests decode between buckets on
+        # weights of both versions; the first bucket says so in the version the server reports.
+        torn = f"{TORN_PREFIX}{version}" if mode == "none" and len(parts) > 1 else None
+
         def note(errors: dict[str, SGLangError | None]) -> None:
             failed.update({u: str(e) for u, e in errors.items() if e is not None and u not in failed})
 
         def ok() -> list[str]:
             return [u for u in urls if u not in failed]
 
+        was_half = self.paused.intersection(urls)  # left paused by an earlier push: half new until one completes
         if mode != "none":
             note(_errors(self._each(urls, ServerClient.pause, mode, timeout_s=self.cfg.update_timeout_s)))
-            self.paused.update(urls)
             if mode == "abort":  # the scheduler is not paused in this mode: its aborts take effect
                 note(_errors(self._each(ok(), ServerClient.drain, timeout_s=self.cfg.drain_timeout_s)))
             self._flush(ok(), note, retry=True)
@@ -319,7 +344,7 @@ class SGLangFanout:
                 calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
                                               dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
                                               group_name=self.group_name, flush_cache=False,
-                                              weight_version=str(version) if last else None,
+                                              weight_version=str(version) if last else torn,
                                               timeout_s=self.cfg.update_timeout_s) for u in urls}
                 try:
                     for t in specs:
@@ -334,14 +359,29 @@ class SGLangFanout:
         finally:  # an open session refuses every later begin: end it whatever happened
             if with_session:
                 note(_errors(self._each(with_session, ServerClient.end_update)))
+        # A server that took some buckets but not the last holds half-new weights, even where its own
+        # calls all succeeded: the loop stopped when another server's failed (they share the collective).
+        # So does one an earlier push left so, until a push completes there.
+        half = [u for u in urls if u not in complete and (sent or u in was_half)]
+        left = "left paused" if mode != "none" else "generating on them (pause = \"none\"), tagged torn"
+        failed.update({u: (f"version {version}'s push stopped before its last bucket (another server failed): "
+                           f"weights half new, {left}") if sent else
+                          f"weights half new since an earlier push, and this one did not complete: {left}"
+                       for u in half if u not in failed})
         if mode == "none":
             self._flush(ok(), note, retry=False)
         else:
             # Weights all new (every bucket taken, whatever failed after: end, continue) or all old.
-            whole = [u for u in urls if u not in failed or not sent or u in complete]
+            whole = [u for u in urls if u not in half]
             resumed = self._resume(whole)
             note(resumed)
-            self.paused.difference_update(u for u in whole if resumed[u] is None)
+            self.paused.difference_update(whole)  # continuing it later is right: recovery may (it skips ``paused``)
+            self.paused.update(half)
+            stuck = [u for u in whole if resumed[u] is not None]
+            if stuck:
+                self.log.error("server_stuck", servers=stuck, error=str(resumed[stuck[0]]),
+                               retries=len(RESUME_BACKOFF_S), next_try_s=self.cfg.recover_interval_s,
+                               why="generation not continued: its generator calls it down after hung_after_s")
         return failed
 
     def _resume(self, urls: list[str]) -> dict[str, SGLangError | None]:

@@ -121,6 +121,11 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds (threads, connections); nothing, by default."""
 
+    def counters(self) -> dict[str, int]:
+        """Running counts of what the engine did about failures (the generator logs them with its
+        ``busy`` line); none by default."""
+        return {}
+
     # ------------------------------------------------------------------ by capability
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from april_async.config import Device
 
@@ -66,6 +66,19 @@ class SGLangEngineConfig(BaseModel):
     """Seconds between liveness probes (``GET /model_info``) of each server."""
     dead_after: int = Field(3, ge=1)
     """Failed probes in a row after which a server counts as down."""
+    generate_probe_interval_s: float = Field(10.0, gt=0)
+    """Seconds between probes that generate (``GET /health_generate``: one token through the
+    scheduler) of each server. ``/model_info`` is answered by SGLang's tokenizer manager, so a
+    scheduler that hangs is seen only by these."""
+    generate_probe_timeout_s: float = Field(30.0, gt=0)
+    """Limit of one ``/health_generate`` call. SGLang answers 503 itself after its
+    ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s by default) without a word from the scheduler: keep this
+    above that."""
+    hung_after_s: float = Field(120.0, gt=0)
+    """A server that answers ``/model_info`` but has failed every generating probe for this long
+    is down (its scheduler hung, or it stayed paused). Longer than any pause a weight push
+    holds: SGLang's probe waits behind a pause and fails, so a push in progress must not read as a
+    hang (docs/sglang.md, *Liveness*)."""
     abort_wait_s: float = Field(5.0, gt=0)
     """After asking SGLang to abort a request, wait this long for its answer (with the tokens it
     made), then close the request here, keeping the tokens already received."""
@@ -78,3 +91,10 @@ class SGLangEngineConfig(BaseModel):
     """The policy version of a server that has never been updated (weight version ``default``)."""
     step_wait_s: float = Field(0.02, gt=0)
     """How long ``step`` waits for output when none has arrived."""
+
+    @model_validator(mode="after")
+    def _probe_deadlines(self) -> SGLangEngineConfig:
+        if self.hung_after_s < self.generate_probe_timeout_s:
+            raise ValueError(f"hung_after_s ({self.hung_after_s:g}) must be at least generate_probe_timeout_s "
+                             f"({self.generate_probe_timeout_s:g}): one slow probe must not call a server down")
+        return self

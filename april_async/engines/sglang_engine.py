@@ -27,11 +27,20 @@ Per lease, top to bottom:
              failing abort call is logged and tolerated (a server that is going away: slime
              #1615); a request that has not ended ``abort_wait_s`` later is closed locally with
              the tokens already received;
-    down     every ``health_interval_s`` each server is asked for ``/model_info`` (its liveness
-             and weight version). After ``dead_after`` failed probes in a row, or at once when a
-             stream breaks and the next probe fails, the server is down: its requests end as
-             ``abort`` with their tokens (the broker recycles them as partials) and ``slots``
-             shrinks, which the actor tells the broker. It comes back when a probe succeeds.
+    down     every ``health_interval_s`` each server is asked for ``/model_info`` (its weight
+             version, and that its tokenizer manager answers), and every
+             ``generate_probe_interval_s`` for ``/health_generate`` (that its scheduler generates).
+             After ``dead_after`` failed ``/model_info`` probes in a row (or at once when a stream
+             breaks and the next probe fails), or after ``hung_after_s`` of failed generating
+             probes (a hung scheduler; a server left paused), the server is down: each of its
+             requests moves at once to another live server new enough for its lease, carrying on
+             from its tokens under the same lease (no attempt of the sample is used), as does a
+             request whose stream broke; where none is, it ends as ``abort`` with its tokens (a
+             partial for the broker). ``slots`` shrinks, which the actor tells the broker. It
+             comes back when both probes succeed;
+    torn     a version ``torn:N`` (an unpaused push between its buckets, ``api.TORN_PREFIX``)
+             tags its tokens with the server's last whole version, and counts them
+             (``counters()``: the generator logs them).
 
 A server that refuses a request answers a streamed one with HTTP 200 and an ``{"error": ...}``
 event, a whole answer with HTTP 400 (``april_async.sglang.api``). The refusal is read by its
@@ -68,7 +77,9 @@ class _Server:
     url: str
     client: ServerClient
     alive: bool = True
-    failures: int = 0
+    failures: int = 0  # failed /model_info probes in a row
+    hung: bool = False  # down because its generating probes failed for hung_after_s
+    failing_since: float | None = None  # when its generating probes began to fail
     version: int = 0
     running: int = 0  # requests in flight here
     http: httpx.AsyncClient | None = None  # streams; made on the loop, connections reused
@@ -81,6 +92,8 @@ class _Req:
     tokens: list[int] = field(default_factory=list)  # generated under this lease so far
     attempt: int = 0
     abort_asked: bool = False
+    moving: bool = False  # its server went down: carry on elsewhere
+    moves: int = 0  # times it moved to another server
     task: asyncio.Task | None = None
     rid: str = ""
 
@@ -103,11 +116,14 @@ class SGLangEngine(Engine):
         self._fatal: ActorFailed | None = None
         self.resumed = 0  # requests sent again after the server aborted them on its own
         self.lost = 0  # requests ended early by a failure (server down, broken stream)
+        self.moved = 0  # requests moved to another server when theirs went down
+        self.torn_tokens = 0  # tokens decoded on torn weights (an unpaused push between buckets)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"{instance}-sglang")
         self._thread.start()
         self._wake = asyncio.Event()  # set on the loop: probe every server now
         self._health = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
+        self._generating = asyncio.run_coroutine_threadsafe(self._watch_generating(), self._loop)
         self._probe_all()  # liveness and versions before the first hello
 
     # ------------------------------------------------------------------ the actor's thread
@@ -209,6 +225,7 @@ class SGLangEngine(Engine):
             except Exception:  # already logged per server
                 pass
         self._health.cancel()
+        self._generating.cancel()
         try:
             self._call(self._shutdown(), timeout=5.0)
         except Exception:  # closing connections to a dead server: nothing to save
@@ -261,7 +278,7 @@ class SGLangEngine(Engine):
 
     async def _probe(self, s: _Server) -> None:
         try:
-            version = await asyncio.get_running_loop().run_in_executor(None, s.client.weight_version)
+            raw = (await asyncio.get_running_loop().run_in_executor(None, s.client.model_info)).get("weight_version")
         except SGLangError as e:
             s.failures += 1
             if s.alive and s.failures >= self.cfg.dead_after:
@@ -269,30 +286,107 @@ class SGLangEngine(Engine):
             elif s.failures == 1:
                 self.log.warning("probe_failed", server=s.url, error=str(e))
             return
-        s.version = self.cfg.initial_version if version is None else version
+        if api.torn_version(raw) is None:  # torn weights: the last whole version stands
+            version = api.parse_weight_version(raw)
+            s.version = self.cfg.initial_version if version is None else version
         s.failures = 0
-        if not s.alive:
+        if not s.alive and not s.hung:
             s.alive = True
             self.log.info("server_up", server=s.url, version=s.version)
+
+    async def _watch_generating(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.generate_probe_interval_s)
+            await asyncio.gather(*(self._probe_generating(s) for s in self.servers))
+
+    async def _probe_generating(self, s: _Server) -> None:
+        """``/health_generate``: down after ``hung_after_s`` of failures while ``/model_info`` answers
+        (an unreachable server is the other probe's); up again at the first success."""
+        if s.failures:
+            s.failing_since = None
+            return
+        started = time.monotonic()
+        try:
+            await self._health_generate(s)
+        except SGLangError as e:
+            if s.failing_since is None:
+                s.failing_since = started
+                self.log.warning("generate_probe_failed", server=s.url, error=str(e))
+            if not s.hung and s.failures == 0 and time.monotonic() - s.failing_since >= self.cfg.hung_after_s:
+                s.hung = True
+                if s.alive:
+                    self._server_down(s, f"no token generated for {time.monotonic() - s.failing_since:.0f} s "
+                                         f"though /model_info answers (the scheduler hangs, or the server "
+                                         f"stays paused): {e}")
+            return
+        s.failing_since = None
+        if s.hung:
+            s.hung = False
+            if s.failures == 0:
+                s.alive = True
+                self.log.info("server_up", server=s.url, version=s.version, why="it generates again")
+
+    async def _health_generate(self, s: _Server) -> None:
+        """``GET /health_generate`` (SGLang: 200 once the scheduler answered a one-token request, else
+        503 after ``SGLANG_HEALTH_CHECK_TIMEOUT``; it waits behind a pause), on the loop's own client
+        so that closing the engine cancels it rather than wait up to ``generate_probe_timeout_s``."""
+        timeout = httpx.Timeout(self.cfg.generate_probe_timeout_s, connect=self.cfg.connect_timeout_s)
+        try:
+            resp = await self._http(s).get("/health_generate", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise SGLangError(s.url, "/health_generate", f"{type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise SGLangError(s.url, "/health_generate", f"HTTP {resp.status_code}", status=resp.status_code)
+
+    def _http(self, s: _Server) -> httpx.AsyncClient:
+        if s.http is None:
+            s.http = httpx.AsyncClient(base_url=s.url, limits=httpx.Limits(max_connections=None,
+                                                                           max_keepalive_connections=64))
+        return s.http
 
     def _server_down(self, s: _Server, why: str) -> None:
         s.alive = False
         lost = [r for r in self._reqs.values() if r.server is s and r.task is not None]
         self.log.error("server_down", server=s.url, error=why, requests=len(lost))
-        for r in lost:  # each ends as an abort with the tokens it has: partials for the broker
+        for r in lost:  # each moves to a live server, or ends as an abort with its tokens (a partial)
+            r.moving = True
             r.task.cancel()
+
+    def _move(self, r: _Req) -> bool:
+        """Carry ``r`` on on another live server new enough for its lease (its tokens kept, the same
+        lease: the broker sees no end); False where there is none."""
+        old = r.server
+        to = [s for s in self.servers if s.alive and s is not old and s.version >= r.request.min_version]
+        if not to or r.abort_asked or r.moves >= 2 * len(self.servers):  # no ping-pong between failing servers
+            return False
+        new = min(to, key=lambda s: s.running)
+        asyncio.ensure_future(self._control(old, old.client.abort, r.rid))  # if it wakes, not for nobody
+        old.running -= 1
+        new.running += 1
+        r.server, r.moving = new, False
+        r.moves += 1
+        r.attempt += 1  # a fresh request id
+        self.moved += 1
+        self.log.info("request_moved", lease=r.request.lease_id, tokens=len(r.tokens), source=old.url, to=new.url)
+        return True
 
     # ------------------------------------------------------------------ one request
 
     async def _start(self, r: _Req) -> None:
         r.task = asyncio.current_task()
         error = None
-        try:
-            finish, error = await self._run(r)
-        except asyncio.CancelledError:  # server down, or no answer to an abort in time
-            finish = "abort"
-            if not r.abort_asked:
-                self.lost += 1
+        while True:
+            try:
+                finish, error = await self._run(r)
+            except asyncio.CancelledError:  # server down, or no answer to an abort in time
+                if r.moving and self._move(r):
+                    r.task = asyncio.current_task()
+                    asyncio.current_task().uncancel()
+                    continue
+                finish = "abort"
+                if not r.abort_asked:
+                    self.lost += 1
+            break
         self._out.put(EngineOutput(r.request.lease_id, finish=finish, error=error))
 
     def _refused(self, r: _Req, message: str) -> tuple[str, str]:
@@ -341,10 +435,12 @@ class SGLangEngine(Engine):
                     self._fatal = ActorFailed(f"the SGLang server refused a request (it would refuse it anywhere; "
                                               f"check the server's context length and [broker.rollout] sampling): {e}")
                     return "abort", None
-                self.lost += 1
+                self._wake.set()  # probe the servers now
                 self.log.warning("request_failed", server=r.server.url, lease=req.lease_id, tokens=len(r.tokens),
                                  error=str(e))
-                self._wake.set()  # probe the servers now
+                if self._move(r):  # the lease carries on elsewhere, whatever the probe finds
+                    continue
+                self.lost += 1
                 return "abort", None
             if last.finish != "abort" or r.abort_asked:
                 return last.finish, None
@@ -360,37 +456,51 @@ class SGLangEngine(Engine):
                 self.resumed += 1
                 self.log.debug("resumed", lease=req.lease_id, tokens=len(r.tokens), attempt=r.attempt)
                 continue
+            if r.attempt < self.cfg.max_resumes and self._move(r):  # its server went down meanwhile
+                continue
+            self.lost += 1
             return "abort", None
 
     def _emit(self, r: _Req, delta: api.Delta) -> None:
+        old = r.server.version  # the last whole version before this event (whose last span may be newer)
         if delta.weight_version is not None:
             r.server.version = max(r.server.version, delta.weight_version)
         if not delta.tokens:
             return
         # The event's version as its spans read: "default" is the initial version in both (a restarted
         # server's tokens were tagged with the last version known for it, its spans with the initial).
-        version = self._span_version(delta.raw_weight_version, r.server.version)
-        versions = [self._span_version(v, version) for v in delta.versions] or [version] * len(delta.tokens)
+        # Torn weights ("torn:N", between the buckets of an unpaused push) are tagged with the
+        # server's last whole version, and counted: the wire has one version per token.
+        version = self._span_version(delta.raw_weight_version, old, old)
+        raws = delta.versions or [delta.raw_weight_version] * len(delta.tokens)
+        versions = [self._span_version(v, version, old) for v in delta.versions] or [version] * len(delta.tokens)
+        torn = sum(api.torn_version(v) is not None for v in raws)
+        if torn:
+            self.torn_tokens += torn
+            self.log.debug("torn_tokens", lease=r.request.lease_id, tokens=torn, tagged=old)
         r.tokens += delta.tokens
         self._out.put(EngineOutput(r.request.lease_id, delta.tokens, delta.logprobs, versions))
 
-    def _span_version(self, raw, fallback: int) -> int:
+    def _span_version(self, raw, fallback: int, whole: int) -> int:
         """A version as SGLang sends it (a span's or an event's): ``"default"`` (never updated) is the
-        configured initial version; none at all, ``fallback``."""
+        configured initial version; ``"torn:N"``, ``whole`` (the server's last whole version); none at
+        all, ``fallback``."""
         if raw is None:
             return fallback
+        if api.torn_version(raw) is not None:
+            return whole
         version = api.parse_weight_version(raw)
         return self.cfg.initial_version if version is None else version
+
+    def counters(self) -> dict[str, int]:
+        return {"resumed": self.resumed, "lost": self.lost, "moved": self.moved, "torn_tokens": self.torn_tokens}
 
     async def _events(self, s: _Server, body: dict, rid: str = ""):
         """The answer's events as parsed JSON: one per server-sent event, or the whole answer.
         ``Refused`` for an HTTP 400 with SGLang's error body (a whole answer refused)."""
         timeout = httpx.Timeout(self.cfg.stream_idle_s, connect=self.cfg.connect_timeout_s)
-        if s.http is None:
-            s.http = httpx.AsyncClient(base_url=s.url, limits=httpx.Limits(max_connections=None,
-                                                                           max_keepalive_connections=64))
         try:
-            async with s.http.stream("POST", "/generate", json=body, timeout=timeout) as resp:
+            async with self._http(s).stream("POST", "/generate", json=body, timeout=timeout) as resp:
                 if resp.status_code != 200:
                     raw = await resp.aread()
                     with contextlib.suppress(ValueError):

@@ -200,7 +200,7 @@ class GeneratorActor:
 
     def _log_busy(self, busy: BusyClock) -> None:
         self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,
-                      up_s=round(busy.at - busy.since, 3), t=round(time.time(), 3))
+                      up_s=round(busy.at - busy.since, 3), t=round(time.time(), 3), **self.engine.counters())
 
     def handle(self, msg) -> None:
         self.broker_proto = msg.proto_version

@@ -130,6 +130,19 @@ def generate_body(input_ids: list[int], params: dict[str, Any], rid: str, *, str
             "logprob_start_len": -1, "stream": stream}
 
 
+TORN_PREFIX = "torn:"
+"""How the broadcaster names the weights of a server between the first and the last bucket of a
+push it does not pause for (``pause = "none"`` with ``allow_torn_updates``): ``"torn:N"``, a mix
+of version N and the one before. SGLang reports the string as it was set, per event and per span."""
+
+
+def torn_version(value: Any) -> int | None:
+    """N for ``"torn:N"`` (weights half way to version N); None for any other version."""
+    if isinstance(value, str) and value.startswith(TORN_PREFIX):
+        return parse_weight_version(value[len(TORN_PREFIX):])
+    return None
+
+
 def parse_weight_version(value: Any) -> int | None:
     """SGLang's weight version (a string; ``"default"`` before any update) as a policy version."""
     if isinstance(value, int) and not isinstance(value, bool):

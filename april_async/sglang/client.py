@@ -30,8 +30,9 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
                                       abort_all_requests, weight_version: every tensor then
                                       comes as one broadcast from rank 0, in ``names`` order
 
-``/health`` is not used for liveness: it generates a token, which blocks while generation is
-paused for a weight update, so a long update would read as a dead server.
+``/model_info`` says the server (its tokenizer manager) answers, not that its scheduler
+generates: the engine also asks ``/health_generate`` (on its own loop, so that it can be
+cancelled), and allows for a push's pause (``hung_after_s``).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class Standin:
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     s = Standin(ckpt.path, tmp_path_factory.mktemp("logs") / "standin.log", "--slots", "4",
-                "--max-seq-len", "256", "--step-delay-s", "0.005")
+                "--max-seq-len", "256", "--step-delay-s", "0.005", "--health-check-timeout", "1")
     yield s
     s.http.close()
     assert s.stop() == 0, s.log_path.read_text()
@@ -594,7 +594,8 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
 def v23_server(ckpt, tmp_path_factory):
     """A 0.5.23 stand-in (weight_versions spans) with two slots and slow steps: requests stay running."""
     s = Standin(ckpt.path, tmp_path_factory.mktemp("logs") / "standin-v23.log", "--sglang-version", "0.5.23",
-                "--slots", "2", "--max-seq-len", "256", "--step-delay-s", "0.02", "--weight-version", "v0")
+                "--slots", "2", "--max-seq-len", "256", "--step-delay-s", "0.02", "--weight-version", "v0",
+                "--weight-update-session", "--health-check-timeout", "1")
     yield s
     s.http.close()
     assert s.stop() == 0, s.log_path.read_text()
@@ -851,3 +852,63 @@ def test_abort_while_the_scheduler_is_paused(v23_server, ckpt):
         assert last["finish_reason"] == finish, mode
         assert 0 < last["completion_tokens"] < LONG_N
         wait_loads(s, (0, 0))
+
+
+# ---------------------------------------------------------------------- liveness that generates
+
+
+@pytest.mark.parametrize("which", ["server", "v23_server"])
+def test_health_generate_waits_for_the_scheduler_and_fails_while_paused_or_hung(which, request):
+    """``http_server.py`` ``health_generate`` (0.5.15, 0.5.23): 200 once the scheduler answers a
+    one-token request; 503 after the check's timeout while generation is paused (the probe's
+    request waits before the scheduler) or the scheduler hangs, though ``/model_info`` answers."""
+    s = request.getfixturevalue(which)
+    h = s.http
+    assert h.get("/health_generate").status_code == 200
+    h.post("/pause_generation", json={"mode": "retract"})
+    t0 = time.monotonic()
+    assert h.get("/health_generate").status_code == 503
+    assert time.monotonic() - t0 >= 1.0  # --health-check-timeout 1
+    if which == "v23_server":
+        assert h.get("/ready").status_code == 503
+    h.post("/continue_generation", json={})
+    assert h.get("/health_generate").status_code == 200
+    h.post("/standin/hang", json={"hung": True})
+    try:
+        assert h.get("/model_info").status_code == 200  # answered by the tokenizer manager
+        assert h.get("/health_generate").status_code == 503
+        assert h.get("/health").status_code == 503  # the same handler (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION)
+        if which == "v23_server":
+            h.post("/continue_generation", json={})
+            assert h.get("/ready").status_code == 503  # server_status UnHealthy after a failed check
+    finally:
+        h.post("/standin/hang", json={"hung": False})
+    assert h.get("/health_generate").status_code == 200
+    assert h.get("/standin/state").json()["healthy"] is True
+
+
+def test_a_hung_scheduler_stalls_streams_until_it_runs_again(server, ckpt):
+    h = server.http
+    h.post("/standin/hang", json={"hung": True})
+    try:
+        fut, seen = stream_in_thread(server, gen(SHORT, 8, temperature=0.0))
+        time.sleep(0.5)
+        assert seen.empty() and not fut.done()
+    finally:
+        h.post("/standin/hang", json={"hung": False})
+    assert fut.result(10)[-1]["output_ids"][:8] == ckpt.short[:8]
+
+
+def test_faults_drop_control_calls_before_or_after_they_take_effect(server):
+    h = server.http
+    h.post("/standin/faults", json={"drop": 1.0, "seed": 3, "paths": ["/pause_generation"]})
+    try:
+        for _ in range(6):
+            with pytest.raises(httpx.HTTPError):
+                h.post("/pause_generation", json={"mode": "retract"})
+        assert h.get("/standin/state").json()["faults"] is True
+    finally:
+        h.post("/standin/faults", json={})
+    h.post("/continue_generation", json={})
+    state = h.get("/standin/state").json()
+    assert state["paused"] is False and state["faults"] is False
