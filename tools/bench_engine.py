@@ -11,6 +11,13 @@ and the model is built there. On CUDA the timed steps are bracketed by ``torch.c
 a step returns with its last forward still queued. ``0.5B`` is Qwen2-0.5B's shape (a 151,936-token
 vocabulary, tied embeddings) with random weights. The cache holds 16 prompt tokens plus the steps,
 so these are decode steps at short context.
+
+Each row is set against the memory-bandwidth bound: the bytes a decode step must read at the
+least (every weight once, and each row's cached keys and values: ``model.shapes.decode_step_bytes``)
+over the device's bandwidth, measured in the same run as a device-to-device copy of a buffer far
+larger than any cache (``copy_bandwidth``: bytes read plus bytes written, per second). ``x bound``
+is the step time over that bound: 1 is a memory-bound step; a launch-bound one is far above it.
+On a CPU a model that fits the caches can beat it (below 1).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from april_async.config import check_device  # noqa: E402
 from april_async.engines.base import EngineRequest  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
 from april_async.model.decoder import CausalLM  # noqa: E402
-from april_async.model.shapes import BENCH_MODELS  # noqa: E402
+from april_async.model.shapes import BENCH_MODELS, decode_step_bytes  # noqa: E402
 from april_async.runtime import resolve_device  # noqa: E402
 
 MODELS = BENCH_MODELS  # Qwen2-shaped by size (april_async/model/shapes.py)
@@ -47,6 +54,22 @@ def step_seconds(model: CausalLM, batch: int, steps: int) -> float:
         engine.step()
     settle(engine.device)
     return (time.perf_counter() - start) / steps
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device copy of ``nbytes`` moves (read plus written), the best
+    of ``repeats`` after one warm-up copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for i in range(repeats + 1):
+        settle(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        settle(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
 
 
 def settle(device: torch.device) -> None:
@@ -99,7 +122,9 @@ def main() -> int:
     torch.manual_seed(0)
     gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}{gpu}")
-    print(f"{'model':<6} {'params':>7} {'batch':>6} {'step ms':>8} {'tokens/s':>9}")
+    bandwidth = copy_bandwidth(device, (64 if args.quick else 512) << 20)
+    print(f"memory bandwidth (a device-to-device copy, read + written): {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'model':<6} {'params':>7} {'batch':>6} {'step ms':>8} {'tokens/s':>9} {'bound ms':>9} {'x bound':>8}")
     for name in args.models:
         with torch.device(device):
             model = CausalLM(MODELS[name]).to(dtype).eval()
@@ -109,7 +134,8 @@ def main() -> int:
             continue
         for b in batches:
             s = step_seconds(model, b, steps)
-            print(f"{name:<6} {params:6.1f}M {b:6d} {s * 1e3:8.2f} {b / s:9.0f}")
+            bound = decode_step_bytes(model, b, context=16 + 2 + steps // 2) / bandwidth  # mid-run context
+            print(f"{name:<6} {params:6.1f}M {b:6d} {s * 1e3:8.2f} {b / s:9.0f} {bound * 1e3:9.3f} {s / bound:8.1f}")
     return 0
 
 

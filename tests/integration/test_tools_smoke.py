@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,9 +28,15 @@ def test_bench_journal_prints_each_durability():
 
 
 def test_bench_engine_prints_tokens_per_second_by_batch():
-    rows = [line.split() for line in run("tools/bench_engine.py", "--quick").splitlines() if line[:3] in ("5M ", "30M")]
+    out = run("tools/bench_engine.py", "--quick")
+    rows = [line.split() for line in out.splitlines() if line[:3] in ("5M ", "30M")]
     assert [(r[0], int(r[2])) for r in rows] == [("5M", 1), ("5M", 4), ("30M", 1), ("30M", 4)]
-    assert all(float(r[4]) > 0 for r in rows)
+    assert "memory bandwidth (a device-to-device copy, read + written)" in out
+    for r in rows:  # tokens/s, the bandwidth bound of the step and the step over it
+        assert float(r[4]) > 0 and float(r[5]) > 0
+        assert float(r[6]) == pytest.approx(float(r[3]) / float(r[5]), rel=0.05, abs=0.1)
+    # The bound grows with the model: 30M's weights are ~5x 5M's.
+    assert float(rows[2][5]) > 3 * float(rows[0][5])
 
 
 def test_bench_learner_prints_the_step_at_one_and_two_ranks(tmp_path):

@@ -8,6 +8,7 @@ import torch
 import transformers  # a test dependency: the reference implementation
 
 from april_async.model.decoder import CausalLM, CheckpointError, ModelConfig
+from april_async.model.shapes import decode_step_bytes
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=5000.0, max_position_embeddings=128)
@@ -106,3 +107,15 @@ def test_activation_checkpointing_keeps_fewer_activations_and_the_same_gradients
     kept_ac, grads_ac = run(True)
     assert kept_ac < kept_plain / 2, (kept_ac, kept_plain)
     assert all(torch.allclose(grads_ac[k], grads_plain[k], atol=1e-6) for k in grads_plain)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_steps_least_bytes_are_every_weight_once_and_each_rows_cache(tied):
+    cfg = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=tied)
+    model = CausalLM(cfg).to(torch.bfloat16)
+    weights = sum(p.numel() for p in model.parameters()) * 2  # a tied matrix is one parameter
+    if not tied:  # the input embedding is read at the batch's 3 rows only
+        weights -= (100 - 3) * 16 * 2
+    kv = 3 * 10 * 2 * 2 * 2 * 4 * 2  # rows x context x layers x (k, v) x kv heads x head dim x bytes
+    assert decode_step_bytes(model, batch=3, context=10) == weights + kv
