@@ -39,7 +39,8 @@ does not start a lease needing a newer version than it holds). A member that fai
 collective says so (``heartbeat`` with its old version) and takes part in the next round,
 which re-forms the group; one that neither acks nor fails in time is dropped (its session is
 forgotten, so its next message is refused and it must ``hello`` again) and left out of rounds
-for ``2 × timeout_s``; one that leaves (``bye``) or goes silent is forgotten. Either way the
+for ``2 × timeout_s``; one that leaves (``bye``) or goes silent is forgotten, and if the round's
+collective still waits for it, the collective is cut (``WeightGroup.sever``) rather than waited out. Either way the
 others still get the version: the next round re-forms without the lost member.
 
 Protocol 1.6. Every announce carries a digest of each bucket of the version
@@ -107,6 +108,7 @@ from april_async.broadcaster.rounds import (
     Reply,
     RoundPlanner,
     Send,
+    Sever,
     StartCollective,
     StatusChanged,
 )
@@ -125,6 +127,12 @@ def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
     if cfg.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return cfg.backend
+
+
+def _port(endpoint: str) -> int:
+    """The port of a ``tcp://host:port`` endpoint (0 for another transport)."""
+    tail = endpoint.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 JOB_POLL_S = 0.002
@@ -254,6 +262,8 @@ class BroadcasterActor:
         self.planner = RoundPlanner(cfg, backend=self.backend, store=self.group.store_address,
                                     epoch_id=os.urandom(6).hex(), key_prefix=secrets.token_hex(16),
                                     rendezvous=self.group.rendezvous or "")
+        # ``sever`` cuts the group's own connections, never the hub's nor the broker link's.
+        self.group.keep_ports.update(_port(e) for e in (hub.endpoint, cfg.link.broker))
         self.links: dict[str, Link] = {}
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
@@ -498,6 +508,9 @@ class BroadcasterActor:
                 self._hash(e.version, e.digest_alg)
             elif isinstance(e, StartCollective):
                 self._start(e)
+            elif isinstance(e, Sever):
+                cut = self.group.sever()
+                self.log.info("collective_severed", member=e.member, reason=e.reason, connections=cut)
             elif isinstance(e, Publish):
                 self.broker.publish(e.version, e.num_bytes)
             else:

@@ -25,6 +25,11 @@ the group (a new epoch) when its receivers differ from the last group's or the l
 someone; it waits for each member's answer up to ``timeout_s`` after the collective ends;
 members that neither acked nor failed by then are forgotten and benched for ``2 × timeout_s``;
 after a round that lost someone the next starts no earlier than ``peer_timeout_s / 2`` later.
+A member found gone (silent, ``bye``) while the collective still runs, and before it acked, is
+not waited for: the actor cuts the collective (``Sever``), which then fails for every member at
+once, and the next round re-forms without it (issue 29: a 25 s network cut held the round, every
+member and the learner for the whole cut). A member that misses ``report_failing_after`` rounds
+in a row is benched, for longer each time (``_streaks``).
 A member that says hello again mid-round is answered for at once by what its hello says it
 holds, or, while the collective still runs, sent its announce again. A member on SGLang servers
 is sent a ``heartbeat`` naming the version as soon as its servers took it: that heartbeat is its
@@ -110,6 +115,16 @@ class StartCollective:
 
 
 @dataclass(frozen=True)
+class Sever:
+    """A member of the running round is gone (``member``, ``reason``): cut the group's connections
+    and give up a rendezvous being formed, so that the collective fails now rather than after
+    ``timeout_s`` (``WeightGroup.sever``); the next round re-forms without it."""
+
+    member: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Publish:
     """Tell the broker that ``version`` is out (``weights_published``)."""
 
@@ -133,7 +148,7 @@ class StatusChanged:
     """Something the status file shows has changed."""
 
 
-Effect = Send | Reply | Open | Forget | Keep | Hash | StartCollective | Publish | Log | StatusChanged
+Effect = Send | Reply | Open | Forget | Keep | Hash | StartCollective | Sever | Publish | Log | StatusChanged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,7 +384,15 @@ class RoundPlanner:
     def _forget(self, name: str, reason: str) -> list[Effect]:
         if self.sessions.pop(name, None) is None:
             return []
-        return [Forget(name, reason), StatusChanged(), _log("info", "peer_gone", peer=name, reason=reason)]
+        out: list[Effect] = [Forget(name, reason), StatusChanged(), _log("info", "peer_gone", peer=name, reason=reason)]
+        r = self.round
+        if r is not None and r.running and name in r.members and name not in r.servers and name not in r.acked:
+            # Gone while the group still waits for it (a cut, a crash): the collective would wait
+            # out timeout_s, and every other member and the learner with it.
+            out += [Sever(name, reason),
+                    _log("warning", "round_abandoned", member=name, reason=reason, version=r.version, epoch=r.epoch,
+                         hint="the collective is cut now; the next round re-forms without it")]
+        return out
 
     # ------------------------------------------------------------------ the collective
 
@@ -497,15 +520,18 @@ class RoundPlanner:
                             late=sorted(late), gone=sorted(gone), **fields))
         else:
             out.append(_log("info", "round", **fields))
-        out += self._streaks(r, missed=set(r.members) - r.acked)
+        out += self._streaks(r, missed=set(r.members) - r.acked, now=now)
         if r.acked and r.version > self.published:
             out += self._publish(r.version, r.num_bytes, members=len(r.acked))
         out.append(StatusChanged())
         return out
 
-    def _streaks(self, r: Round, missed: set[str]) -> list[Effect]:
+    def _streaks(self, r: Round, missed: set[str], now: float) -> list[Effect]:
         """Count, per generator, the rounds in a row it took part in without receiving; report a
-        streak when it reaches ``report_failing_after`` (and at every multiple), and its end."""
+        streak when it reaches ``report_failing_after`` (and at every multiple), and its end. From
+        that many rounds in a row on, the member is benched (left out of rounds) for
+        ``peer_timeout_s / 2``, doubled each further round, up to ``2 × timeout_s``: a member that
+        keeps failing costs the others a re-formed group ever more rarely."""
         out: list[Effect] = []
         every = self.cfg.report_failing_after
         for name in sorted(set(r.members) - missed):
@@ -513,6 +539,11 @@ class RoundPlanner:
                 out.append(_log("info", "member_recovered", member=name, version=r.version))
         for name in sorted(missed):
             n = self.failing[name] = self.failing.get(name, 0) + 1
+            if n >= every and name in self.sessions:  # failing again: left out of rounds for longer each time
+                wait = min(self.fresh_s * 2 ** (n - every), 2 * self.timeout_s)
+                self.benched[name] = max(self.benched.get(name, 0.0), now + wait)
+                out.append(_log("warning", "member_benched", member=name, rounds=n, for_s=round(wait, 3),
+                                version=r.version))
             if n % every == 0:
                 why = ("the collective failed" if r.failed else "refused" if name in r.nacked
                        else "left" if name not in self.sessions else "no ack")
