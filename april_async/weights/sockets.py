@@ -18,8 +18,13 @@ import socket
 _PROC_NET = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 
 
+ESTABLISHED = "01"  # the state column of /proc/net/tcp
+
+
 def tcp_sockets() -> dict[int, tuple[int, int]]:
-    """This process's TCP sockets: inode -> (local port, remote port)."""
+    """This process's connected TCP sockets: inode -> (local port, remote port). Listening ones
+    are left out: gloo keeps a listener per group, and a listener shut down under it makes gloo's
+    ``accept`` fail an ``enforce``, which ends the whole process (``std::terminate``)."""
     mine = set()
     try:
         for fd in os.listdir("/proc/self/fd"):
@@ -40,7 +45,7 @@ def tcp_sockets() -> dict[int, tuple[int, int]]:
         for line in lines:
             f = line.split()
             inode = int(f[9])
-            if inode in mine:
+            if inode in mine and f[3] == ESTABLISHED:
                 out[inode] = (int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16))
     return out
 
