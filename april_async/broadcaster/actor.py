@@ -267,6 +267,7 @@ class BroadcasterActor:
         self.links: dict[str, Link] = {}
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
+        self._joined = threading.Event()  # the job's join is over (its rendezvous is no longer looked at)
         self._job_buffer: Buffer | None = None  # what the job reads
         self._digest_job: tuple[int, str, _Job] | None = None  # (version, digest_alg, job): being hashed
         self.parts = PartsReceiver(  # versions in parts, assembled; the receive buffers, reused
@@ -522,6 +523,7 @@ class BroadcasterActor:
             raise RuntimeError(f"the planner started version {e.version}; the bytes held are of "
                                f"{held.version if held else None}")
         self._job_buffer = held
+        self._joined.clear()
         self.job = _Job(self._collective, e.root, held, e.bucket_bytes, e.rejoin, e.servers)
 
     def _collective(self, spec: m.GroupSpec | None, held: Buffer, bucket_bytes: int, rejoin: bool,
@@ -534,6 +536,7 @@ class BroadcasterActor:
             try:
                 if rejoin:
                     self.group.join(spec)
+                self._joined.set()
                 t1 = time.monotonic()
                 self.group.broadcast(held.data, bucket_bytes, tag=held.version)
             except GroupError as e:
@@ -554,6 +557,9 @@ class BroadcasterActor:
             if now - link.last_sent >= self.cfg.link.heartbeat_interval_s:
                 regions = list(self._regions_in_use()) if name == self._region_learner else None
                 self._send(name, m.Heartbeat(policy_version=p.held_version, regions=regions))
+        if self.job is not None and not self.job.done and not self._joined.is_set() and p.admission_due(now):
+            # A member not at the rendezvous by now is not waited for (planner.absent).
+            self._apply(p.absent(self.group.arrived(p.rendezvous_spec()), now))
         if self.job is not None and self.job.done:
             job, self.job, self._job_buffer = self.job, None, None
             if job.error is not None:  # a bug, not a failed collective: every member counts as failed

@@ -204,6 +204,7 @@ class Round:
     acked: set[str] = field(default_factory=set)
     nacked: set[str] = field(default_factory=set)
     announces: dict[str, m.WeightsAnnounce] = field(default_factory=dict)  # what each group member was sent
+    admission_checked: bool = False  # whether its rendezvous was looked at (``absent``)
 
     @property
     def running(self) -> bool:
@@ -246,6 +247,10 @@ class RoundPlanner:
         self.rounds = 0
         self.failed_rounds = 0
         self.failing: dict[str, int] = {}  # generator -> rounds in a row it was in and did not receive
+        self.absences: dict[str, int] = {}  # generator -> rendezvous in a row it did not reach in time
+        self.admit_s = cfg.link.peer_timeout_s
+        """How long after a round re-forming the group starts every member must have reached its
+        rendezvous (registered its key): one that has not is given up on (``absent``)."""
 
     @property
     def held_version(self) -> int | None:
@@ -421,6 +426,48 @@ class RoundPlanner:
             (r.acked if why is None else r.nacked).add(name)
         return out
 
+    # ------------------------------------------------------------------ admission
+
+    def admission_due(self, now: float) -> bool:
+        """Whether the running round's rendezvous is to be looked at now (``absent``): it re-forms
+        the group, its collective has not reported, ``admit_s`` have passed, and not looked at yet."""
+        r = self.round
+        return (r is not None and r.running and r.rejoin and not r.admission_checked
+                and now - r.started >= self.admit_s)
+
+    def rendezvous_spec(self) -> m.GroupSpec:
+        """Rank 0's spec of the running round's epoch (what ``WeightGroup.arrived`` looks under)."""
+        r = self.round
+        return self._spec(0, len([g for g in r.members if g not in r.servers]) + 1)
+
+    def absent(self, arrived: set[int] | None, now: float) -> list[Effect]:
+        """The running round's rendezvous ``admit_s`` after it started: ``arrived``, the ranks whose
+        key is in (None: it cannot be told). A member not there by then (a worker still stuck in an
+        old collective, say, after a network cut) is not waited for: it is benched, for
+        ``peer_timeout_s / 2`` doubled at each absence in a row (up to ``2 × timeout_s``), and the
+        epoch is given up (``Sever``), so the others re-form without it at once instead of waiting
+        ``timeout_s``. It is admitted again when its bench ends, and only by reaching a rendezvous."""
+        r = self.round
+        if r is None or not r.running or r.admission_checked:
+            return []
+        r.admission_checked = True
+        if arrived is None:
+            return []
+        receivers = [g for g in r.members if g not in r.servers]
+        missing = [g for rank, g in enumerate(receivers, start=1) if rank not in arrived]
+        if not missing:
+            return []
+        out: list[Effect] = []
+        for g in missing:
+            k = self.absences[g] = self.absences.get(g, 0) + 1
+            wait = min(self.fresh_s * 2 ** (k - 1), 2 * self.timeout_s)
+            self.benched[g] = max(self.benched.get(g, 0.0), now + wait)
+            out.append(_log("warning", "member_absent", member=g, epoch=r.epoch, version=r.version, absences=k,
+                            waited_s=round(now - r.started, 3), benched_s=round(wait, 3),
+                            why="not at the group's rendezvous in time"))
+        out.append(Sever(missing[0], "absent from the rendezvous"))  # one cut gives the whole epoch up
+        return out
+
     # ------------------------------------------------------------------ tick
 
     def tick(self, now: float) -> list[Effect]:
@@ -535,6 +582,7 @@ class RoundPlanner:
         out: list[Effect] = []
         every = self.cfg.report_failing_after
         for name in sorted(set(r.members) - missed):
+            self.absences.pop(name, None)
             if self.failing.pop(name, 0) >= every:
                 out.append(_log("info", "member_recovered", member=name, version=r.version))
         for name in sorted(missed):

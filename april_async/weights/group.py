@@ -289,6 +289,19 @@ class WeightGroup:
         opts.group_name = f"april-weights-epoch-{spec.epoch}"
         return dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, opts)
 
+    def arrived(self, spec: GroupSpec) -> set[int] | None:
+        """Rank 0: the ranks whose key is in the rendezvous of ``spec``'s epoch so far (a gloo rank
+        registers ``<prefix>/0/<rank>`` as it starts to join); None where that cannot be told
+        (no rendezvous store of its own, or another backend)."""
+        if self._service is None or spec.backend != "gloo" or not spec.rendezvous:
+            return None
+        ranks = set()
+        for key in self._service.keys_under(_prefix(spec) + "/"):
+            tail = key.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                ranks.add(int(tail))
+        return ranks
+
     def sever(self) -> int:
         """Cut the current epoch's connections (see the module docstring), and on rank 0 give up
         the rendezvous of an epoch being formed (its waits fail at once, ``StoreService.cancel``);

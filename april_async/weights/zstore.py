@@ -297,6 +297,12 @@ class StoreService:
         with self._lock:
             return self.table.forget(prefix)
 
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` now (who reached an epoch's rendezvous). For the owner's
+        thread: no client can list keys."""
+        with self._lock:
+            return [k for k in self.table.data if k.startswith(prefix)]
+
     def cancel(self, prefix: str) -> None:
         """Fail every wait for keys under ``prefix`` now, and every later one at once (code
         ``cancelled``): rank 0 gives up forming an epoch whose member went dark, and the members

@@ -101,3 +101,35 @@ def test_a_member_gone_while_the_collective_runs_is_not_waited_for():
     p.collective_finished(4.1, CollectiveResult(join_s=0.0, bcast_s=0.0, failed="gloo: connection reset"))
     p.hello("gen-1", "generator", 0, [], 5.0)
     assert not [e for e in p.bye("gen-1", "shutdown", 5.1) if isinstance(e, Sever)], "the collective is over"
+
+
+def test_a_member_not_at_the_rendezvous_in_time_is_given_up_and_benched_for_longer_each_time():
+    """After a cut a returning generator's worker may still sit in an old collective: the epoch
+    re-formed for it must not wait ``timeout_s`` on it, nor must the learner."""
+    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    for g in ("gen-0", "gen-1"):
+        p.hello(g, "generator", 0, [], 0.0)
+    benched = []
+    now = 0.0
+    for v in (1, 2):
+        now += 100.0
+        for g in ("gen-0", "gen-1"):
+            p.touch(g, now)
+        held(p, v, now)
+        assert any(isinstance(e, StartCollective) and e.rejoin for e in p.tick(now))
+        assert not p.admission_due(now + p.admit_s / 2)
+        assert p.admission_due(now + p.admit_s)
+        assert p.rendezvous_spec().epoch == p.round.epoch and p.rendezvous_spec().rank == 0
+        effects = p.absent({1}, now + p.admit_s)  # rank 1 (gen-0) is there, rank 2 (gen-1) is not
+        (sever,) = [e for e in effects if isinstance(e, Sever)]
+        benched += [e.fields["benched_s"] for e in effects if isinstance(e, Log) and e.event == "member_absent"]
+        assert sever.member == "gen-1" and not p.admission_due(now + 2 * p.admit_s), "looked at once a round"
+        p.collective_finished(now + p.admit_s, CollectiveResult(join_s=p.admit_s, bcast_s=0.0, failed="cancelled"))
+        p.heartbeat("gen-0", 0, now + p.admit_s)
+        p.heartbeat("gen-1", 0, now + p.admit_s)
+        p.tick(now + p.admit_s + 0.1)
+        assert "gen-1" not in p._members(now + p.admit_s + 0.2)
+    fresh = CONFIG.link.peer_timeout_s / 2
+    assert benched == [fresh, 2 * fresh]
+    assert p.absent({1, 2}, now) == [], "no round running: nothing to look at"
