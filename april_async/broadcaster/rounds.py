@@ -459,6 +459,7 @@ class RoundPlanner:
             return []
         out: list[Effect] = []
         for g in missing:
+            r.nacked.add(g)  # the round does not wait for its answer either
             k = self.absences[g] = self.absences.get(g, 0) + 1
             wait = min(self.fresh_s * 2 ** (k - 1), 2 * self.timeout_s)
             self.benched[g] = max(self.benched.get(g, 0.0), now + wait)
