@@ -38,7 +38,6 @@ def finish(run: ClusterRun, fig: dict, cut_hosts: list[str], label: str) -> None
     assert fig["recovery_s"] is not None, f"{cut_hosts} did not hold the newest version within {CATCH_UP_S} s\n" \
                                           f"{run.status()}\n{run.tail()}"
     print(f"{label}: recovered {fig['recovery_s']:.1f} s after the link returned")
-    assert fig["after_spm"] >= (1 - RATE_TOLERANCE) * fig["before_spm"], f"{fig}\n{run.tail()}"
     target = fig["step_at_end"] + MORE_STEPS
     run.wait(f"learner step {target}", lambda: run.step() >= target, 120)
     code = run.stop()
@@ -51,6 +50,10 @@ def finish(run: ClusterRun, fig: dict, cut_hosts: list[str], label: str) -> None
     assert audit["balanced"], audit
     assert audit["duplicates"] == 0 and audit["over_eta"] == 0 and audit["from_future"] == 0, audit
     assert audit["trained"] > 0
+    # Last, so that a machine busy with other work (the rate moves by a third between 6 s windows
+    # of a run with no cut on a loaded 2-core machine) does not hide the checks above.
+    assert fig["after_spm"] >= (1 - RATE_TOLERANCE) * fig["before_spm"], \
+        f"the learner's rate after the cut is not within {RATE_TOLERANCE:.0%} of before: {fig}"
 
 
 needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f"needs network namespaces: {WHY_NOT}")
