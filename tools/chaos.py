@@ -3,6 +3,7 @@ check that nothing was lost, nothing delivered twice and nothing trained past th
 
     python tools/chaos.py                                   # the long run: 60 kills, 30+ steps
     python tools/chaos.py --kills 10 --steps 8 --interval 3 # the short one CI runs
+    python tools/chaos.py --kills 10 --partitions 4         # with four partitions among the kills
 
 The run is ``april up`` with ``run.restart = "on-failure"`` (every actor is restarted the way a
 process supervisor would) on a tiny policy: a broker with its journal, a broadcaster, a scorer, a
@@ -23,6 +24,15 @@ SIGINT and checks:
 - **staleness**: every trained sample's tokens are within η of the learner's version, and none is
   newer than it — including the versions after each learner restart from its checkpoint;
 - **progress**: the learner reached its step target.
+
+Partitions (``--partitions N``): beside the kills, N times a random generator is cut off for
+``--partition-s`` seconds (longer than the peers' timeout). On one machine there is no link to cut
+(``tests/integration/test_partitions.py`` cuts real links between network namespaces), so the
+generator is stopped (SIGSTOP) and then continued (SIGCONT): its hubs see what a cut shows them, a
+peer gone silent on a connection that stays open, and the generator wakes to hubs silent for the
+whole cut, with their old messages waiting in its sockets. No actor may be restarted for it (the
+**restarts** check above), and the figures add the seconds until the generator held the newest
+version again (``partition_recovery_s``; from the broadcaster's status file).
 
 Prints the figures as a table and writes them to ``<dir>/chaos.json``; exits 1 if a check failed.
 """
@@ -100,6 +110,7 @@ class Chaos:
         self.run_dir = self.dir / "run"
         self.rng = random.Random(args.seed)
         self.kills: list[dict] = []
+        self.partitions: list[dict] = []
         self.up: subprocess.Popen | None = None
 
     def say(self, text: str) -> None:
@@ -140,10 +151,45 @@ class Chaos:
         while learner_step(self.run_dir) % self.args.save_every == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def partition(self, t0: float) -> None:
+        """Cut a random generator off for ``--partition-s`` (see the module docstring)."""
+        target = self.victim("generator")
+        if target is None:
+            return
+        name, pid = target
+        step = learner_step(self.run_dir)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        try:
+            time.sleep(self.args.partition_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        back = time.monotonic()
+        recovery = None
+        while time.monotonic() - back < 60:
+            status = read_json(self.run_dir / "broadcaster.json", {}) or {}
+            if status.get("members", {}).get(name, -1) >= status.get("published", 0) > 0:
+                recovery = round(time.monotonic() - back, 2)
+                break
+            time.sleep(0.1)
+        self.partitions.append({"t": round(back - t0, 2), "name": name, "pid": pid, "step": step,
+                                "seconds": self.args.partition_s, "recovery_s": recovery})
+        self.say(f"partition of {name} for {self.args.partition_s:g} s at step {step}: newest version held again "
+                 f"{'after ' + str(recovery) + ' s' if recovery is not None else 'NOT within 60 s'} "
+                 f"[{len(self.partitions)}/{self.args.partitions}]")
+
     def rampage(self) -> None:
         order: list[str] = []
         t0 = time.monotonic()
-        while len(self.kills) < self.args.kills:
+        while len(self.kills) < self.args.kills or len(self.partitions) < self.args.partitions:
+            left_p = self.args.partitions - len(self.partitions)
+            left_k = self.args.kills - len(self.kills)
+            if left_p and self.rng.random() < left_p / (left_p + left_k):
+                time.sleep(self.args.interval * self.rng.uniform(0.5, 1.5))
+                self.partition(t0)
+                continue
             if not order:
                 order = list(self.args.kinds)
                 self.rng.shuffle(order)
@@ -246,6 +292,9 @@ class Chaos:
         steps = learner_step(self.run_dir)
         if steps < self.args.steps:
             problems.append(f"the learner reached step {steps}, short of {self.args.steps}")
+        for p in self.partitions:
+            if p["recovery_s"] is None:
+                problems.append(f"{p['name']} did not hold the newest version within 60 s of its partition's end")
 
         learner_log = "\n".join(p.read_text(errors="replace") for p in (self.run_dir / "logs").glob("learner-*.log"))
         roll_forwards = [tuple(int(x) for x in m_.groups()) for m_ in re.finditer(
@@ -279,6 +328,8 @@ class Chaos:
             "learner_roll_forwards": [{"checkpoint": c, "highest_seen": mx, "new_version": v}
                                       for c, mx, v in roll_forwards],
             "wall_s": summary.get("wall_s"),
+            "partitions": len(self.partitions),
+            "partition_recovery_s": [p["recovery_s"] for p in self.partitions],
             "problems": problems,
         }
 
@@ -305,6 +356,9 @@ def table(fig: dict) -> str:
         f"over η = {fig['eta']}       {fig['staleness_violations']}",
         f"wall             {fig['wall_s']} s",
     ]
+    if fig["partitions"]:
+        lines.append(f"partitions       {fig['partitions']}, newest version held again after "
+                     f"{fig['partition_recovery_s']} s")
     return "\n".join(lines)
 
 
@@ -316,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eta", type=int, default=1, help="the staleness bound η (default 1)")
     ap.add_argument("--save-every", type=int, default=3, help="learner checkpoint interval in steps (default 3)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the kinds of actor to kill (default: all five)")
+    ap.add_argument("--partitions", type=int, default=0, help="how many generator partitions among the kills (default 0)")
+    ap.add_argument("--partition-s", type=float, default=8.0,
+                    help="how long each partition lasts, longer than the peers' timeout (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="where the run goes (default: a new temporary directory)")
     ap.add_argument("--settle-s", type=float, default=600.0, help="how long to wait for the step target after the kills")
@@ -338,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         chaos.stop()
     fig["kill_log"] = chaos.kills
+    fig["partition_log"] = chaos.partitions
     (chaos.dir / "chaos.json").write_text(json.dumps(fig, indent=2))
     print(table(fig), flush=True)
     if fig["problems"]:

@@ -41,7 +41,8 @@ does not start a lease needing a newer version than it holds). A member that fai
 collective says so (``heartbeat`` with its old version) and takes part in the next round,
 which re-forms the group; one that neither acks nor fails in time is dropped (its session is
 forgotten, so its next message is refused and it must ``hello`` again) and left out of rounds
-for ``2 × timeout_s``; one that leaves (``bye``) or goes silent is forgotten. Either way the
+for ``2 × timeout_s``; one that leaves (``bye``) or goes silent is forgotten, and if the round's
+collective still waits for it, the collective is cut (``WeightGroup.sever``) rather than waited out. Either way the
 others still get the version: the next round re-forms without the lost member.
 
 Protocol 1.6. Every announce carries a digest of each bucket of the version
@@ -109,6 +110,7 @@ from april_async.broadcaster.rounds import (
     Reply,
     RoundPlanner,
     Send,
+    Sever,
     StartCollective,
     StatusChanged,
 )
@@ -128,6 +130,12 @@ def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
     if cfg.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return cfg.backend
+
+
+def _port(endpoint: str) -> int:
+    """The port of a ``tcp://host:port`` endpoint (0 for another transport)."""
+    tail = endpoint.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 JOB_POLL_S = 0.002
@@ -257,11 +265,14 @@ class BroadcasterActor:
         self.planner = RoundPlanner(cfg, backend=self.backend, store=self.group.store_address,
                                     epoch_id=os.urandom(6).hex(), key_prefix=secrets.token_hex(16),
                                     rendezvous=self.group.rendezvous or "")
+        # ``sever`` cuts the group's own connections, never the hub's nor the broker link's.
+        self.group.keep_ports.update(_port(e) for e in (hub.endpoint, cfg.link.broker))
         self.links: dict[str, Link] = {}
         self.instances: dict[str, str] = {}  # sender -> the instance its hello named, for every session
         self.version_right = roles.VersionRight()  # which learner instance hands versions over now
         self.held: Buffer | None = None
         self.job: _Job | None = None  # the round's collective, until its end is fed to the planner
+        self._joined = threading.Event()  # the job's join is over (its rendezvous is no longer looked at)
         self._job_buffer: Buffer | None = None  # what the job reads
         self._digest_job: tuple[int, str, _Job] | None = None  # (version, digest_alg, job): being hashed
         self.parts = PartsReceiver(  # versions in parts, assembled; the receive buffers, reused
@@ -518,6 +529,9 @@ class BroadcasterActor:
                 self._hash(e.version, e.digest_alg)
             elif isinstance(e, StartCollective):
                 self._start(e)
+            elif isinstance(e, Sever):
+                cut = self.group.sever()
+                self.log.info("collective_severed", member=e.member, reason=e.reason, connections=cut)
             elif isinstance(e, Publish):
                 self.broker.publish(e.version, e.num_bytes)
             else:
@@ -529,6 +543,7 @@ class BroadcasterActor:
             raise RuntimeError(f"the planner started version {e.version}; the bytes held are of "
                                f"{held.version if held else None}")
         self._job_buffer = held
+        self._joined.clear()
         self.job = _Job(self._collective, e.root, held, e.bucket_bytes, e.rejoin, e.servers)
 
     def _collective(self, spec: m.GroupSpec | None, held: Buffer, bucket_bytes: int, rejoin: bool,
@@ -541,6 +556,7 @@ class BroadcasterActor:
             try:
                 if rejoin:
                     self.group.join(spec)
+                self._joined.set()
                 t1 = time.monotonic()
                 self.group.broadcast(held.data, bucket_bytes, tag=held.version)
             except GroupError as e:
@@ -561,6 +577,9 @@ class BroadcasterActor:
             if now - link.last_sent >= self.cfg.link.heartbeat_interval_s:
                 regions = list(self._regions_in_use()) if name == self._region_learner else None
                 self._send(name, m.Heartbeat(policy_version=p.held_version, regions=regions))
+        if self.job is not None and not self.job.done and not self._joined.is_set() and p.admission_due(now):
+            # A member not at the rendezvous by now is not waited for (planner.absent).
+            self._apply(p.absent(self.group.arrived(p.rendezvous_spec()), now))
         if self.job is not None and self.job.done:
             job, self.job, self._job_buffer = self.job, None, None
             if job.error is not None:  # a bug, not a failed collective: every member counts as failed

@@ -25,6 +25,11 @@ the group (a new epoch) when its receivers differ from the last group's or the l
 someone; it waits for each member's answer up to ``timeout_s`` after the collective ends;
 members that neither acked nor failed by then are forgotten and benched for ``2 × timeout_s``;
 after a round that lost someone the next starts no earlier than ``peer_timeout_s / 2`` later.
+A member found gone (silent, ``bye``) while the collective still runs, and before it acked, is
+not waited for: the actor cuts the collective (``Sever``), which then fails for every member at
+once, and the next round re-forms without it (issue 29: a 25 s network cut held the round, every
+member and the learner for the whole cut). A member that misses ``report_failing_after`` rounds
+in a row is benched, for longer each time (``_streaks``).
 A member that says hello again mid-round is answered for at once by what its hello says it
 holds, or, while the collective still runs, sent its announce again. A member on SGLang servers
 is sent a ``heartbeat`` naming the version as soon as its servers took it: that heartbeat is its
@@ -110,6 +115,16 @@ class StartCollective:
 
 
 @dataclass(frozen=True)
+class Sever:
+    """A member of the running round is gone (``member``, ``reason``): cut the group's connections
+    and give up a rendezvous being formed, so that the collective fails now rather than after
+    ``timeout_s`` (``WeightGroup.sever``); the next round re-forms without it."""
+
+    member: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Publish:
     """Tell the broker that ``version`` is out (``weights_published``)."""
 
@@ -133,7 +148,7 @@ class StatusChanged:
     """Something the status file shows has changed."""
 
 
-Effect = Send | Reply | Open | Forget | Keep | Hash | StartCollective | Publish | Log | StatusChanged
+Effect = Send | Reply | Open | Forget | Keep | Hash | StartCollective | Sever | Publish | Log | StatusChanged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +204,7 @@ class Round:
     acked: set[str] = field(default_factory=set)
     nacked: set[str] = field(default_factory=set)
     announces: dict[str, m.WeightsAnnounce] = field(default_factory=dict)  # what each group member was sent
+    admission_checked: bool = False  # whether its rendezvous was looked at (``absent``)
 
     @property
     def running(self) -> bool:
@@ -231,6 +247,10 @@ class RoundPlanner:
         self.rounds = 0
         self.failed_rounds = 0
         self.failing: dict[str, int] = {}  # generator -> rounds in a row it was in and did not receive
+        self.absences: dict[str, int] = {}  # generator -> rendezvous in a row it did not reach in time
+        self.admit_s = cfg.link.peer_timeout_s
+        """How long after a round re-forming the group starts every member must have reached its
+        rendezvous (registered its key): one that has not is given up on (``absent``)."""
 
     @property
     def held_version(self) -> int | None:
@@ -369,7 +389,15 @@ class RoundPlanner:
     def _forget(self, name: str, reason: str) -> list[Effect]:
         if self.sessions.pop(name, None) is None:
             return []
-        return [Forget(name, reason), StatusChanged(), _log("info", "peer_gone", peer=name, reason=reason)]
+        out: list[Effect] = [Forget(name, reason), StatusChanged(), _log("info", "peer_gone", peer=name, reason=reason)]
+        r = self.round
+        if r is not None and r.running and name in r.members and name not in r.servers and name not in r.acked:
+            # Gone while the group still waits for it (a cut, a crash): the collective would wait
+            # out timeout_s, and every other member and the learner with it.
+            out += [Sever(name, reason),
+                    _log("warning", "round_abandoned", member=name, reason=reason, version=r.version, epoch=r.epoch,
+                         hint="the collective is cut now; the next round re-forms without it")]
+        return out
 
     # ------------------------------------------------------------------ the collective
 
@@ -396,6 +424,49 @@ class RoundPlanner:
                 # then), rather than by the next heartbeat, since this is where its versions come from.
                 out.append(Send(name, m.Heartbeat(policy_version=r.version)))
             (r.acked if why is None else r.nacked).add(name)
+        return out
+
+    # ------------------------------------------------------------------ admission
+
+    def admission_due(self, now: float) -> bool:
+        """Whether the running round's rendezvous is to be looked at now (``absent``): it re-forms
+        the group, its collective has not reported, ``admit_s`` have passed, and not looked at yet."""
+        r = self.round
+        return (r is not None and r.running and r.rejoin and not r.admission_checked
+                and now - r.started >= self.admit_s)
+
+    def rendezvous_spec(self) -> m.GroupSpec:
+        """Rank 0's spec of the running round's epoch (what ``WeightGroup.arrived`` looks under)."""
+        r = self.round
+        return self._spec(0, len([g for g in r.members if g not in r.servers]) + 1)
+
+    def absent(self, arrived: set[int] | None, now: float) -> list[Effect]:
+        """The running round's rendezvous ``admit_s`` after it started: ``arrived``, the ranks whose
+        key is in (None: it cannot be told). A member not there by then (a worker still stuck in an
+        old collective, say, after a network cut) is not waited for: it is benched, for
+        ``peer_timeout_s / 2`` doubled at each absence in a row (up to ``2 × timeout_s``), and the
+        epoch is given up (``Sever``), so the others re-form without it at once instead of waiting
+        ``timeout_s``. It is admitted again when its bench ends, and only by reaching a rendezvous."""
+        r = self.round
+        if r is None or not r.running or r.admission_checked:
+            return []
+        r.admission_checked = True
+        if arrived is None:
+            return []
+        receivers = [g for g in r.members if g not in r.servers]
+        missing = [g for rank, g in enumerate(receivers, start=1) if rank not in arrived]
+        if not missing:
+            return []
+        out: list[Effect] = []
+        for g in missing:
+            r.nacked.add(g)  # the round does not wait for its answer either
+            k = self.absences[g] = self.absences.get(g, 0) + 1
+            wait = min(self.fresh_s * 2 ** (k - 1), 2 * self.timeout_s)
+            self.benched[g] = max(self.benched.get(g, 0.0), now + wait)
+            out.append(_log("warning", "member_absent", member=g, epoch=r.epoch, version=r.version, absences=k,
+                            waited_s=round(now - r.started, 3), benched_s=round(wait, 3),
+                            why="not at the group's rendezvous in time"))
+        out.append(Sever(missing[0], "absent from the rendezvous"))  # one cut gives the whole epoch up
         return out
 
     # ------------------------------------------------------------------ tick
@@ -497,22 +568,31 @@ class RoundPlanner:
                             late=sorted(late), gone=sorted(gone), **fields))
         else:
             out.append(_log("info", "round", **fields))
-        out += self._streaks(r, missed=set(r.members) - r.acked)
+        out += self._streaks(r, missed=set(r.members) - r.acked, now=now)
         if r.acked and r.version > self.published:
             out += self._publish(r.version, r.num_bytes, members=len(r.acked))
         out.append(StatusChanged())
         return out
 
-    def _streaks(self, r: Round, missed: set[str]) -> list[Effect]:
+    def _streaks(self, r: Round, missed: set[str], now: float) -> list[Effect]:
         """Count, per generator, the rounds in a row it took part in without receiving; report a
-        streak when it reaches ``report_failing_after`` (and at every multiple), and its end."""
+        streak when it reaches ``report_failing_after`` (and at every multiple), and its end. From
+        that many rounds in a row on, the member is benched (left out of rounds) for
+        ``peer_timeout_s / 2``, doubled each further round, up to ``2 × timeout_s``: a member that
+        keeps failing costs the others a re-formed group ever more rarely."""
         out: list[Effect] = []
         every = self.cfg.report_failing_after
         for name in sorted(set(r.members) - missed):
+            self.absences.pop(name, None)
             if self.failing.pop(name, 0) >= every:
                 out.append(_log("info", "member_recovered", member=name, version=r.version))
         for name in sorted(missed):
             n = self.failing[name] = self.failing.get(name, 0) + 1
+            if n >= every and name in self.sessions:  # failing again: left out of rounds for longer each time
+                wait = min(self.fresh_s * 2 ** (n - every), 2 * self.timeout_s)
+                self.benched[name] = max(self.benched.get(name, 0.0), now + wait)
+                out.append(_log("warning", "member_benched", member=name, rounds=n, for_s=round(wait, 3),
+                                version=r.version))
             if n % every == 0:
                 why = ("the collective failed" if r.failed else "refused" if name in r.nacked
                        else "left" if name not in self.sessions else "no ack")

@@ -6,6 +6,13 @@ and loopback up. Nothing routes out of ``10.77.0.0/24``: every address a test ca
 them is one of its own hosts. Names carry this process's pid, so parallel tests do not collide;
 ``close`` kills whatever still runs in the namespaces (counting it) and deletes them.
 
+Partitions: ``cut(i)`` takes host ``i``'s link down (its routes go with it, so its own sends
+fail at once, as with a pulled cable), ``restore(i)`` brings it back; ``drop(i, "out"|"in"|"both")``
+loses every packet leaving host ``i``, arriving at it, or both, silently and with the link up (a
+``blackhole`` queueing discipline on its ``eth0``, or on its port of the bridge for what arrives:
+``tc netem`` and ``iptables`` are often missing where the kernel's own ``blackhole`` is not),
+``undrop(i)`` ends that.
+
 Needs root and ``ip netns``: ``unavailable()`` says why not, for a skip.
 """
 
@@ -38,6 +45,12 @@ def _ip(*args: str) -> None:
     r = subprocess.run(["ip", *args], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def _tc(ns: str, *args: str) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)} in {ns}: {r.stderr.strip()}")
 
 
 class Hosts:
@@ -74,6 +87,32 @@ class Hosts:
     def run(self, i: int, *argv: str, **kw) -> subprocess.CompletedProcess:
         """``argv`` in host ``i``'s namespace, to the end."""
         return subprocess.run(["ip", "netns", "exec", self.names[i], *argv], **kw)
+
+    def cut(self, i: int) -> None:
+        """Take host ``i``'s link down: both ways, and its own sends fail at once (no route)."""
+        _ip("-n", self.names[i], "link", "set", "eth0", "down")
+
+    def restore(self, i: int) -> None:
+        """Bring host ``i``'s link back up (after ``cut``)."""
+        _ip("-n", self.names[i], "link", "set", "eth0", "up")
+
+    def drop(self, i: int, direction: str = "both") -> None:
+        """Lose every packet leaving host ``i`` (``out``), arriving at it (``in``), or both, with
+        its link up: nothing tells either side, as when a switch in between fails."""
+        if direction not in ("out", "in", "both"):
+            raise ValueError(f"direction {direction!r} is not out, in or both")
+        if direction in ("out", "both"):
+            _tc(self.names[i], "qdisc", "replace", "dev", "eth0", "root", "blackhole")
+        if direction in ("in", "both"):
+            _tc(self.switch, "qdisc", "replace", "dev", f"port{i}", "root", "blackhole")
+
+    def undrop(self, i: int) -> None:
+        """End ``drop`` on host ``i``, both ways (a direction not dropped is left as it is)."""
+        for ns, dev in ((self.names[i], "eth0"), (self.switch, f"port{i}")):
+            shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                                   capture_output=True, text=True).stdout
+            if "blackhole" in shown:
+                _tc(ns, "qdisc", "del", "dev", dev, "root")
 
     def pids(self, i: int) -> list[int]:
         """Processes running in host ``i``'s namespace."""

@@ -13,7 +13,13 @@
   decoded arrays view ZeroMQ's message. Size limits apply as before (``MAXMSGSIZE`` on the
   socket, ``max_message_bytes`` in ``decode``).
 - A peer's routing id is its sender name; ``ROUTER_HANDOVER`` lets a restarted process with
-  the same name take its old connection over.
+  the same name take its old connection over (and a peer back from a network cut, whose old
+  connection this side still thinks is up).
+- Partitions: ``send`` never blocks (a dead peer's full queue would stall the whole hub: ZeroMQ's
+  ROUTER with ``ROUTER_MANDATORY`` waits for room otherwise), and ZeroMQ's own heartbeats
+  (``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``, at the link's timing) close a connection that a cut
+  left half-open, with what was queued on it, instead of leaving it to TCP's retransmissions
+  (15 minutes and more).
 - Authentication (``transport/curve.py``): with keys the hub is a CurveZMQ server that admits
   only listed clients, and logs every refused handshake (``auth_refused``); without keys it
   binds loopback addresses only, unless ``link.allow_open``. With a ``roles.toml`` beside the
@@ -57,6 +63,8 @@ class Hub:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, link.max_message_bytes * HARD_LIMIT_FACTOR)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(link.heartbeat_interval_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(link.peer_timeout_s * 1000))
         self.secure = curve.serve(self.sock, self.ctx, link.keys, bind, allow_open=link.allow_open)
         self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         if bind.endswith(":0"):
@@ -183,8 +191,8 @@ class Hub:
         self._out_seq[identity] += 1
         frames = encode(body, sender=self.name, seq=self._out_seq[identity], parent_id=parent_id)
         try:
-            self.sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
+            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full (a dead connection)
             self.counters["unroutable"] += 1
             self.log.debug("unroutable", peer=identity.decode(errors="replace"), error=str(e))
             return False

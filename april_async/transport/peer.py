@@ -5,15 +5,23 @@
   is lower); the routing id is the sender name.
 - ``poll`` always has a timeout; it sends a ``heartbeat`` when nothing was sent for
   ``heartbeat_interval_s``.
-- The hub is dead when nothing arrived for ``peer_timeout_s`` (the hub heartbeats every peer).
-  The peer then closes its socket (dropping what was queued), waits with doubling back-off and
-  jitter, connects a fresh socket and calls ``on_connect(peer)``, which sends ``hello`` (and
-  whatever the actor must re-report). An ``error`` with code ``refused`` (the hub has no session
-  for us: it restarted) re-opens the session the same way, without the wait.
-- ``send`` never blocks for longer than ``peer_timeout_s``: a message that cannot be queued by
-  then (no connection was ever made — a refused CurveZMQ handshake leaves none — or the queue is
-  full) is dropped and logged (``send_dropped``). What matters is sent again after the reconnect
-  that follows, as after any lost connection.
+- The hub is dead when nothing arrived for ``peer_timeout_s`` (the hub heartbeats every peer);
+  what is already waiting in the socket is read first, so a caller that was busy for a while
+  does not take a hub whose messages it has not read yet for a dead one. The peer then closes its
+  socket (dropping what was queued: a connection that a network cut left half-open would hold it
+  for good), and connects a fresh socket after a doubling back-off with jitter, then calls
+  ``on_connect(peer)``, which sends ``hello`` (and whatever the actor must re-report). The back-off
+  never blocks the caller: ``poll`` returns (after at most its own timeout) while it runs, and
+  ``send`` drops what it is given meanwhile. An actor with two peers on one thread (a generator:
+  the broker and the broadcaster) serves both while one of them waits; with a sleeping back-off,
+  once it grew past ``peer_timeout_s`` each peer's wait made the other's hub look silent, and a
+  generator back from a network cut never got a session again (issue 29). An ``error`` with code
+  ``refused`` (the hub has no session for us: it restarted) re-opens the session at once.
+- ``send`` never blocks for longer than ``heartbeat_interval_s`` (``SEND_TIMEOUT_FACTOR``): a
+  message that cannot be queued by then (no connection was ever made — a refused CurveZMQ
+  handshake leaves none — or the queue is full) is dropped and logged (``send_dropped``, once per
+  streak). What matters is sent again after the reconnect that follows, as after any lost
+  connection.
 - A handshake the hub refuses (``transport/curve.py``: a key it does not admit, keys on one side
   only, another server key) is logged as ``auth_refused`` with the reason, once per streak of
   refusals (ZeroMQ and the reconnects retry without end), and counted (``auth_refusals``); a
@@ -41,6 +49,11 @@ from april_async.wire.errors import WireError
 
 RECONNECT_BACKOFF_START_S = 0.1
 RECONNECT_BACKOFF_MAX_S = 5.0
+"""The cap of the wait between two attempts; an attempt itself lasts ``peer_timeout_s`` (the wait
+for a ``welcome``), so a peer back from a cut is served again within this plus one attempt."""
+SEND_TIMEOUT_FACTOR = 1.0
+"""``send`` blocks at most this many ``heartbeat_interval_s``: never so long that a caller's other
+peer misses its heartbeats (``peer_timeout_s`` is at least twice the interval)."""
 HANDSHAKE_EVENTS = curve.HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 """What the peer's socket monitor reports: refused handshakes, and the successes that end a streak."""
 
@@ -51,7 +64,8 @@ def wait_any(handles, timeout_s: float) -> bool:
     rather than on one with the others looked at only after its timeout."""
     poller = zmq.Poller()
     for h in handles:
-        poller.register(h, zmq.POLLIN)
+        if h is not None:  # a peer waiting out its back-off has no socket
+            poller.register(h, zmq.POLLIN)
     return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
@@ -68,6 +82,8 @@ class Peer:
         self.auth_refusals = 0  # handshakes the hub refused, all told
         self._refused_reason: str | None = None  # the reason logged for the current streak, if any
         self.backoff_s = RECONNECT_BACKOFF_START_S
+        self.reconnect_at: float | None = None  # while the socket is closed: when to connect a new one
+        self._dropping = False  # in a streak of dropped sends (logged once)
         self.reconnects = 0
         self.seq = 0  # never reset: see the module docstring
         self.dropped = 0  # messages send() could not queue
@@ -78,7 +94,7 @@ class Peer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.sender.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, int(self.link.peer_timeout_s * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(self.link.heartbeat_interval_s * SEND_TIMEOUT_FACTOR * 1000))
         self.secure = curve.connect(self.sock, self.link.keys)
         self.monitor = curve.HandshakeMonitor(self.sock, HANDSHAKE_EVENTS)
         self.sock.connect(self.endpoint)
@@ -93,26 +109,43 @@ class Peer:
         """Send one message; returns its ``seq``. ``track``: see the module docstring."""
         self.seq += 1
         self.last_tracker = None
+        if self.sock is None:  # waiting out the back-off: what matters is sent again after the hello
+            self._dropped(body, "no connection (reconnecting)")
+            return self.seq
         try:
             tracker = self.sock.send_multipart(encode(body, sender=self.sender, seq=self.seq, parent_id=parent_id),
                                                copy=False, track=track)
             if track:
                 self.last_tracker = tracker
-        except zmq.Again:  # not queued within peer_timeout_s: the hub is unreachable or refuses us
-            self.dropped += 1
-            self.log.warning("send_dropped", msg_type=body.msg_type, endpoint=self.endpoint, dropped=self.dropped)
+            self._dropping = False
+        except zmq.Again:  # not queued in time: the hub is unreachable or refuses us
+            self._dropped(body, "not queued in time")
         self.last_send = self.clock()
         return self.seq
+
+    def _dropped(self, body: m.Body, why: str) -> None:
+        self.dropped += 1
+        if not self._dropping:
+            self._dropping = True
+            self.log.warning("send_dropped", msg_type=body.msg_type, endpoint=self.endpoint, why=why,
+                             dropped=self.dropped)
 
     def poll(self, timeout_s: float) -> Message | None:
         """The next message from the hub within ``timeout_s``, or None."""
         now = self.clock()
-        if now - self.last_recv > self.link.peer_timeout_s:
+        if self.sock is None:  # waiting out the back-off: no socket to read, nothing to block on
+            if now < self.reconnect_at:
+                time.sleep(max(0.0, min(timeout_s, self.reconnect_at - now)))
+                if self.clock() < self.reconnect_at:
+                    return None
             self._reconnect()
         elif now - self.last_send >= self.link.heartbeat_interval_s:
             self.send(m.Heartbeat())
         self._handshakes()
         if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            # Only now, with nothing waiting: a message already in the socket is a live hub.
+            if self.clock() - self.last_recv > self.link.peer_timeout_s:
+                self._lost()
             return None
         frames = self.sock.recv_multipart(copy=False)
         self.last_recv = self.clock()
@@ -152,12 +185,20 @@ class Peer:
         self.sock.close(linger=0)
         self.monitor = self.sock = None
 
-    def _reconnect(self) -> None:
+    def _lost(self) -> None:
+        """The hub is silent: close the socket now, connect a new one once the back-off is over
+        (``poll`` does, without blocking its caller meanwhile)."""
         wait = min(self.backoff_s, RECONNECT_BACKOFF_MAX_S) * random.uniform(0.8, 1.2)
         self.log.warning("hub_silent", endpoint=self.endpoint, reconnect_in_s=round(wait, 3))
         self._close_socket()
-        time.sleep(wait)
+        self.reconnect_at = self.clock() + wait
         self.backoff_s = min(self.backoff_s * 2, RECONNECT_BACKOFF_MAX_S)
+
+    def _reconnect(self) -> None:
+        """Connect a fresh socket now (closing the current one, if any) and open the session."""
+        if self.sock is not None:
+            self._close_socket()
+        self.reconnect_at = None
         self.reconnects += 1
         self._connect()
 

@@ -15,6 +15,10 @@ describes, re-formed (a new ``epoch``) whenever the broadcaster's generators cha
   fail at once (the connection resets); a member that is alive but does not take part makes it
   fail after ``timeout_s``. A join gives up after ``timeout_s`` (plus ``JOIN_GRACE_S``) even where
   gloo's own connection retries would go on for several times that (see below).
+- ``sever()`` cuts the connections the current epoch's join opened (``weights.sockets``), from
+  any thread: a collective blocked on a member that a network cut took away fails at once,
+  here and then at the members, instead of after ``timeout_s``. Rank 0 does it when a member of a
+  running round is found dead.
 - Leaving drops the group object: its destructor closes the connections, so the other ranks'
   pending operations fail at once. On torch 2.13 gloo's ``abort()`` and ``shutdown()`` close
   nothing (a member blocked in a receive then waits for its whole timeout), and neither
@@ -74,6 +78,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from april_async.weights import sockets
 from april_async.weights.flat import buckets
 from april_async.weights.zstore import StoreService, ZmqStore
 from april_async.weights.routes import RouteError, check_local, gloo_device, route_address, set_nccl_interface
@@ -122,6 +127,10 @@ class WeightGroup:
         self.address = check_local(address) if address else None
         self._pg = None
         self._nccl_group = False
+        self._links: set[int] = set()  # socket inodes the current epoch's join opened (``sever``)
+        self._joining: GroupSpec | None = None  # the spec a join in progress forms
+        self.keep_ports: set[int] = set()
+        """Ports of this process's other connections (its hubs, its broker link): never cut by ``sever``."""
         self.log = get_logger(component="weight_group")
 
     @classmethod
@@ -185,6 +194,7 @@ class WeightGroup:
         self.leave()
         t0 = time.monotonic()
         timeout = datetime.timedelta(seconds=spec.timeout_s)
+        self._joining = spec
         try:
             store = self._store_for(spec)
             prefixed = dist.PrefixStore(_prefix(spec), store)
@@ -197,6 +207,7 @@ class WeightGroup:
                 if address is not None:
                     set_nccl_interface(address)
                 make = lambda: self._nccl(prefixed, spec, timeout)  # noqa: E731
+            before = sockets.tcp_sockets()
             pg = _bounded(make, spec.timeout_s + JOIN_GRACE_S, f"forming epoch {spec.epoch}")
         except Exception as e:  # DistStoreError, gloo's RuntimeError: a member that did not come
             if spec.rank and not spec.rendezvous:  # the store may be gone (a restarted broadcaster): reconnect
@@ -205,7 +216,13 @@ class WeightGroup:
                 raise
             raise GroupError(f"joining epoch {spec.epoch} as rank {spec.rank} of {spec.world_size} failed after "
                              f"{time.monotonic() - t0:.1f} s: {_short(e)}") from e
+        finally:
+            self._joining = None
         self._pg, self.spec, self._nccl_group = pg, spec, spec.backend == "nccl"
+        keep = self.keep_ports | {p for p in (self._service.port if self._service else None,
+                                              self._store.port if self._store is not None else None) if p}
+        self._links = {inode for inode, ports in sockets.tcp_sockets().items()
+                       if inode not in before and not keep.intersection(ports)}
         self.log.debug("joined", epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
                        s=round(time.monotonic() - t0, 3))
 
@@ -272,11 +289,34 @@ class WeightGroup:
         opts.group_name = f"april-weights-epoch-{spec.epoch}"
         return dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, opts)
 
+    def arrived(self, spec: GroupSpec) -> set[int] | None:
+        """Rank 0: the ranks whose key is in the rendezvous of ``spec``'s epoch so far (a gloo rank
+        registers ``<prefix>/0/<rank>`` as it starts to join); None where that cannot be told
+        (no rendezvous store of its own, or another backend)."""
+        if self._service is None or spec.backend != "gloo" or not spec.rendezvous:
+            return None
+        ranks = set()
+        for key in self._service.keys_under(_prefix(spec) + "/"):
+            tail = key.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                ranks.add(int(tail))
+        return ranks
+
+    def sever(self) -> int:
+        """Cut the current epoch's connections (see the module docstring), and on rank 0 give up
+        the rendezvous of an epoch being formed (its waits fail at once, ``StoreService.cancel``);
+        how many connections were cut."""
+        joining = self._joining
+        if joining is not None and joining.rank == 0 and joining.rendezvous and self._service is not None:
+            self._service.cancel(_prefix(joining) + "/")
+        return sockets.sever(set(self._links))
+
     def leave(self) -> None:
         """Leave the current group: drop this process's group object, whose destructor closes its
         connections, so that the other ranks' pending operations fail at once. (``abort()`` and
         ``shutdown()`` do not close them on torch 2.13: the others then wait for their timeout.)"""
         pg, spec, self._pg, self.spec = self._pg, self.spec, None, None
+        self._links = set()
         if pg is not None and self._nccl_group:
             pg.abort()  # NCCL: abort the communicator, whose plain destruction can wait on a dead peer
         self._nccl_group = False

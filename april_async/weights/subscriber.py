@@ -15,6 +15,7 @@ version the engine holds) and, for each ``weights_announce``:
     load      ``engine.load_weights(views into the buffer, version)`` when the version is newer;
     ack       ``heartbeat`` with the ``policy_version`` the engine now holds. After a failure, the
               same with the version it still holds: the broadcaster then re-forms the group.
+              Either is sent only in the session of the announce it answers (below).
 
 The buffer a version is received into is reused for the next version of the same size once the
 engine has loaded from it (``BufferPool``): fresh memory would fault in page by page during the
@@ -26,7 +27,7 @@ on (the session's socket, and a pipe the worker writes to when a version is in),
 announce, and then the received version, are taken at once rather than at its next timeout.
 
 Announces are handled in order. One whose epoch a newer queued announce replaces is skipped (the
-broadcaster abandoned that group). A failure is reported only in the session whose announce it
+broadcaster abandoned that group). A failure, or an ack, is reported only in the session whose announce it
 answers: after a re-``hello`` the broadcaster waits for answers to its new announces only, and a
 late failure of an old one would read as a failure of the new round.
 """
@@ -198,7 +199,12 @@ class WeightSubscriber(WeightsLink):
             self.loaded += 1
             self.log.info("weights_loaded", version=ann.version, epoch=ann.group.epoch, bytes=ann.num_bytes,
                           receive_s=round(r.seconds, 3), load_s=round(time.monotonic() - t0, 3))
-        self.peer.send(m.Heartbeat(policy_version=self.engine.policy_version))
+        if r.session == self.session:
+            # Only in the session of its announce, as a failure: an old round's version acked in
+            # a new session reads as a refusal of the round the new session is in (issue 29: a
+            # receive of epoch 1 that a network cut held for 26 s ended after the re-hello, and its
+            # ack failed the generator's first round after the cut).
+            self.peer.send(m.Heartbeat(policy_version=self.engine.policy_version))
         return loaded
 
     def close(self) -> None:

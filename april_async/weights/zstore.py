@@ -267,6 +267,7 @@ class StoreService:
         self.waiters: list[Waiter] = []
         self.counters = {"requests": 0, "errors": 0, "auth_refused": 0}
         self._lock = threading.Lock()  # the table: this thread, and ``forget`` from the owner's
+        self._cancelled: set[str] = set()  # key prefixes whose waits fail (``cancel``)
         self._stop = threading.Event()
         self.refusals = curve.RefusalLog(self.log, self.clock)
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -295,6 +296,20 @@ class StoreService:
         owner's thread: no client can do this (nor learn which keys there are)."""
         with self._lock:
             return self.table.forget(prefix)
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` now (who reached an epoch's rendezvous). For the owner's
+        thread: no client can list keys."""
+        with self._lock:
+            return [k for k in self.table.data if k.startswith(prefix)]
+
+    def cancel(self, prefix: str) -> None:
+        """Fail every wait for keys under ``prefix`` now, and every later one at once (code
+        ``cancelled``): rank 0 gives up forming an epoch whose member went dark, and the members
+        already waiting there are let go rather than held for their whole timeout. For the
+        owner's thread; the service's thread answers the waiters at its next step."""
+        with self._lock:
+            self._cancelled.add(prefix)
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -336,6 +351,20 @@ class StoreService:
                     break
                 self._serve(frames)
         self._expire(self.clock())
+        self._cancel_waiters()
+
+    def _cancel_waiters(self) -> None:
+        with self._lock:
+            cancelled = tuple(self._cancelled)
+        if not cancelled or not self.waiters:
+            return
+        doomed = [w for w in self.waiters if any(k.startswith(cancelled) for k in w.keys)]
+        if doomed:
+            gone = {id(w) for w in doomed}
+            self.waiters = [w for w in self.waiters if id(w) not in gone]
+            for w in doomed:
+                self._error(w.identity, w.request.request_id, "cancelled",
+                            f"{w.request.op}: the epoch was given up by rank 0")
 
     def _sleep_s(self) -> float:
         if not self.waiters:
@@ -365,6 +394,8 @@ class StoreService:
             with self._lock:
                 if self.table.has(keys):
                     return self._answer(identity, req)
+                if self._cancelled and any(k.startswith(tuple(self._cancelled)) for k in keys):
+                    raise BadRequest("cancelled", f"{req.op}: the epoch was given up by rank 0")
             if len(self.waiters) >= MAX_WAITERS:
                 raise BadRequest("full", f"{MAX_WAITERS} requests are waiting already")
             self.waiters.append(Waiter(identity, req, keys, self.clock() + timeout_ms / 1000))
@@ -412,7 +443,7 @@ class StoreService:
 
     def _error(self, identity: bytes, request_id: int | None, code: str, text: str) -> None:
         self.counters["errors"] += 1
-        if code != "timeout":  # a timed-out waiter is the client's business, not a fault
+        if code not in ("timeout", "cancelled"):  # a waiter timed out or let go is the client's business
             self.log.warning("store_request_refused", code=code, request_id=request_id, error=text)
         self._reply(identity, request_id, False, [code, text])
 

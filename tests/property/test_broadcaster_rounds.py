@@ -52,6 +52,7 @@ from april_async.broadcaster.rounds import (
     Round,
     RoundPlanner,
     Send,
+    Sever,
     StartCollective,
     StatusChanged,
 )
@@ -164,6 +165,9 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                     self.started(e, tuple(announced))
                 elif isinstance(e, Publish):
                     self.publish(e)
+                elif isinstance(e, Sever):  # cut only while the collective still waits for that member
+                    require("held", self.round is not None and self.round.ended_at is None
+                            and e.member in self.round.receivers, f"{e} outside a running round's receivers")
                 elif isinstance(e, Log) and e.event in ("round", "round_incomplete"):
                     self.round = None
                 elif not isinstance(e, (Open, Reply, Log, StatusChanged)):

@@ -190,6 +190,34 @@ def test_forget_deletes_one_epochs_keys(service, client):
     assert client.check(["p/epoch-2/0/0", "p/epoch-10/0/0"]) and not client.check(["p/epoch-1/0/0"])
 
 
+def test_cancel_lets_one_epochs_waiters_go_at_once_and_refuses_later_waits(service, client):
+    """Rank 0 gives up forming an epoch whose member went dark: the members already waiting at its
+    rendezvous must not be held for their whole timeout (issue 29), nor may a late one wait there."""
+    got = {}
+
+    def waiting():
+        try:
+            client.get("p/epoch-3/0/2")
+        except StoreError as e:
+            got["error"] = str(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    service.cancel("p/epoch-3/")
+    t.join(5)
+    assert "cancelled" in got.get("error", "") and time.monotonic() - t0 < 1.0, got
+    other = ZmqStore(service.endpoint, timeout_s=5.0)
+    try:
+        with pytest.raises(StoreError, match="cancelled"):
+            other.wait(["p/epoch-3/0/1"])
+        other.set("p/epoch-4/0/1", b"x")  # the next epoch meets as before
+        assert other.get("p/epoch-4/0/1") == b"x"
+    finally:
+        other.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Keys
 
