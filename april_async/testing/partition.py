@@ -172,8 +172,8 @@ def newest_on(run: ClusterRun, names: list[str]) -> bool:
     return published > 0 and all(members.get(n, -1) >= published for n in names)
 
 
-def cut_and_measure(run: ClusterRun, *, cut, restore, cut_s: float, watch: list[str], before_s: float = 12.0,
-                    after_s: float = 12.0, catch_up_s: float = 30.0, at_step: int = 8) -> dict:
+def cut_and_measure(run: ClusterRun, *, cut, restore, cut_s: float, watch: list[str], before_s: float = 20.0,
+                    after_s: float = 20.0, catch_up_s: float = 30.0, at_step: int = 8) -> dict:
     """Once the learner passed ``at_step``, ``before_s`` of steady state, then ``cut()``, ``cut_s``
     seconds, ``restore()``; wait (at most ``catch_up_s``) until every generator in ``watch`` holds the
     newest version, then ``after_s`` more. Returns the figures: steps per minute before, during and
