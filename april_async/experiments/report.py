@@ -56,13 +56,16 @@ def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, note
               "`step_s`): *waiting* for a batch (the rollout, in sync and april-abort), *training*, *hand-off* "
               "(weights out, batch report, checkpoints); from the generators' `busy` log lines, the share of the "
               "window each had a sequence decoding and the share of its slots in use (means over generators); the "
-              "generators' output per wall second, discarded tokens included.", "",
-              "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s | mean lag |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "generators' output per wall second, discarded tokens included; *mixed*: the generated tokens "
+              "computed after an in-flight weight update over a KV cache older weights wrote (their `busy` lines).", "",
+              "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s "
+              "| mean lag | mixed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         cols = [c["label"], *(_pm(c, k, ".0f", 100, " %") for k in ("wait_frac", "train_frac", "handoff_frac")),
                 _pm(c, "step_s_mean", ".2f"), _pm(c, "gen_busy_frac", ".0f", 100, " %"),
-                _pm(c, "gen_slot_frac", ".0f", 100, " %"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f")]
+                _pm(c, "gen_slot_frac", ".0f", 100, " %"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f"),
+                _pm(c, "mixed_frac", ".1f", 100, " %")]
         lines.append("| " + " | ".join(cols) + " |")
     if sim:
         lines += ["", sim_table(sim)]
