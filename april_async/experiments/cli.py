@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from april_async.experiments.grid import (Cell, ExperimentError, Settings, SweepConfig, experiment_cells,
-                                          load_experiment, load_sweep, sweep_cells)
+                                          load_experiment, load_sweep, renamed_cell, sweep_cells)
 from april_async.experiments.numbers import (Row, aggregate, engine_numbers, resolve_eval_levels, resolve_levels,
                                              run_numbers, time_to, time_to_eval)
 from april_async.experiments.plot import plot_eval, plot_experiment, plot_sweep
@@ -90,6 +90,7 @@ def _experiment(args, docs_page: Path) -> int:
         for run in runs:  # a run directory still there is read again: numbers added since it ran
             if finished_dir(out, run):
                 run.update(run_numbers(run_dir_of(out, run["cell"], run["seed"]), cfg))
+            run["cell"] = renamed_cell(run["cell"])  # a cell stored under its old name (-continue)
     else:
         runs, eval_initial, initial_policy = experiment(cfg, cells, out, args)
     levels, notes = resolve_levels(cfg, runs)

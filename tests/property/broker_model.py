@@ -66,7 +66,7 @@ def configs(modes: tuple[str, ...]):
     over_bound=st.sampled_from(["restart", "drop"]),
     max_response_tokens=st.integers(2, 6),
     max_attempts=st.sampled_from([1, 2, 3, 64]),
-    boundary=st.sampled_from(["abort", "continue"]),
+    boundary=st.sampled_from(["abort", "inflight"]),
     )
 
 
@@ -195,7 +195,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             return take
 
         def m_early_termination(self) -> set[int]:
-            if self.cfg.mode != "april" or self.cfg.boundary == "continue" \
+            if self.cfg.mode != "april" or self.cfg.boundary == "inflight" \
                     or len(self.done_groups()) < self.cfg.batch_groups:
                 return set()
             out = {lid for lid, x in self.leases.items() if not x.aborting}

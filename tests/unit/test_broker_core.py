@@ -394,8 +394,8 @@ def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
     assert core2.counters.groups_retired == {"attempts_exhausted": 1}
 
 
-def test_april_with_a_continue_boundary_keeps_leases_decoding_across_steps_within_eta():
-    core = make(boundary="continue", staleness_bound=1)
+def test_april_with_an_inflight_boundary_keeps_leases_decoding_across_steps_within_eta():
+    core = make(boundary="inflight", staleness_bound=1)
     admit(core, 6)
     grants = core.lease("gen", 100, 0.0)
     by_group = {}
@@ -421,9 +421,37 @@ def test_april_with_a_continue_boundary_keeps_leases_decoding_across_steps_withi
     assert effects == [AbortLease("gen", g2[0].lease_id)]
 
 
-def test_a_continue_boundary_is_refused_outside_april():
-    with pytest.raises(ValidationError, match="boundary 'continue' is a choice of mode 'april' only"):
-        RolloutConfig(mode="async", boundary="continue")
+def test_an_inflight_boundary_is_refused_outside_april():
+    with pytest.raises(ValidationError, match="boundary 'inflight' is a choice of mode 'april' only"):
+        RolloutConfig(mode="async", boundary="inflight")
+
+
+def test_the_old_name_continue_is_read_as_inflight_with_one_warning(monkeypatch):
+    import warnings
+
+    from april_async.broker import config as broker_config
+
+    monkeypatch.setattr(broker_config, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = RolloutConfig(mode="april", boundary="continue")
+        second = RolloutConfig.model_validate({"mode": "april", "boundary": "continue"})
+    assert first.boundary == second.boundary == "inflight"
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == [
+        "broker.rollout.boundary = 'continue' is deprecated: it is 'inflight' now (APRIL's admission with "
+        "PipelineRL's in-flight weight updates; nothing is aborted or recycled)"]
+    with pytest.raises(ValidationError, match="boundary"):
+        RolloutConfig(mode="april", boundary="go-on")
+
+
+def test_a_snapshot_that_holds_the_old_name_continue_restores_as_inflight():
+    core = make(boundary="inflight", staleness_bound=1)
+    admit(core, 2)
+    data = bytearray(core.to_bytes())
+    at = data.find(b"inflight")
+    assert at >= 0 and data.find(b"inflight", at + 1) < 0
+    old = bytes(data[:at]) + b"continue" + bytes(data[at + len(b"inflight"):])  # same length: a msgpack str of 8
+    assert BrokerCore.from_bytes(old).config.boundary == "inflight"
 
 
 def test_fifo_set_keeps_arrival_order_through_removals_re_adds_and_compaction():
