@@ -156,3 +156,10 @@ class BrokerServiceConfig(BaseModel):
     state_file: Path | None = None
     """At shutdown, write the ledger here as JSON: samples per place, counters, and whether they balance."""
     log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check_prompts(self) -> BrokerServiceConfig:
+        if self.prompts.split != "train":
+            raise ValueError(f"prompts.split {self.prompts.split!r}: the broker's prompts are trained on, and the "
+                             f"held-out partition is for evaluation only")
+        return self

@@ -86,9 +86,9 @@ class Settings(BaseModel):
     no evaluation."""
     eval_points: int = Field(4, ge=1)
     """Checkpoints evaluated per run, spread evenly over the window (the last one always)."""
-    eval_problems: int = Field(256, ge=1)
-    """Held-out problems: the warm start's evaluation stream (its prompt seed + 1), none of which a
-    run trains on (the runs' streams are the seeds)."""
+    eval_problems: int = Field(1024, ge=1)
+    """Held-out problems: the warm start's evaluation stream, for ``addchain`` its held-out partition
+    (``tasks/addchain.py``), which no training stream draws from, whatever the runs' seeds."""
     eval_temperature: float = Field(0.0, ge=0)
     """0: greedy, so the same policy always scores the same: the differences are the policies'."""
 
