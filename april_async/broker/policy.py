@@ -195,6 +195,7 @@ class Policy(Ledger):
         if held:
             self.counters.partials_recycled += 1
             self.counters.tokens_resumed += held
+            s.resumed_at += (held,)
         s.attempts += 1
         s.lease_id = lid
         self._move(s, Place.LEASED)
@@ -448,7 +449,7 @@ class Policy(Ledger):
             return self.retire_group(s.group_id, "stale")
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
-        s.token_bytes, s.logprob_bytes, s.spans = NO_TOKENS, NO_TOKENS, ()
+        s.token_bytes, s.logprob_bytes, s.spans, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
         s.finish_reason, s.reward, s.finished_by = None, None, None
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
