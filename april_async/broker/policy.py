@@ -480,7 +480,8 @@ class Policy(Ledger):
     def _maybe_terminate_early(self) -> list[AbortLease]:
         """``april``: once B groups are complete, abort everything still in flight (unless the
         boundary is ``inflight``: then it goes on decoding, see ``RolloutConfig.boundary``)."""
-        if self.config.mode != "april" or self.config.boundary == "inflight" or len(self._done) < self.config.batch_groups:
+        if (self.config.mode != "april" or self.config.boundary == "inflight"
+                or len(self._done) < self.config.batch_groups):
             return []
         unaborted = self._unaborted
         if not unaborted:

@@ -70,7 +70,11 @@ def verdict(interval: Interval | None, better: str, words: tuple[str, str] = ("f
     return "not distinguishable"
 
 
-def claims(levels: list[float], eval_levels: list[float], with_eval: bool) -> list[tuple[str, str, str, tuple[str, str]]]:
+Claim = tuple[str, str, str, tuple[str, str]]
+"""(run key, what it says, which way is better, verdict words)."""
+
+
+def claims(levels: list[float], eval_levels: list[float], with_eval: bool) -> list[Claim]:
     """The claims compared with sync: (run key, what it says, which way is better, verdict words)."""
     out = [(f"t_{lv:g}", f"time to batch reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower")) for lv in levels]
     out.append(("tokens_per_s", "trained tokens/s", HIGHER_IS_BETTER, ("faster", "slower")))

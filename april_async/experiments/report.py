@@ -57,7 +57,8 @@ def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, note
               "(weights out, batch report, checkpoints); from the generators' `busy` log lines, the share of the "
               "window each had a sequence decoding and the share of its slots in use (means over generators); the "
               "generators' output per wall second, discarded tokens included; *mixed*: the generated tokens "
-              "computed after an in-flight weight update over a KV cache an earlier version wrote (their `busy` lines).", "",
+              "computed after an in-flight weight update over a KV cache an earlier version wrote "
+              "(their `busy` lines).", "",
               "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s "
               "| mean lag | mixed |",
               "|---|---|---|---|---|---|---|---|---|---|"]
