@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from april_async.broker.config import RolloutConfig  # noqa: E402
+from april_async.broker.config import RolloutConfig, boundary_name  # noqa: E402
 from april_async.broker.core import AbortLease, BrokerCore  # noqa: E402
 from april_async.engines.base import EngineRequest, version_runs  # noqa: E402
 from april_async.engines.torch_engine import TorchEngine  # noqa: E402
@@ -249,7 +249,7 @@ def no_tail_limit(model: CausalLM, args, budget: int, mean_group_tokens: float) 
 
 def label(row: dict) -> str:
     """A row's mode as printed: april's step-boundary policy is part of its name."""
-    return "april+cont" if row.get("boundary") == "continue" and row["mode"] == "april" else row["mode"]
+    return "april+inflight" if row.get("boundary") == "inflight" and row["mode"] == "april" else row["mode"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eta", type=int, default=4, help="η for april and async")
     p.add_argument("--rs", default="1.5,2", help="the r values of april")
     p.add_argument("--async-r", type=float, default=2.0, help="r of async")
-    p.add_argument("--boundaries", default="abort,continue",
+    p.add_argument("--boundaries", default="abort,inflight",
                    help="april's step-boundary policies to run at each r (RolloutConfig.boundary)")
     p.add_argument("--batches", type=int, default=8, help="batches measured per mode (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
@@ -318,9 +318,9 @@ def _run(args) -> int:
     knobs = dict(batch_groups=args.batch_groups, group_size=args.group_size, max_response_tokens=args.budget,
                  lease_timeout_s=1e9, score_timeout_s=1e9)
     plans = [RolloutConfig(mode="sync", over_provision=1.0, staleness_bound=0, **knobs)]
-    boundaries = [b for b in args.boundaries.split(",") if b]
-    if not boundaries or set(boundaries) - {"abort", "continue"}:
-        raise BenchError(f"--boundaries {args.boundaries!r}: a comma-separated list of abort, continue")
+    boundaries = [boundary_name(b) for b in args.boundaries.split(",") if b]  # "continue": inflight's old name
+    if not boundaries or set(boundaries) - {"abort", "inflight"}:
+        raise BenchError(f"--boundaries {args.boundaries!r}: a comma-separated list of abort, inflight")
     plans += [RolloutConfig(mode="april", over_provision=r, staleness_bound=args.eta, boundary=b, **knobs)
               for r in rs for b in boundaries]
     plans.append(RolloutConfig(mode="async", over_provision=args.async_r, staleness_bound=args.eta, **knobs))

@@ -43,10 +43,18 @@ What a run reports (from its ``metrics.jsonl``, one line per learner step, and t
   (hand-off of the weights, the batch report, checkpoints), as fractions of the window; with the
   generators' output over the same window (``gen_tokens_per_s``, every generated token, discarded
   ones included). In sync and april (abort) the generators run only while the learner waits, so
-  ``wait`` is the rollout's share; in async and april-continue they also run during ``train``.
+  ``wait`` is the rollout's share; in async and april + in-flight updates they also run during
+  ``train``. ``mixed_frac``: of the generators' tokens (their ``busy`` lines), those computed after
+  an in-flight weight load over a KV cache an earlier version wrote.
 
 A cell is the mean and sample standard deviation of those over its seeds (``t_<level>`` over the
 seeds that reached it, with how many did).
+
+Against sync (``april_async/experiments/bootstrap.py``): every cell runs the same seeds, so each
+claim — time to each level (batch and held-out reward), trained tokens/s, the held-out reward at
+the window's end — is a ratio to sync over the seeds both have, with a 95 % paired bootstrap
+interval over those seeds and a verdict (faster / slower than sync, or not distinguishable); in
+the tables, ``results.md`` and ``results.json`` (``against_sync``).
 
 Writes to ``<out>``: ``results.json`` (every run with its reward curve, every cell's aggregate,
 the settings; rewritten after each run, so an interrupted experiment keeps what it finished),

@@ -7,16 +7,37 @@ name that does not exist is refused too, so a renamed field fails loudly instead
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.tasks.source import PromptSourceConfig
 
 Mode = Literal["sync", "april", "async"]
 OverBoundPolicy = Literal["restart", "drop"]
+Boundary = Literal["abort", "inflight"]
+
+DEPRECATED_BOUNDARIES = {"continue": "inflight"}
+"""Old names of a ``boundary`` still read (config files, journals and snapshots that hold them),
+each mapped to its name now, with one warning per process."""
+_warned: set[str] = set()
+
+
+def boundary_name(value: Any) -> Any:
+    """``value`` as a ``boundary`` now (a deprecated name mapped, warned about once); anything else
+    unchanged, for the validator to judge."""
+    if isinstance(value, str) and value in DEPRECATED_BOUNDARIES:
+        new = DEPRECATED_BOUNDARIES[value]
+        if value not in _warned:
+            _warned.add(value)
+            warnings.warn(f"broker.rollout.boundary = {value!r} is deprecated: it is {new!r} now (APRIL's admission "
+                          f"with PipelineRL's in-flight weight updates; nothing is aborted or recycled)",
+                          FutureWarning, stacklevel=2)
+        return new
+    return value
 
 
 class SamplingConfig(BaseModel):
@@ -71,17 +92,22 @@ class RolloutConfig(BaseModel):
     """A lease whose generator is silent this long is reclaimed as a partial."""
     score_timeout_s: float = Field(60.0, gt=0.0)
     """A score request unanswered this long is offered to another scorer."""
-    boundary: Literal["abort", "continue"] = "abort"
+    boundary: Boundary = "abort"
     """``april`` only: what becomes of the leases still in flight once ``B`` groups are complete.
     ``abort`` (APRIL as published): they are aborted and come back as partials, resumed in the next
-    rollout step with their tokens re-prefilled. ``continue``: they keep decoding where they are,
-    through the learner's step and the weight update, each token tagged with the version that made
-    it and η enforced as always (a lease whose oldest token breaks η is aborted, as in ``async``):
-    no re-prefill, no decode step lost at the boundary. New groups still wait for the next step."""
+    rollout step with their tokens re-prefilled. ``inflight`` ("april + in-flight updates"): nothing
+    is aborted or recycled; they keep decoding where they are, through the learner's step and the
+    weight update (PipelineRL's in-flight weight update, arXiv 2509.19128: the KV cache the older
+    weights wrote is kept), each token tagged with the version of the weights that computed its
+    logits and η enforced as always (a lease whose oldest token breaks η is aborted, as in
+    ``async``). What is left of APRIL is its admission: new groups still wait for the next step.
+    ``continue``, its former name, is still read (with a warning) and means ``inflight``."""
     async_max_ready_batches: int = Field(2, ge=1)
     """``async`` only: stop starting new groups while this many batches are ready and unpulled."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for every lease."""
+
+    _boundary_alias = field_validator("boundary", mode="before")(lambda cls, v: boundary_name(v))
 
     @model_validator(mode="after")
     def _check_mode(self) -> RolloutConfig:
@@ -130,3 +156,10 @@ class BrokerServiceConfig(BaseModel):
     state_file: Path | None = None
     """At shutdown, write the ledger here as JSON: samples per place, counters, and whether they balance."""
     log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check_prompts(self) -> BrokerServiceConfig:
+        if self.prompts.split != "train":
+            raise ValueError(f"prompts.split {self.prompts.split!r}: the broker's prompts are trained on, and the "
+                             f"held-out partition is for evaluation only")
+        return self

@@ -35,6 +35,7 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     token_bytes: bytearray | bytes  # packed TOKEN_DTYPE: the sample's own buffer, handed over (it keeps none)
     logprob_bytes: bytearray | bytes  # packed LOGPROB_DTYPE, likewise
     spans: Spans
+    resumed_at: tuple[int, ...] = ()  # where a lease resumed it: the KV cache was written again from there
 
     @property
     def tokens(self) -> np.ndarray:
@@ -171,7 +172,7 @@ class Delivery(Policy):
                     # The token arrays leave with the batch (the sample gets empty ones below); the
                     # spans are shared: a delivered sample's never change again.
                     [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.token_bytes, s.logprob_bytes,
-                                    s.spans)
+                                    s.spans, s.resumed_at)
                      for s in samples],
                 )
             )

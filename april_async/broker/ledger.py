@@ -129,6 +129,7 @@ class Sample(msgspec.Struct, gc=False):
     finish_reason: str | None = None
     reward: float | None = None
     finished_by: int | None = None  # the lease that finished it; scores must name it
+    resumed_at: tuple[int, ...] = ()  # response offsets at which a lease resumed it (prefilling them again)
 
     @property
     def oldest_version(self) -> int | None:

@@ -195,6 +195,7 @@ class Policy(Ledger):
         if held:
             self.counters.partials_recycled += 1
             self.counters.tokens_resumed += held
+            s.resumed_at += (held,)
         s.attempts += 1
         s.lease_id = lid
         self._move(s, Place.LEASED)
@@ -448,7 +449,7 @@ class Policy(Ledger):
             return self.retire_group(s.group_id, "stale")
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
-        s.token_bytes, s.logprob_bytes, s.spans = NO_TOKENS, NO_TOKENS, ()
+        s.token_bytes, s.logprob_bytes, s.spans, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
         s.finish_reason, s.reward, s.finished_by = None, None, None
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
@@ -478,8 +479,9 @@ class Policy(Ledger):
 
     def _maybe_terminate_early(self) -> list[AbortLease]:
         """``april``: once B groups are complete, abort everything still in flight (unless the
-        boundary is ``continue``: then it goes on decoding, see ``RolloutConfig.boundary``)."""
-        if self.config.mode != "april" or self.config.boundary == "continue" or len(self._done) < self.config.batch_groups:
+        boundary is ``inflight``: then it goes on decoding, see ``RolloutConfig.boundary``)."""
+        if (self.config.mode != "april" or self.config.boundary == "inflight"
+                or len(self._done) < self.config.batch_groups):
             return []
         unaborted = self._unaborted
         if not unaborted:

@@ -448,7 +448,8 @@ def batch_message(batch: BatchOut, stats: dict | None = None) -> m.Batch:
             n = len(s.token_bytes) // token_size
             samples.append(m.BatchSample(sample_id=s.sample_id, reward=s.reward, finish_reason=s.finish_reason,
                                          response_offset=r_off, response_len=n,
-                                         versions=[m.VersionSpan(v, c) for v, c in s.spans]))
+                                         versions=[m.VersionSpan(v, c) for v, c in s.spans],
+                                         resumed_at=list(s.resumed_at)))
             responses.append(s.token_bytes)
             logprobs.append(s.logprob_bytes)
             r_off += n

@@ -53,7 +53,8 @@ def encode(core: BrokerCore) -> bytes:
                               logprobs=_logprob_view(s.logprob_bytes).tolist(), spans=s.spans,
                               attempts=s.attempts,
                               lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
-                              finished_by=s.finished_by) for s in core.samples.values()],
+                              finished_by=s.finished_by, resumed_at=list(s.resumed_at))
+                 for s in core.samples.values()],
         leases=[LeaseRecord(lease_id=x.lease_id, sample_id=x.sample_id, generator=x.generator,
                             deadline=x.deadline, aborting=core._aborting(x)) for x in core.leases.values()],
         scoring=[ScoringRecord(sample_id=sid, scorer=scorer, deadline=deadline)
@@ -124,7 +125,7 @@ def _restore_ledger(core: BrokerCore, snap: Snapshot) -> None:
             raise BrokerError(f"snapshot is inconsistent: sample {s.sample_id} holds {e}") from None
         core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, tokens, logprobs,
                                            _spans(s.spans), s.attempts, s.lease_id, s.finish_reason, s.reward,
-                                           s.finished_by)
+                                           s.finished_by, tuple(s.resumed_at))
     for place, n in snap.ended.items():
         core.ended[Place(place)] += n
     # A snapshot written before groups left the ledger on ending holds them: they leave now.
@@ -216,6 +217,7 @@ class SampleRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     reward: float | None = None
     finished_by: int | None = None
+    resumed_at: list[int] = []  # since 2026-11-26: absent in older snapshots (no resume known)
 
 
 class LeaseRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -236,13 +238,14 @@ class ScoringRecord(msgspec.Struct, kw_only=True):
     deadline: float
 
 
-class BatchSampleRecord(msgspec.Struct, kw_only=True):
+class BatchSampleRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     sample_id: int
     reward: float
     finish_reason: str
     tokens: list[int]
     logprobs: list[float]
     spans: list[list[int]]
+    resumed_at: list[int] = []  # written only when not empty: a snapshot without resumes is as before
 
 
 class BatchGroupRecord(msgspec.Struct, kw_only=True):
@@ -398,7 +401,8 @@ def _group_records(groups: Sequence[BatchGroupOut]) -> list[BatchGroupRecord]:
     return [BatchGroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
                              meta=g.meta, samples=[BatchSampleRecord(sample_id=x.sample_id, reward=x.reward,
                                                         finish_reason=x.finish_reason, tokens=_plain(x.tokens),
-                                                        logprobs=_plain(x.logprobs), spans=x.spans)
+                                                        logprobs=_plain(x.logprobs), spans=x.spans,
+                                                        resumed_at=list(x.resumed_at))
                                       for x in g.samples])
             for g in groups]
 
@@ -406,7 +410,7 @@ def _group_records(groups: Sequence[BatchGroupOut]) -> list[BatchGroupRecord]:
 def _batch_groups(records: Sequence[BatchGroupRecord]) -> list[BatchGroupOut]:
     return [BatchGroupOut(g.group_id, g.prompt_id, tuple(g.prompt), g.task, g.meta, [
                 BatchSampleOut(x.sample_id, x.reward, x.finish_reason, bytes(_token_bytes(x.tokens)),
-                               bytes(_logprob_bytes(x.logprobs)), _spans(x.spans))
+                               bytes(_logprob_bytes(x.logprobs)), _spans(x.spans), tuple(x.resumed_at))
                 for x in g.samples])
             for g in records]
 

@@ -3,7 +3,9 @@
 Requests join (prefill into a free slot) and leave (finish or abort) between decode steps; each
 step samples one token for every active request from the logits of its previous forward, then
 runs one batched forward of those new tokens. Every token is tagged with the policy version of
-the weights that produced its logits, and ``load_weights`` swaps weights between steps.
+the weights that produced its logits (not the version loaded when it was sampled: the logits of
+a step's tokens were computed by the previous step's forward), and ``load_weights`` swaps weights
+between steps.
 
 Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled token (plain
 ``log_softmax`` for greedy decoding), i.e. of the tempered distribution before top-k/top-p
@@ -36,6 +38,7 @@ class _Slot:
     generated: int  # new tokens under this request
     next_logits: torch.Tensor
     generator: torch.Generator | None
+    logits_version: int  # the version of the weights that computed ``next_logits``
     pending: int = -1  # the token sampled this step, fed to the next forward
 
 
@@ -91,7 +94,7 @@ class TorchEngine(Engine):
         gen = None
         if request.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(request.seed)
-        self._active[free] = _Slot(request, len(tokens), 0, logits[0, -1].float(), gen)
+        self._active[free] = _Slot(request, len(tokens), 0, logits[0, -1].float(), gen, self.policy_version)
         self._by_lease[request.lease_id] = free
 
     @torch.no_grad()
@@ -107,7 +110,7 @@ class TorchEngine(Engine):
             r = slot.request
             slot.generated += 1
             slot.pending = token
-            out = EngineOutput(r.lease_id, [token], [logprob], [self.policy_version])
+            out = EngineOutput(r.lease_id, [token], [logprob], [slot.logits_version])
             if token in r.stop_token_ids or token in self.eos_ids:
                 out.finish = "stop"
             elif slot.generated >= r.max_new_tokens or slot.length + 1 >= self.max_seq_len:
@@ -126,6 +129,7 @@ class TorchEngine(Engine):
             for row, (_, slot) in enumerate(cont):
                 slot.length += 1
                 slot.next_logits = logits[row, -1].float()
+                slot.logits_version = self.policy_version
         return outs
 
     def abort(self, lease_id: int) -> EngineOutput:
@@ -146,7 +150,11 @@ class TorchEngine(Engine):
             self._by_lease[moved.request.lease_id] = idx
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Swap weights between decode steps; tokens from now on carry ``version``. ``state_dict``
+        """Swap weights between decode steps. A token carries the version of the weights that
+        computed its logits: the first token each running request samples after the swap comes
+        from logits of the old weights and carries the old version; the tokens after it carry
+        ``version``, though their keys and values of earlier positions stay in the cache as the old
+        weights wrote them (no re-prefill: PipelineRL's in-flight update). ``state_dict``
         may hold some of the model's tensors (an update in buckets), but a name the model does not
         have is a ``ValueError``: weights of another architecture, which loading would drop unseen."""
         unknown = sorted(set(state_dict) - self._tensor_names)

@@ -14,12 +14,13 @@ import threading
 import time
 from pathlib import Path
 
+from april_async.experiments.bootstrap import against_sync
 from april_async.experiments.grid import (Cell, ExperimentError, Settings, SweepConfig, experiment_cells,
-                                          load_experiment, load_sweep, sweep_cells)
+                                          load_experiment, load_sweep, renamed_cell, sweep_cells)
 from april_async.experiments.numbers import (Row, aggregate, engine_numbers, resolve_eval_levels, resolve_levels,
                                              run_numbers, time_to, time_to_eval)
 from april_async.experiments.plot import plot_eval, plot_experiment, plot_sweep
-from april_async.experiments.report import eval_table, sim_table, tables, write_docs, write_results
+from april_async.experiments.report import eval_table, paired_table, sim_table, tables, write_docs, write_results
 from april_async.experiments.runs import (check_initial_policy, evaluate_policy, finished_dir, fresh_ports,
                                           held_out_problems, resumable, run_dir_of, run_one, run_up, toml_value,
                                           up_argv, up_command, validate_base_budget, warm_start)
@@ -90,6 +91,7 @@ def _experiment(args, docs_page: Path) -> int:
         for run in runs:  # a run directory still there is read again: numbers added since it ran
             if finished_dir(out, run):
                 run.update(run_numbers(run_dir_of(out, run["cell"], run["seed"]), cfg))
+            run["cell"] = renamed_cell(run["cell"])  # a cell stored under its old name (-continue)
     else:
         runs, eval_initial, initial_policy = experiment(cfg, cells, out, args)
     levels, notes = resolve_levels(cfg, runs)
@@ -109,12 +111,15 @@ def _experiment(args, docs_page: Path) -> int:
     text = tables(cfg, aggregated, sim_rows, notes)
     if eval_levels:
         text += "\n" + eval_table(cfg, aggregated, eval_levels, eval_notes, eval_initial)
+    paired = against_sync([c.name for c in cells], runs, levels, eval_levels)
+    if paired:
+        text += "\n" + paired_table(paired, {c.name: c.label for c in cells}, len(cfg.seeds))
     figures = plot_experiment(cfg, aggregated, runs, out)
     if any(r.get("eval_curve") for r in runs):
         figures.append(plot_eval(cfg, aggregated, runs, out))
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
             "initial_policy": initial_policy, "eval_initial": eval_initial}
-    results.write_text(json.dumps({**meta, "cells": aggregated, "runs": runs}, indent=2))
+    results.write_text(json.dumps({**meta, "cells": aggregated, "against_sync": paired, "runs": runs}, indent=2))
     (out / "results.md").write_text(text)
     print(text)
     if args.docs:

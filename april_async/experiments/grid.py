@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from april_async.broker.config import Boundary, boundary_name
 from april_async.config import ConfigError, read_config_file, validate
 from april_async.sim.config import SimSettings
 
@@ -31,12 +32,15 @@ class CellGrid(BaseModel):
     """Over-provisioning (``broker.rollout.over_provision``)."""
     eta: list[int] = [4]
     """Staleness bound η (``broker.rollout.staleness_bound``)."""
-    boundary: list[Literal["abort", "continue"]] = ["abort"]
-    """april only: what happens to leases in flight at a step boundary (``broker.rollout.boundary``)."""
+    boundary: list[Boundary] = ["abort"]
+    """april only: what happens to leases in flight at a step boundary (``broker.rollout.boundary``):
+    ``abort`` (APRIL as published) or ``inflight`` (APRIL's admission with in-flight weight updates);
+    ``continue``, the old name of ``inflight``, is read as it."""
     over_bound: list[Literal["restart", "drop"]] = ["restart"]
     """What happens to a sample that would break η (``broker.rollout.over_bound``)."""
 
     _scalars = field_validator("r", "eta", "boundary", "over_bound", mode="before")(lambda cls, v: _listed(v))
+    _renamed = field_validator("boundary", mode="before")(lambda cls, v: [boundary_name(b) for b in _listed(v)])
 
 class Settings(BaseModel):
     """The ``[experiment]`` table (and, field by field, ``[smoke]``)."""
@@ -82,9 +86,9 @@ class Settings(BaseModel):
     no evaluation."""
     eval_points: int = Field(4, ge=1)
     """Checkpoints evaluated per run, spread evenly over the window (the last one always)."""
-    eval_problems: int = Field(256, ge=1)
-    """Held-out problems: the warm start's evaluation stream (its prompt seed + 1), none of which a
-    run trains on (the runs' streams are the seeds)."""
+    eval_problems: int = Field(1024, ge=1)
+    """Held-out problems: the warm start's evaluation stream, for ``addchain`` its held-out partition
+    (``tasks/addchain.py``), which no training stream draws from, whatever the runs' seeds."""
     eval_temperature: float = Field(0.0, ge=0)
     """0: greedy, so the same policy always scores the same: the differences are the policies'."""
 
@@ -108,6 +112,17 @@ class SweepConfig(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
     """An engine-backed cell still running after this long is stopped and marked failed."""
 
+def shown_mode(mode: str, boundary: str) -> str:
+    """A mode as tables and figures name it: ``april`` with the ``inflight`` boundary aborts and
+    recycles nothing, so it is not shown as APRIL alone."""
+    return "april + in-flight updates" if mode == "april" and boundary == "inflight" else mode
+
+
+def renamed_cell(name: str) -> str:
+    """A cell name stored before ``boundary = "continue"`` became ``"inflight"``, as named now."""
+    return name.replace("-continue", "-inflight")
+
+
 class Cell(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -116,6 +131,8 @@ class Cell(BaseModel):
     eta: int = 0
     boundary: str = "abort"
     over_bound: str = "restart"
+
+    _renamed = field_validator("boundary", mode="before")(lambda cls, v: boundary_name(v))
 
     @property
     def name(self) -> str:
@@ -132,8 +149,8 @@ class Cell(BaseModel):
     def label(self) -> str:
         if self.mode == "sync":
             return "sync"
-        extra = "".join(f", {x}" for x in (self.boundary, self.over_bound) if x not in ("abort", "restart"))
-        return f"{self.mode} r={self.r:g} η={self.eta}{extra}"
+        extra = f", {self.over_bound}" if self.over_bound != "restart" else ""
+        return f"{shown_mode(self.mode, self.boundary)} r={self.r:g} η={self.eta}{extra}"
 
     def sets(self) -> dict[str, Any]:
         rollout = {"mode": self.mode, "over_provision": self.r, "staleness_bound": self.eta,

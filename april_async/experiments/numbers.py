@@ -116,6 +116,10 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
     return out
 
 
+BUSY_FIELDS = ("busy_s", "slot_s", "slots", "t", "tokens", "mixed_tokens")
+"""What a generator's ``busy`` line carries (``tokens`` and ``mixed_tokens`` since 2026-11-26)."""
+
+
 def busy_lines(log: Path) -> list[dict[str, float]]:
     """A generator log's ``busy`` records (console or JSON lines), as numbers."""
     out = []
@@ -126,13 +130,15 @@ def busy_lines(log: Path) -> list[dict[str, float]]:
             except ValueError:
                 continue
             if rec.get("event") == "busy":
-                out.append({k: float(rec[k]) for k in ("busy_s", "slot_s", "slots", "t") if k in rec})
+                out.append({k: float(rec[k]) for k in BUSY_FIELDS if k in rec})
         elif " busy " in line and "busy_s=" in line:
             fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
             try:
-                out.append({k: float(fields[k]) for k in ("busy_s", "slot_s", "slots", "t")})
+                rec = {k: float(fields[k]) for k in ("busy_s", "slot_s", "slots", "t")}
+                rec.update({k: float(fields[k]) for k in ("tokens", "mixed_tokens") if k in fields})
             except (KeyError, ValueError):
                 continue
+            out.append(rec)
     return out
 
 
@@ -140,8 +146,12 @@ def generator_shares(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
     """The generators' side of the time split over the window [t0, t1] (epoch seconds): the share
     of wall time each had a sequence decoding (``gen_busy_frac``) and its slots' occupancy
     (``gen_slot_frac``), means over generators; from the first to the last ``busy`` record in the
-    window. Nothing when the logs have none (a run before generators logged them)."""
+    window. Nothing when the logs have none (a run before generators logged them). With the
+    generators' token counts, ``mixed_frac``: their tokens over the window computed after an
+    in-flight weight update over a cache older weights wrote, a share of all they generated."""
     busy, slots = [], []
+    tokens = mixed = 0.0
+    counted = True
     for log in sorted((run_dir / "logs").glob("*gen-*.log")):
         recs = [r for r in busy_lines(log) if t0 - 1e-6 <= r.get("t", -1) <= t1 + 1e-6]
         if len(recs) < 2 or recs[-1]["t"] <= recs[0]["t"]:
@@ -150,9 +160,17 @@ def generator_shares(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
         dt = b["t"] - a["t"]
         busy.append((b["busy_s"] - a["busy_s"]) / dt)
         slots.append((b["slot_s"] - a["slot_s"]) / (dt * max(1.0, b["slots"])))
+        if "mixed_tokens" in a and "mixed_tokens" in b:
+            tokens += b["tokens"] - a["tokens"]
+            mixed += b["mixed_tokens"] - a["mixed_tokens"]
+        else:
+            counted = False
     if not busy:
         return {}
-    return {"gen_busy_frac": statistics.fmean(busy), "gen_slot_frac": statistics.fmean(slots)}
+    out = {"gen_busy_frac": statistics.fmean(busy), "gen_slot_frac": statistics.fmean(slots)}
+    if counted:
+        out["mixed_frac"] = mixed / max(1.0, tokens)
+    return out
 
 
 # ---------------------------------------------------------------------- levels and times to reach them
@@ -221,7 +239,7 @@ def resolve_eval_levels(cfg: Settings, runs: list[dict], initial: float | None) 
 
 AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "reward_final", "off_policy_frac", "discarded_frac",
               "retired_frac", "ess", "ess_min", "lag_mean", "wait_frac", "train_frac", "handoff_frac", "step_s_mean",
-              "eval_final", "gen_busy_frac", "gen_slot_frac")
+              "eval_final", "gen_busy_frac", "gen_slot_frac", "mixed_frac")
 
 
 def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:

@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from april_async.experiments.grid import Settings
+from april_async.experiments.grid import Settings, shown_mode
 from april_async.experiments.numbers import Row, moving_average
 
 DPI = 80
@@ -147,8 +147,8 @@ def plot_experiment(cfg: Settings, cells: list[dict], runs: list[dict], out: Pat
     lines: dict[str, list[dict]] = {}  # cells that differ only in η: one line each
     for c in cells:
         if c["mode"] != "sync":
-            extra = "".join(f" {x}" for x in (c["boundary"], c["over_bound"]) if x not in ("abort",))
-            lines.setdefault(f"{c['mode']} r={c['r']:g}{extra}", []).append(c)
+            extra = f" {c['over_bound']}" if c["over_bound"] != "abort" else ""
+            lines.setdefault(f"{shown_mode(c['mode'], c['boundary'])} r={c['r']:g}{extra}", []).append(c)
     if any(len({c["eta"] for c in group}) > 1 for group in lines.values()):
         fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
         sync = next((c for c in cells if c["cell"] == "sync"), None)

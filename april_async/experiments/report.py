@@ -56,13 +56,17 @@ def tables(cfg: Settings, cells: list[dict], sim: list[dict] | None = None, note
               "`step_s`): *waiting* for a batch (the rollout, in sync and april-abort), *training*, *hand-off* "
               "(weights out, batch report, checkpoints); from the generators' `busy` log lines, the share of the "
               "window each had a sequence decoding and the share of its slots in use (means over generators); the "
-              "generators' output per wall second, discarded tokens included.", "",
-              "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s | mean lag |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "generators' output per wall second, discarded tokens included; *mixed*: the generated tokens "
+              "computed after an in-flight weight update over a KV cache an earlier version wrote "
+              "(their `busy` lines).", "",
+              "| cell | waiting | training | hand-off | s per step | generators decoding | slots busy | generated tok/s "
+              "| mean lag | mixed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         cols = [c["label"], *(_pm(c, k, ".0f", 100, " %") for k in ("wait_frac", "train_frac", "handoff_frac")),
                 _pm(c, "step_s_mean", ".2f"), _pm(c, "gen_busy_frac", ".0f", 100, " %"),
-                _pm(c, "gen_slot_frac", ".0f", 100, " %"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f")]
+                _pm(c, "gen_slot_frac", ".0f", 100, " %"), _pm(c, "gen_tokens_per_s", ",.0f"), _pm(c, "lag_mean", ".2f"),
+                _pm(c, "mixed_frac", ".1f", 100, " %")]
         lines.append("| " + " | ".join(cols) + " |")
     if sim:
         lines += ["", sim_table(sim)]
@@ -81,6 +85,23 @@ def eval_table(cfg: Settings, cells: list[dict], levels: list[float], notes: lis
     for c in cells:
         cols = [c["label"], _pm(c, "eval_final", ".3f")] + [_time_cell(c, f"te_{lv:g}", sync) for lv in levels]
         lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_table(rows: list[dict], labels: dict[str, str], seeds: int) -> str:
+    """Every cell's claims against sync (``bootstrap.against_sync``): the ratio, its 95 % paired
+    bootstrap interval over seeds, and the verdict, one line a claim."""
+    lines = [f"Against sync, seed by seed: each cell ran the same {seeds} seed(s) (prompt streams) as sync. *ratio*: "
+             "the cell's mean over sync's, over the seeds where both have a number (*pairs*; a level a seed never "
+             "reached has none); *95 % interval*: 2.5th–97.5th percentiles of the ratio over 10,000 resamples of "
+             "those seeds, each seed's pair kept together. *Verdict*: the side of 1 the whole interval lies on, "
+             "else not distinguishable (so with fewer than 2 pairs). Few seeds make coarse intervals.", "",
+             "| cell | claim | ratio to sync | 95 % interval | pairs | verdict |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}×"
+        iv = "—" if r["lo"] is None else f"[{r['lo']:.2f}, {r['hi']:.2f}]"
+        lines.append(f"| {labels.get(r['cell'], r['cell'])} | {r['claim']} | {ratio} | {iv} | {r['pairs']} | "
+                     f"{r['verdict']} |")
     return "\n".join(lines) + "\n"
 
 

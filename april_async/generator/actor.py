@@ -20,6 +20,13 @@ the one source of its versions (``weights_link``: the broadcaster when there is 
 broker's ``weights_published``; ``weights.link``) and whether a lease waits for the
 ``min_policy_version`` the broker leased it with; ``batched_abort`` whether an abort of every
 lease is one call per server.
+
+Mixed tokens. A lease's prompt and resumed tokens are prefilled once, with the weights the engine
+holds when it starts; a version loaded while it decodes (an in-flight update: ``async``, and
+``april`` with ``boundary = "inflight"``) computes the logits of its later tokens while the cache
+still holds the keys and values the older weights wrote. Those tokens, the lease's tokens of a
+newer version than its first token's, are neither policy's: the generator counts them
+(``mixed_tokens`` in its ``busy`` lines, beside ``tokens``, every token it generated).
 """
 
 from __future__ import annotations
@@ -72,6 +79,12 @@ class LeaseWork:
     versions: list[int] = field(default_factory=list)
     sent: int = 0  # tokens of this lease already sent
 
+    def mixed(self, versions: list[int]) -> int:
+        """Of ``versions`` (the lease's next tokens), how many are newer than the lease's first token:
+        computed by weights loaded after its prefill, over a cache the older weights wrote."""
+        first = self.versions[0] if self.versions else (versions[0] if versions else 0)
+        return sum(1 for v in versions if v > first)
+
 
 def weights_link(cfg: GeneratorConfig, engine: Engine, log) -> WeightsLink:
     """Where the generator's versions come from (``weights.link``), chosen once by the engine's
@@ -113,6 +126,8 @@ class GeneratorActor:
         self.flush_due: float | None = None  # progress: when the oldest unsent token must go out
         self.resend = False  # a new session: send every lease's tokens again, at once
         self.gated = engine.caps.weights != "none"  # a lease waits for the version it needs
+        self.tokens_generated = 0  # every token the engine reported (the ``busy`` lines)
+        self.mixed_tokens = 0  # of those, tokens after an in-flight update (see the module docstring)
         self.weights = weights_link(cfg, engine, self.log)  # the one source of versions
         self.peer = peer_factory(self._on_connect)
 
@@ -200,7 +215,8 @@ class GeneratorActor:
 
     def _log_busy(self, busy: BusyClock) -> None:
         self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,
-                      up_s=round(busy.at - busy.since, 3), t=round(time.time(), 3), **self.engine.counters())
+                      up_s=round(busy.at - busy.since, 3), tokens=self.tokens_generated,
+                      mixed_tokens=self.mixed_tokens, t=round(time.time(), 3), **self.engine.counters())
 
     def handle(self, msg) -> None:
         self.broker_proto = msg.proto_version
@@ -275,6 +291,8 @@ class GeneratorActor:
         w = self.work.get(out.lease_id)
         if w is None:
             return
+        self.tokens_generated += len(out.tokens)
+        self.mixed_tokens += w.mixed(out.versions)
         w.tokens += out.tokens
         w.logprobs += out.logprobs
         w.versions += out.versions

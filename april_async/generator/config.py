@@ -45,8 +45,9 @@ class GeneratorConfig(BaseModel):
     generator that dies loses at most this much decoding (its leases resume from what was sent)."""
     stats_interval_s: float = Field(5.0, gt=0)
     """Log a ``busy`` line this often: seconds with at least one sequence decoding, slot-seconds
-    (sequences × seconds), and the wall clock, each since start (``tools/experiment.py`` reads them
-    for the generators' share of a run)."""
+    (sequences × seconds), tokens generated and, of those, mixed tokens (computed after an in-flight
+    weight update over a cache older weights wrote), and the wall clock, each since start
+    (``tools/experiment.py`` reads them for the generators' share of a run)."""
     progress_max_tokens: int = Field(4096, ge=1)
     """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
     split over several messages."""

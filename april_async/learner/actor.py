@@ -65,8 +65,23 @@ IDLE_COMMAND_S = 5.0
 """Rank 0 waiting for a batch tells the other ranks so this often (they wait in a collective)."""
 
 
-def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int) -> tuple[list[Row], list[float], list[int]]:
-    """One ``Row`` per sample of ``groups`` (advantage not yet set), its reward and its group's index."""
+def mixed_mask(versions: np.ndarray, resumed_at: list[int]) -> np.ndarray:
+    """Which of a response's tokens are mixed: computed after an in-flight weight update over a KV
+    cache older weights wrote. A lease prefills the prompt and the tokens before it with the weights
+    it starts on, and its first token comes from those (an engine tags a token with the version of
+    the weights that computed its logits); a token of that lease of a newer version is mixed. The
+    leases start at 0 and at each of ``resumed_at`` (the broker's record of where it resumed the sample)."""
+    mixed = np.zeros(len(versions), dtype=bool)
+    starts = sorted({0, *(k for k in resumed_at if 0 < k < len(versions))})
+    for a, b in zip(starts, [*starts[1:], len(versions)]):
+        mixed[a:b] = versions[a:b] > versions[a]
+    return mixed
+
+
+def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int, *, mixed_weight: float | None = None
+               ) -> tuple[list[Row], list[float], list[int]]:
+    """One ``Row`` per sample of ``groups`` (advantage not yet set), its reward and its group's index.
+    With ``mixed_weight``, its mixed tokens (``mixed_mask``) weigh that much in the loss."""
     rows, rewards, gidx = [], [], []
     for gi, g in enumerate(groups):
         prompt = batch.prompt_tokens[g.prompt_offset:g.prompt_offset + g.prompt_len]
@@ -74,8 +89,12 @@ def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int)
             sl = slice(s.response_offset, s.response_offset + s.response_len)
             versions = np.repeat([sp.version for sp in s.versions], [sp.count for sp in s.versions])
             seq = np.concatenate([prompt, batch.response_tokens[sl]]).astype(np.int64)
+            mixed = mixed_mask(versions, s.resumed_at)
+            weight = None
+            if mixed_weight is not None and mixed.any():
+                weight = np.where(mixed, np.float32(mixed_weight), np.float32(1.0)).astype(np.float32)
             rows.append(Row(seq, len(prompt) - 1, np.asarray(batch.logprobs[sl], dtype=np.float32),
-                            (learner_version - versions).astype(np.int64)))
+                            (learner_version - versions).astype(np.int64), weight=weight, mixed=int(mixed.sum())))
             rewards.append(s.reward)
             gidx.append(gi)
     return rows, rewards, gidx
@@ -230,7 +249,8 @@ class LearnerActor:
             return
 
         # batch -> rows with advantages -> each rank's share -> the same step on every rank
-        rows, rewards, gidx = batch_rows(batch, groups, V)
+        mixed_weight = {"keep": None, "drop": 0.0, "weight": self.cfg.mixed_weight}[self.cfg.mixed_tokens]
+        rows, rewards, gidx = batch_rows(batch, groups, V, mixed_weight=mixed_weight)
         adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(gidx),
                                scale=self.cfg.advantage_scale)
         for r, a in zip(rows, adv.tolist(), strict=True):
@@ -268,6 +288,7 @@ class LearnerActor:
             "off_policy_frac": float((lags > 0).mean()) if len(lags) else 0.0,
             "lag_mean": float(lags.mean()) if len(lags) else 0.0,
             "lag_max": int(lags.max()) if len(lags) else 0,
+            "mixed_frac": sum(r.mixed for r in rows) / max(1, tokens),
         })
         for key in ("partials_recycled", "tokens_resumed", "aborts_sent", "restarts", "tokens_discarded",
                     "tokens_retired", "leases_issued", "tokens_generated"):

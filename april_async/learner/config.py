@@ -54,6 +54,14 @@ class LearnerConfig(BaseModel):
     """Decoupled PPO: tokens with π_prox/μ above this are left out."""
     mask_max_lag: int = Field(0, ge=0)
     """``mask``: tokens more than this many versions behind the learner are left out."""
+    mixed_tokens: Literal["keep", "drop", "weight"] = "keep"
+    """Tokens a generator computed after an in-flight weight update, over a KV cache older weights
+    wrote (``async``, and ``april`` with ``boundary = "inflight"``): their logits are neither
+    policy's. ``keep`` trains on them as on any token of their version; ``drop`` leaves them out of
+    the loss; ``weight`` multiplies their loss by ``mixed_weight``. Which tokens they are the learner
+    reads from each sample's version spans and ``resumed_at`` (``mixed_mask``)."""
+    mixed_weight: float = Field(0.5, ge=0.0, le=1.0)
+    """``mixed_tokens = "weight"``: the weight of a mixed token in the loss (and in its metrics' token sums)."""
     advantage_scale: bool = True
     """Divide by the group's reward std (GRPO); False only centres (Dr. GRPO)."""
     dynamic_sampling: bool | None = None

@@ -31,6 +31,7 @@ TB_SCALARS = {
     "offpolicy/lag_mean": "lag_mean",
     "offpolicy/ess": "ess",
     "offpolicy/is_weight_mean": "is_weight_mean",
+    "offpolicy/mixed_frac": "mixed_frac",
     "apr/partials_recycled": "partials_recycled",
     "apr/tokens_resumed": "tokens_resumed",
     "apr/aborts_sent": "aborts_sent",

@@ -40,6 +40,8 @@ class Row:
     behav: np.ndarray  # float32, one per response token
     lag: np.ndarray  # int64, one per response token
     adv: float = 0.0
+    weight: np.ndarray | None = None  # float32, one per response token: its weight in the loss (None: 1 each)
+    mixed: int = 0  # response tokens computed after an in-flight weight update (``actor.mixed_mask``)
 
     @property
     def tokens(self) -> int:
@@ -73,7 +75,7 @@ def pack(rows: list[Row], device: torch.device | str = "cpu") -> Packed:
         seq = torch.from_numpy(np.asarray(r.seq, dtype=np.int64))
         inputs[i, :n] = seq[:-1]
         targets[i, :n] = seq[1:]
-        mask[i, r.start:n] = 1.0
+        mask[i, r.start:n] = 1.0 if r.weight is None else torch.from_numpy(np.asarray(r.weight, dtype=np.float32))
         behav[i, r.start:n] = torch.from_numpy(np.asarray(r.behav, dtype=np.float32))
         lag[i, r.start:n] = torch.from_numpy(np.asarray(r.lag, dtype=np.int64))
     adv = torch.tensor([r.adv for r in rows], dtype=torch.float32)

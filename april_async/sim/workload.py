@@ -12,7 +12,7 @@ Specs (``parse_workload``):
                               p90 ≈ 0.54·max and ~3 % of responses run into the budget
     lognormal:median=48,sigma=1.0
     pareto:min=16,alpha=1.2   P(L > x) = (min/x)^alpha
-    addchain                  the built-in task's worked-answer lengths (median 30, max 209)
+    addchain                  the built-in task's worked-answer lengths (median 40, max 241)
     uniform:lo=16,hi=64       no tail: the control
     const:64
     file:PATH                 one length per line (or a JSON list); sample k gets lengths[k mod n],

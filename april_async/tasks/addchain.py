@@ -14,17 +14,25 @@ addition, each with a countdown of the additions left, and ends GSM8K-style::
 Why this shape:
 
 - **Verifiable.** The answer is ``start + steps * add``, checked from the text by the math-answer
-  reward (``#### 57``). It spans 3..234, so skipping the work and guessing does not pay.
+  reward (``#### 57``). It spans 3..9,135, so skipping the work and guessing does not pay.
 - **Long-tailed lengths** (the workload APRIL exists for): the number of additions is drawn
   with P(k) ∝ k^-1.3 for k = 1..15, so most answers are one or two lines and a few are fifteen.
   Measured over 20,000 problems (``length_stats()``), response tokens with the character
-  tokenizer, end-of-sequence included: **median 30, p90 113, p99 189, max 209** (mean 49);
+  tokenizer, end-of-sequence included: **median 40, p90 145, p99 241, max 241** (mean 63);
   p99 is 6× the median.
 - **Locally easy.** Each line copies the previous result and the (fixed) addend, adds a single
-  digit, and counts down by one; the last line is followed by the answer. A two-layer,
+  digit, and counts down by one; the last line is followed by the answer. Starts run up to 9,000
+  (up to 99 before 2026-11-26): the numbers copied are longer, the step is the same. A two-layer,
   0.4M-parameter decoder with the character tokenizer learns it in about a minute on one core
   (``warmstart/sft.py``); sampled at temperature 1 it then errs on a few lines in a long
   chain, which leaves reinforcement learning a clear margin to climb.
+
+- **A held-out set held out by construction.** 15 lengths × 8 addends × 9,000 starts make
+  1,080,000 distinct problems; those whose hash falls in one bucket of ``HELD_OUT_BUCKETS`` (1/64:
+  about 16,900 problems) are the held-out partition (``is_held_out``). A training stream
+  (``make_problem``, every seed: the broker's and the warm start's) never yields one of them: it
+  draws again; the held-out stream (``held_out_problem``) yields only them. So no run trains on a
+  problem it is evaluated on, whatever the seeds.
 
 Deterministic: problem ``index`` of stream ``seed`` is a pure function of the two, so a stream can
 be resumed at any index without replaying it.
@@ -32,6 +40,7 @@ be resumed at any index without replaying it.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 from collections.abc import Iterator
@@ -40,11 +49,15 @@ from april_async.tasks.base import Problem
 
 TASK = "addchain"
 MAX_STEPS = 15
-"""The most additions in one problem (the longest answer fits ~200 character tokens)."""
+"""The most additions in one problem (the longest answer fits ~240 character tokens)."""
 TAIL_EXPONENT = 1.3
 """P(steps = k) ∝ k^-TAIL_EXPONENT: the smaller, the heavier the tail."""
-START_RANGE = (1, 99)
+START_RANGE = (1, 9_000)
 ADD_RANGE = (2, 9)
+HELD_OUT_BUCKETS = 64
+"""A problem is held out when the hash of its prompt falls in bucket 0 of this many."""
+SPACE = MAX_STEPS * (ADD_RANGE[1] - ADD_RANGE[0] + 1) * (START_RANGE[1] - START_RANGE[0] + 1)
+"""Distinct problems: 1,080,000."""
 
 _CUM_WEIGHTS = list(itertools.accumulate(k**-TAIL_EXPONENT for k in range(1, MAX_STEPS + 1)))
 
@@ -58,22 +71,48 @@ def worked_answer(start: int, add: int, steps: int) -> str:
     return "".join(lines) + f"#### {x}"
 
 
-def make_problem(seed: int, index: int) -> Problem:
-    """Problem ``index`` of stream ``seed``."""
-    rng = random.Random(f"{TASK}:{seed}:{index}")  # a str seed is hashed with SHA-512: stable across runs
-    steps = rng.choices(range(1, MAX_STEPS + 1), cum_weights=_CUM_WEIGHTS)[0]
-    add = rng.randint(*ADD_RANGE)
-    start = rng.randint(*START_RANGE)
-    answer = start + steps * add
-    return Problem(prompt_id=f"{TASK}-{seed}-{index}", prompt=f"{start}+{add}x{steps}\n", task=TASK,
-                   meta={"answer": str(answer), "start": start, "add": add, "steps": steps},
+def is_held_out(start: int, add: int, steps: int) -> bool:
+    """Whether the problem ``start+add x steps`` is in the held-out partition (a stable hash of its
+    prompt, not Python's salted ``hash``)."""
+    digest = hashlib.blake2b(f"{start}+{add}x{steps}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % HELD_OUT_BUCKETS == 0
+
+
+def _draw(rng: random.Random, held_out: bool) -> tuple[int, int, int]:
+    """(start, add, steps) from ``rng``, drawn again until it is in the partition asked for."""
+    while True:
+        steps = rng.choices(range(1, MAX_STEPS + 1), cum_weights=_CUM_WEIGHTS)[0]
+        add = rng.randint(*ADD_RANGE)
+        start = rng.randint(*START_RANGE)
+        if is_held_out(start, add, steps) == held_out:
+            return start, add, steps
+
+
+def _problem(prompt_id: str, start: int, add: int, steps: int) -> Problem:
+    return Problem(prompt_id=prompt_id, prompt=f"{start}+{add}x{steps}\n", task=TASK,
+                   meta={"answer": str(start + steps * add), "start": start, "add": add, "steps": steps},
                    reference=worked_answer(start, add, steps))
 
 
-def problems(seed: int = 0, start: int = 0) -> Iterator[Problem]:
-    """The endless stream ``seed``, from problem ``start`` on."""
+def make_problem(seed: int, index: int) -> Problem:
+    """Problem ``index`` of the training stream ``seed``: never one of the held-out partition."""
+    rng = random.Random(f"{TASK}:{seed}:{index}")  # a str seed is hashed with SHA-512: stable across runs
+    return _problem(f"{TASK}-{seed}-{index}", *_draw(rng, held_out=False))
+
+
+def held_out_problem(seed: int, index: int) -> Problem:
+    """Problem ``index`` of the held-out stream ``seed``: only problems of the held-out partition,
+    with the training streams' distribution of lengths, addends and starts."""
+    rng = random.Random(f"{TASK}:held-out:{seed}:{index}")
+    return _problem(f"{TASK}-held-out-{seed}-{index}", *_draw(rng, held_out=True))
+
+
+def problems(seed: int = 0, start: int = 0, *, held_out: bool = False) -> Iterator[Problem]:
+    """The endless training stream ``seed`` (or, with ``held_out``, the held-out one), from
+    problem ``start`` on."""
+    make = held_out_problem if held_out else make_problem
     for index in itertools.count(start):
-        yield make_problem(seed, index)
+        yield make(seed, index)
 
 
 def length_stats(n: int = 20_000, seed: int = 0) -> dict[str, float]:

@@ -4,7 +4,8 @@ Kinds:
 
 - ``synthetic``: token-id prompts for the runtime tests (no tokenizer, no meaningful reward:
   the scripted engine and the ``parity`` reward);
-- ``addchain``: the built-in synthetic task (``tasks/addchain.py``), endless;
+- ``addchain``: the built-in synthetic task (``tasks/addchain.py``), endless: its training stream,
+  or with ``split = "held_out"`` its held-out partition, which no training stream draws from;
 - ``jsonl`` / ``parquet``: a dataset file (``tasks/datasets.py``), read once at start, taken in a
   shuffled order per epoch.
 
@@ -62,6 +63,9 @@ class PromptSourceConfig(BaseModel):
     """The system turn before each prompt (chat only)."""
     seed: int = 0
     """The ``addchain`` stream; the dataset's shuffle order."""
+    split: Literal["train", "held_out"] = "train"
+    """``addchain`` only: its training streams (every seed), or ``held_out``: its held-out partition,
+    problems no training stream yields (``tasks/addchain.py``), for evaluation."""
     shuffle: bool = True
     """Take a dataset in a new random order each epoch (else in file order)."""
     epochs: int | None = Field(1, ge=1)
@@ -75,6 +79,8 @@ class PromptSourceConfig(BaseModel):
             raise ValueError(f"path {str(self.path)!r} is only read by kinds jsonl and parquet, not {self.kind!r}")
         if self.system_prompt is not None and self.chat is False:
             raise ValueError("system_prompt is only used with chat (chat = false here)")
+        if self.split != "train" and self.kind != "addchain":
+            raise ValueError(f"split {self.split!r} is a choice of kind 'addchain' only, not {self.kind!r}")
         if "{prompt}" not in self.template:
             raise ValueError(f"template {self.template!r} does not contain '{{prompt}}'")
         return self
@@ -122,7 +128,8 @@ class PromptSource:
             return Problem(prompt_id=f"syn-{index}", prompt="", task=cfg.task_name, meta={"index": index},
                            prompt_ids=ids)
         if cfg.kind == "addchain":
-            p = addchain.make_problem(cfg.seed, index)
+            make = addchain.held_out_problem if cfg.split == "held_out" else addchain.make_problem
+            p = make(cfg.seed, index)
             return p if cfg.task is None else replace(p, task=cfg.task)
         epoch, pos = divmod(index, len(self._data))
         if self._order is None or self._order[0] != epoch:

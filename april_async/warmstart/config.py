@@ -23,7 +23,8 @@ class WarmStartConfig(BaseModel):
     """Width of the SwiGLU MLP."""
     max_position_embeddings: int = Field(512, ge=16)
     prompts: PromptSourceConfig = PromptSourceConfig(kind="addchain")
-    """The problems to learn (those with a ``reference``); held-out ones come from ``seed + 1``."""
+    """The problems to learn (those with a ``reference``); held-out ones come from ``seed + 1``
+    (for ``addchain``, from its held-out partition, which no training stream draws from)."""
     tokenizer: str = "char"
     """``char`` or a directory with a tokenizer; it is saved into the checkpoint."""
     max_steps: int = Field(1500, ge=1)
@@ -58,4 +59,7 @@ class WarmStartConfig(BaseModel):
             raise ValueError(f"hidden_size={self.hidden_size} must split into {self.num_heads} heads of even size")
         if self.prompts.kind == "synthetic":
             raise ValueError("prompts of kind 'synthetic' have no text and no reference to learn")
+        if self.prompts.split != "train":
+            raise ValueError(f"prompts.split {self.prompts.split!r}: the warm start learns from the training "
+                             f"stream; its evaluation takes the held-out one by itself")
         return self

@@ -158,8 +158,13 @@ def _train(out_dir: Path, cfg: WarmStartConfig, log) -> dict:
 
 
 def held_out_problems(cfg: WarmStartConfig) -> list[Problem]:
-    """The evaluation problems: ``eval_problems`` of the prompt stream ``seed + 1``."""
-    src = PromptSource(cfg.prompts.model_copy(update={"seed": cfg.prompts.seed + 1, "limit": None, "epochs": None}))
+    """The evaluation problems: ``eval_problems`` of the prompt stream ``seed + 1``; for ``addchain``
+    its held-out partition (``split = "held_out"``), which no training stream (the warm start's, a
+    run's) draws from."""
+    update = {"seed": cfg.prompts.seed + 1, "limit": None, "epochs": None}
+    if cfg.prompts.kind == "addchain":
+        update["split"] = "held_out"
+    src = PromptSource(cfg.prompts.model_copy(update=update))
     return [src.next() for _ in range(cfg.eval_problems)]
 
 

@@ -325,6 +325,7 @@ class BatchSample(msgspec.Struct, kw_only=True, omit_defaults=True):
     response_offset: int
     response_len: int
     versions: list[VersionSpan]
+    resumed_at: list[int] = []  # response offsets where a later lease resumed it, prefilling the tokens before again
 
 
 class BatchGroup(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -57,14 +57,14 @@ def test_bench_rollout_compares_every_mode_with_sync_and_the_limit(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     rows = data["rows"]
     assert [(r["mode"], r["r"], r["boundary"]) for r in rows] == [
-        ("sync", 1.0, "abort"), ("april", 1.5, "abort"), ("april", 1.5, "continue"), ("april", 2.0, "abort"),
-        ("april", 2.0, "continue"), ("async", 2.0, "abort")]
+        ("sync", 1.0, "abort"), ("april", 1.5, "abort"), ("april", 1.5, "inflight"), ("april", 2.0, "abort"),
+        ("april", 2.0, "inflight"), ("async", 2.0, "abort")]
     sync = rows[0]
     assert sync["vs_sync"] == 1.0 and sync["off_policy"] == 0.0 and sync["recycled"] == 0
     assert all(r["ledger_ok"] and r["tokens_per_s"] > 0 and 0 < r["occupancy"] <= 1.0 for r in rows)
     assert any(r["recycled"] > 0 for r in rows if r["mode"] == "april")  # april recycles partials
-    # A continue boundary keeps its leases decoding: nothing comes back to be prefilled again.
-    assert all(r["resumed_per_generated"] == 0 for r in rows if r["boundary"] == "continue")
+    # An inflight boundary keeps its leases decoding: nothing comes back to be prefilled again.
+    assert all(r["resumed_per_generated"] == 0 for r in rows if r["boundary"] == "inflight")
     assert all(0 <= r["fill_share"] <= 1 for r in rows)
     assert data["limit"]["tokens_per_s"] > 0 and all(r["vs_limit"] > 0 for r in rows)
 

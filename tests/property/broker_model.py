@@ -66,7 +66,7 @@ def configs(modes: tuple[str, ...]):
     over_bound=st.sampled_from(["restart", "drop"]),
     max_response_tokens=st.integers(2, 6),
     max_attempts=st.sampled_from([1, 2, 3, 64]),
-    boundary=st.sampled_from(["abort", "continue"]),
+    boundary=st.sampled_from(["abort", "inflight"]),
     )
 
 
@@ -195,7 +195,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             return take
 
         def m_early_termination(self) -> set[int]:
-            if self.cfg.mode != "april" or self.cfg.boundary == "continue" \
+            if self.cfg.mode != "april" or self.cfg.boundary == "inflight" \
                     or len(self.done_groups()) < self.cfg.batch_groups:
                 return set()
             out = {lid for lid, x in self.leases.items() if not x.aborting}
@@ -621,6 +621,10 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 on = [s in core.samples for s in sids]
                 require(6, all(on) or not any(on), f"group {gid} partly left the ledger")
                 require(6, all(on) == (gid in core.groups), f"group {gid} and its samples disagree")
+            # ...and only a whole group, every sample scored, is ready to go out in a batch.
+            for gid in core._ready:
+                require(6, all(core.samples[sid].place is Place.SCORED for sid in core.groups[gid].sample_ids),
+                        f"group {gid} is ready with samples not scored")
             # 1: conservation — samples partitioned into the seven places: the live ones on the
             # ledger, the ended ones counted; tokens accounted for.
             live_ids = {sid for sid, m in self.samples.items() if m.place not in (Place.DELIVERED, Place.RETIRED)}

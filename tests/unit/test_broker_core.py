@@ -59,6 +59,30 @@ def test_april_terminates_early_and_recycles_partials_first_with_the_remaining_b
     assert [r.sample_id for r in resumed[:4]] == [g.sample_id for g in g2 + g3]
     assert resumed[0].resume == [5, 5, 5] and resumed[0].max_new_tokens == 8 - 3
     assert core.counters.partials_recycled == 1 and core.counters.tokens_resumed == 3
+    # Where it was resumed is kept, through a snapshot, and leaves with the sample in its batch: the
+    # learner reads from it which tokens were prefilled again (not mixed, see learner.mixed_mask).
+    s = core.samples[g2[0].sample_id]
+    assert s.resumed_at == (3,) and core.samples[g2[1].sample_id].resumed_at == ()
+    assert BrokerCore.from_bytes(core.to_bytes()).samples[s.sample_id].resumed_at == (3,)
+    for r in resumed[:4]:  # the partials of groups 2 and 3: two whole groups, a batch
+        finish(core, r, n_tokens=2, version=1)
+    score_all(core)
+    out = {x.sample_id: x for g in core.pull_batch(4.0).groups for x in g.samples}
+    assert out[s.sample_id].resumed_at == (3,) and out[s.sample_id].spans == ((0, 3), (1, 2))
+
+
+def test_a_staleness_restart_forgets_where_the_sample_was_resumed():
+    core = make(staleness_bound=0, batch_groups=1, group_size=1, over_provision=2.0)
+    admit(core, 2)
+    first = core.lease("gen", 100, 0.0)
+    core.chunk(first[1].lease_id, 0, [5, 5], [-1.0] * 2, [[0, 2]], 0.5)
+    finish(core, first[0])  # B = 1 group complete: the other is aborted
+    finish(core, first[1], n_tokens=0, reason="abort", offset=2)
+    score_all(core)
+    core.pull_batch(1.0)
+    core.publish_version(1, 2.0)  # version 0's tokens break η = 0: restarted, tokens dropped
+    s = core.samples[first[1].sample_id]
+    assert s.n_tokens == 0 and s.resumed_at == ()
 
 
 def test_sync_mode_runs_exactly_B_groups_per_step_and_waits_for_the_learner():
@@ -394,8 +418,8 @@ def test_no_sample_gets_more_than_max_attempts_leases_whatever_ends_them():
     assert core2.counters.groups_retired == {"attempts_exhausted": 1}
 
 
-def test_april_with_a_continue_boundary_keeps_leases_decoding_across_steps_within_eta():
-    core = make(boundary="continue", staleness_bound=1)
+def test_april_with_an_inflight_boundary_keeps_leases_decoding_across_steps_within_eta():
+    core = make(boundary="inflight", staleness_bound=1)
     admit(core, 6)
     grants = core.lease("gen", 100, 0.0)
     by_group = {}
@@ -421,9 +445,37 @@ def test_april_with_a_continue_boundary_keeps_leases_decoding_across_steps_withi
     assert effects == [AbortLease("gen", g2[0].lease_id)]
 
 
-def test_a_continue_boundary_is_refused_outside_april():
-    with pytest.raises(ValidationError, match="boundary 'continue' is a choice of mode 'april' only"):
-        RolloutConfig(mode="async", boundary="continue")
+def test_an_inflight_boundary_is_refused_outside_april():
+    with pytest.raises(ValidationError, match="boundary 'inflight' is a choice of mode 'april' only"):
+        RolloutConfig(mode="async", boundary="inflight")
+
+
+def test_the_old_name_continue_is_read_as_inflight_with_one_warning(monkeypatch):
+    import warnings
+
+    from april_async.broker import config as broker_config
+
+    monkeypatch.setattr(broker_config, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = RolloutConfig(mode="april", boundary="continue")
+        second = RolloutConfig.model_validate({"mode": "april", "boundary": "continue"})
+    assert first.boundary == second.boundary == "inflight"
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == [
+        "broker.rollout.boundary = 'continue' is deprecated: it is 'inflight' now (APRIL's admission with "
+        "PipelineRL's in-flight weight updates; nothing is aborted or recycled)"]
+    with pytest.raises(ValidationError, match="boundary"):
+        RolloutConfig(mode="april", boundary="go-on")
+
+
+def test_a_snapshot_that_holds_the_old_name_continue_restores_as_inflight():
+    core = make(boundary="inflight", staleness_bound=1)
+    admit(core, 2)
+    data = bytearray(core.to_bytes())
+    at = data.find(b"inflight")
+    assert at >= 0 and data.find(b"inflight", at + 1) < 0
+    old = bytes(data[:at]) + b"continue" + bytes(data[at + len(b"inflight"):])  # same length: a msgpack str of 8
+    assert BrokerCore.from_bytes(old).config.boundary == "inflight"
 
 
 def test_fifo_set_keeps_arrival_order_through_removals_re_adds_and_compaction():

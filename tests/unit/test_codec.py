@@ -102,6 +102,7 @@ def batches(draw) -> m.Batch:
                 sample_id=draw(ids), reward=draw(finite), finish_reason=draw(reasons),
                 response_offset=r_off, response_len=len(response),
                 versions=draw(version_spans(len(response))),
+                resumed_at=sorted(draw(st.sets(st.integers(1, 2**20), max_size=3))),
             ))
             response_parts.append(response)
             r_off += len(response)

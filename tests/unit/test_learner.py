@@ -337,3 +337,69 @@ def test_a_learner_that_crashes_mid_step_does_not_ack_the_batch_it_was_training(
         actor.run(stop=False)
     acks = [b.acked_batch_id for b in actor.client.peer.sent if isinstance(b, m.BatchRequest)]
     assert 5 not in acks, acks
+
+
+def test_mixed_tokens_are_those_of_a_lease_newer_than_its_first_token():
+    from april_async.learner.actor import mixed_mask
+
+    v = np.array([0, 0, 1, 1, 2])
+    assert mixed_mask(v, []).tolist() == [False, False, True, True, True]  # one lease through two loads
+    assert mixed_mask(v, [2]).tolist() == [False, False, False, False, True]  # resumed (prefilled) at version 1
+    assert mixed_mask(v, [2, 4]).tolist() == [False] * 5  # april as published: every lease within one version
+    assert mixed_mask(np.array([3, 3, 3]), [0, 7]).tolist() == [False] * 3  # offsets outside are ignored
+
+
+def _crossing_batch(before: int, after: int, *, resumed: bool = False, keep_only_before: bool = False):
+    """Two groups of two samples, each ``before`` tokens of version 0 then ``after`` of version 1 in
+    one lease (or, ``resumed``, a second lease from ``before`` on); ``keep_only_before``: the
+    responses cut where version 1 starts."""
+    rng = np.random.default_rng(7)
+    n = before if keep_only_before else before + after
+    groups, responses, sid = [], [], 0
+    for gi, rewards in enumerate([[1.0, 0.0], [0.0, 1.0]]):
+        samples = []
+        for r in rewards:
+            resp = rng.integers(3, 32, before + after).astype(np.int32)[:n]
+            spans = [m.VersionSpan(0, before)] + ([] if keep_only_before else [m.VersionSpan(1, after)])
+            samples.append(m.BatchSample(sample_id=sid, reward=r, finish_reason="stop", response_offset=sid * n,
+                                         response_len=n, versions=spans,
+                                         resumed_at=[before] if resumed and not keep_only_before else []))
+            responses.append(resp)
+            sid += 1
+        groups.append(m.BatchGroup(group_id=gi, prompt_id=f"p{gi}", prompt_offset=gi * 3, prompt_len=3,
+                                   samples=samples))
+    return m.Batch(batch_id=0, policy_version=1, groups=groups, prompt_tokens=np.asarray([1, 2, 3] * 2, dtype=np.int32),
+                   response_tokens=np.concatenate(responses), logprobs=np.full(4 * n, -3.0, dtype=np.float32))
+
+
+def test_mixed_tokens_drop_or_weight_sets_their_weight_in_the_loss():
+    batch = _crossing_batch(2, 3)
+    keep = pack(batch_rows(batch, list(batch.groups), 2)[0])
+    drop = pack(batch_rows(batch, list(batch.groups), 2, mixed_weight=0.0)[0])
+    half = pack(batch_rows(batch, list(batch.groups), 2, mixed_weight=0.25)[0])
+    assert keep.mask[0].tolist() == [0, 0, 1, 1, 1, 1, 1]
+    assert drop.mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert half.mask[0].tolist() == [0, 0, 1, 1, 0.25, 0.25, 0.25]
+    resumed = _crossing_batch(2, 3, resumed=True)  # prefilled again at version 1: nothing mixed
+    assert pack(batch_rows(resumed, list(resumed.groups), 2, mixed_weight=0.0)[0]).mask[0].tolist() == \
+        keep.mask[0].tolist()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+def test_dropping_mixed_tokens_trains_as_if_the_responses_ended_before_them(policy, tmp_path, algorithm):
+    # The decoder is causal: leaving a response's last tokens out of the loss is the same step as
+    # cutting them off.
+    dropped = learner(policy, tmp_path / "a", algorithm=algorithm, mixed_tokens="drop")
+    dropped.state.version = 1
+    dropped.train_on(_crossing_batch(2, 3))
+    cut = learner(policy, tmp_path / "b", algorithm=algorithm)
+    cut.state.version = 1
+    cut.train_on(_crossing_batch(2, 3, keep_only_before=True))
+    kept = learner(policy, tmp_path / "c", algorithm=algorithm)
+    kept.state.version = 1
+    kept.train_on(_crossing_batch(2, 3))
+    a, b, c = (x.model.state_dict() for x in (dropped, cut, kept))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert not all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)
+    row = json.loads((tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["mixed_frac"] == pytest.approx(12 / 20)

@@ -3,6 +3,7 @@ states) and the prompt sources the broker draws from."""
 
 import itertools
 import json
+import random
 import re
 
 import pytest
@@ -45,7 +46,53 @@ def test_addchain_lengths_are_long_tailed_as_its_docstring_says():
     stated = re.search(r"median (\d+), p90 (\d+), p99 (\d+), max (\d+)", addchain.__doc__)
     stats = addchain.length_stats()
     assert [stats[k] for k in ("median", "p90", "p99", "max")] == [int(g) for g in stated.groups()]
-    assert stats["p99"] >= 4 * stats["median"] and stats["max"] <= 220
+    assert stats["p99"] >= 4 * stats["median"] and stats["max"] <= 250  # within the presets' 256 tokens
+
+
+def test_addchain_has_a_million_problems_and_a_held_out_partition_of_them():
+    assert addchain.SPACE >= 1_000_000
+    rng = random.Random(0)
+    drawn = [(rng.randint(*addchain.START_RANGE), rng.randint(*addchain.ADD_RANGE), rng.randint(1, addchain.MAX_STEPS))
+             for _ in range(64_000)]
+    share = sum(addchain.is_held_out(*p) for p in drawn) / len(drawn)
+    assert abs(share - 1 / addchain.HELD_OUT_BUCKETS) < 0.004  # about 1/64 of them: ~16,900 problems
+
+
+def _key(p) -> tuple[int, int, int]:
+    return p.meta["start"], p.meta["add"], p.meta["steps"]
+
+
+def test_the_held_out_set_is_disjoint_from_every_training_stream():
+    from april_async.warmstart.config import WarmStartConfig
+    from april_async.warmstart.sft import held_out_problems
+
+    # The experiments' evaluation set: the warm start's held-out problems, as many as asked for.
+    ws = WarmStartConfig(prompts=PromptSourceConfig(kind="addchain", seed=1000), eval_problems=2048)
+    held = held_out_problems(ws)
+    keys = {_key(p) for p in held}
+    assert len(held) == 2048 and len(keys) >= 1024 and all(addchain.is_held_out(*k) for k in keys)
+    # Training prompts: the runs' seeds 0-4 (broker.prompts.seed) and the warm start's stream 1000,
+    # through the broker's own prompt source.
+    for seed in (0, 1, 2, 3, 4, 1000):
+        src = PromptSource(PromptSourceConfig(kind="addchain", seed=seed))
+        train = {_key(src.next()) for _ in range(20_000)}
+        assert not train & keys, f"stream {seed} draws held-out problems"
+        assert not any(addchain.is_held_out(*k) for k in train)
+
+
+def test_no_training_stream_can_be_pointed_at_the_held_out_partition():
+    from pydantic import ValidationError
+
+    from april_async.broker.config import BrokerServiceConfig
+    from april_async.warmstart.config import WarmStartConfig
+
+    held = PromptSourceConfig(kind="addchain", split="held_out")
+    with pytest.raises(ValidationError, match="held-out partition is for evaluation only"):
+        BrokerServiceConfig(prompts=held)
+    with pytest.raises(ValidationError, match="the warm start learns from the training stream"):
+        WarmStartConfig(prompts=held)
+    with pytest.raises(ValidationError, match="split 'held_out' is a choice of kind 'addchain' only"):
+        PromptSourceConfig(kind="synthetic", split="held_out")
 
 
 def test_synthetic_source_keeps_the_runtime_tests_token_prompts():

@@ -119,13 +119,27 @@ def test_seeded_sampling_repeats_and_stop_tokens_end_a_response():
     assert finish == "stop" and toks[-1] == first and len(toks) <= 4
 
 
-def test_weights_swap_between_steps_and_later_tokens_carry_the_new_version():
+def test_weights_swap_between_steps_and_each_token_carries_the_version_of_its_logits():
     engine = TorchEngine(model(0), slots=1, max_seq_len=64)
     engine.submit(req(1, PROMPTS[1], 6, temperature=0.0))
     before = [engine.step()[0] for _ in range(3)]
     engine.load_weights(model(1).state_dict(), version=5)
     after = [engine.step()[0] for _ in range(3)]
-    assert [o.versions[0] for o in before + after] == [0, 0, 0, 5, 5, 5]
+    # The first token after the swap is sampled from logits the old weights computed (the
+    # previous step's forward): it is version 0's, not 5's.
+    assert [o.versions[0] for o in before + after] == [0, 0, 0, 0, 5, 5]
+    # And it is the token the old weights alone would have picked.
+    alone = TorchEngine(model(0), slots=1, max_seq_len=64)
+    alone.submit(req(1, PROMPTS[1], 6, temperature=0.0))
+    old = [alone.step()[0].tokens[0] for _ in range(4)]
+    assert [o.tokens[0] for o in before + after][:4] == old
+
+
+def test_a_request_submitted_after_a_swap_is_all_the_new_version():
+    engine = TorchEngine(model(0), slots=2, max_seq_len=64)
+    engine.load_weights(model(1).state_dict(), version=2)
+    engine.submit(req(1, PROMPTS[1], 3, temperature=0.0))
+    assert [engine.step()[0].versions[0] for _ in range(3)] == [2, 2, 2]
 
 
 def test_weights_naming_a_tensor_the_model_lacks_are_refused_not_dropped():

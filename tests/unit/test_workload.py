@@ -31,7 +31,7 @@ def test_addchain_matches_the_task():
     from april_async.tasks.addchain import length_stats
 
     s = parse_workload("addchain", max_tokens=256).stats(20_000)
-    assert s["median"] == length_stats()["median"] and s["max"] <= 209
+    assert s["median"] == length_stats()["median"] and s["max"] <= 241
 
 
 def test_a_file_of_lengths(tmp_path):
