@@ -14,25 +14,28 @@ addition, each with a countdown of the additions left, and ends GSM8K-style::
 Why this shape:
 
 - **Verifiable.** The answer is ``start + steps * add``, checked from the text by the math-answer
-  reward (``#### 57``). It spans 3..9,135, so skipping the work and guessing does not pay.
+  reward (``#### 57``). It spans 3..234, so skipping the work and guessing does not pay.
 - **Long-tailed lengths** (the workload APRIL exists for): the number of additions is drawn
   with P(k) ∝ k^-1.3 for k = 1..15, so most answers are one or two lines and a few are fifteen.
   Measured over 20,000 problems (``length_stats()``), response tokens with the character
-  tokenizer, end-of-sequence included: **median 40, p90 145, p99 241, max 241** (mean 63);
+  tokenizer, end-of-sequence included: **median 30, p90 111, p99 189, max 209** (mean 48);
   p99 is 6× the median.
 - **Locally easy.** Each line copies the previous result and the (fixed) addend, adds a single
-  digit, and counts down by one; the last line is followed by the answer. Starts run up to 9,000
-  (up to 99 before 2026-11-26): the numbers copied are longer, the step is the same. A two-layer,
+  digit, and counts down by one; the last line is followed by the answer. A two-layer,
   0.4M-parameter decoder with the character tokenizer learns it in about a minute on one core
   (``warmstart/sft.py``); sampled at temperature 1 it then errs on a few lines in a long
-  chain, which leaves reinforcement learning a clear margin to climb.
+  chain, which leaves reinforcement learning a clear margin to climb. (Starts up to 9,000, which
+  made 1,080,000 problems, were tried on 2026-11-26 and undone the same day: copying four-digit
+  numbers took the README's main job from a warm start at 0.48 held-out reward in 93 s to one at
+  0.008 after its whole 300 s budget, and the run no longer learned within its 10 minutes.)
 
-- **A held-out set held out by construction.** 15 lengths × 8 addends × 9,000 starts make
-  1,080,000 distinct problems; those whose hash falls in one bucket of ``HELD_OUT_BUCKETS`` (1/64:
-  about 16,900 problems) are the held-out partition (``is_held_out``). A training stream
+- **A held-out set held out by construction.** 15 lengths × 8 addends × 99 starts make 11,880
+  distinct problems; those whose hash falls in one bucket of ``HELD_OUT_BUCKETS`` (1/6: 1,981
+  problems, ``HELD_OUT_SIZE``) are the held-out partition (``is_held_out``). A training stream
   (``make_problem``, every seed: the broker's and the warm start's) never yields one of them: it
   draws again; the held-out stream (``held_out_problem``) yields only them. So no run trains on a
-  problem it is evaluated on, whatever the seeds.
+  problem it is evaluated on, whatever the seeds; an evaluation set is drawn from it without
+  repeats (``warmstart.sft.held_out_problems``), at most ``HELD_OUT_SIZE`` problems.
 
 Deterministic: problem ``index`` of stream ``seed`` is a pure function of the two, so a stream can
 be resumed at any index without replaying it.
@@ -52,14 +55,19 @@ MAX_STEPS = 15
 """The most additions in one problem (the longest answer fits ~240 character tokens)."""
 TAIL_EXPONENT = 1.3
 """P(steps = k) ∝ k^-TAIL_EXPONENT: the smaller, the heavier the tail."""
-START_RANGE = (1, 9_000)
+START_RANGE = (1, 99)
 ADD_RANGE = (2, 9)
-HELD_OUT_BUCKETS = 64
+HELD_OUT_BUCKETS = 6
 """A problem is held out when the hash of its prompt falls in bucket 0 of this many."""
 SPACE = MAX_STEPS * (ADD_RANGE[1] - ADD_RANGE[0] + 1) * (START_RANGE[1] - START_RANGE[0] + 1)
-"""Distinct problems: 1,080,000."""
+"""Distinct problems: 11,880."""
 
 _CUM_WEIGHTS = list(itertools.accumulate(k**-TAIL_EXPONENT for k in range(1, MAX_STEPS + 1)))
+
+
+def _held_out_size() -> int:
+    return sum(is_held_out(start, add, steps) for start in range(START_RANGE[0], START_RANGE[1] + 1)
+               for add in range(ADD_RANGE[0], ADD_RANGE[1] + 1) for steps in range(1, MAX_STEPS + 1))
 
 
 def worked_answer(start: int, add: int, steps: int) -> str:
@@ -76,6 +84,10 @@ def is_held_out(start: int, add: int, steps: int) -> bool:
     prompt, not Python's salted ``hash``)."""
     digest = hashlib.blake2b(f"{start}+{add}x{steps}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % HELD_OUT_BUCKETS == 0
+
+
+HELD_OUT_SIZE = _held_out_size()
+"""Problems in the held-out partition: 1,981."""
 
 
 def _draw(rng: random.Random, held_out: bool) -> tuple[int, int, int]:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from april_async.logs import get_logger
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.model.tokenizer import load_tokenizer
+from april_async.tasks import addchain
 from april_async.tasks.base import Problem
 from april_async.tasks.math_answer import score as math_score
 from april_async.tasks.source import PromptSource, encode_prompt
@@ -159,13 +160,23 @@ def _train(out_dir: Path, cfg: WarmStartConfig, log) -> dict:
 
 def held_out_problems(cfg: WarmStartConfig) -> list[Problem]:
     """The evaluation problems: ``eval_problems`` of the prompt stream ``seed + 1``; for ``addchain``
-    its held-out partition (``split = "held_out"``), which no training stream (the warm start's, a
-    run's) draws from."""
+    that many distinct problems of its held-out partition (``split = "held_out"``), which no training
+    stream (the warm start's, a run's) draws from: a ``ValueError`` when it holds fewer."""
     update = {"seed": cfg.prompts.seed + 1, "limit": None, "epochs": None}
-    if cfg.prompts.kind == "addchain":
-        update["split"] = "held_out"
-    src = PromptSource(cfg.prompts.model_copy(update=update))
-    return [src.next() for _ in range(cfg.eval_problems)]
+    if cfg.prompts.kind != "addchain":
+        src = PromptSource(cfg.prompts.model_copy(update=update))
+        return [src.next() for _ in range(cfg.eval_problems)]
+    if cfg.eval_problems > addchain.HELD_OUT_SIZE:
+        raise ValueError(f"eval_problems = {cfg.eval_problems}: the addchain task's held-out partition has "
+                         f"{addchain.HELD_OUT_SIZE} problems")
+    src = PromptSource(cfg.prompts.model_copy(update={**update, "split": "held_out"}))
+    out, seen = [], set()
+    while len(out) < cfg.eval_problems:  # the stream repeats problems; the evaluation set does not
+        p = src.next()
+        if p.prompt not in seen:
+            seen.add(p.prompt)
+            out.append(p)
+    return out
 
 
 def _init_weights(model: CausalLM) -> None:

@@ -49,13 +49,13 @@ def test_addchain_lengths_are_long_tailed_as_its_docstring_says():
     assert stats["p99"] >= 4 * stats["median"] and stats["max"] <= 250  # within the presets' 256 tokens
 
 
-def test_addchain_has_a_million_problems_and_a_held_out_partition_of_them():
-    assert addchain.SPACE >= 1_000_000
-    rng = random.Random(0)
-    drawn = [(rng.randint(*addchain.START_RANGE), rng.randint(*addchain.ADD_RANGE), rng.randint(1, addchain.MAX_STEPS))
-             for _ in range(64_000)]
-    share = sum(addchain.is_held_out(*p) for p in drawn) / len(drawn)
-    assert abs(share - 1 / addchain.HELD_OUT_BUCKETS) < 0.004  # about 1/64 of them: ~16,900 problems
+def test_addchain_holds_out_a_sixth_of_its_problems_by_a_hash():
+    every = [(start, add, steps) for start in range(addchain.START_RANGE[0], addchain.START_RANGE[1] + 1)
+             for add in range(addchain.ADD_RANGE[0], addchain.ADD_RANGE[1] + 1) for steps in range(1, addchain.MAX_STEPS + 1)]
+    assert len(every) == addchain.SPACE == 11_880
+    held = sum(addchain.is_held_out(*p) for p in every)
+    assert held == addchain.HELD_OUT_SIZE >= 1024  # enough for an evaluation set of 1,024 distinct problems
+    assert abs(held / len(every) - 1 / addchain.HELD_OUT_BUCKETS) < 0.01
 
 
 def _key(p) -> tuple[int, int, int]:
@@ -67,10 +67,12 @@ def test_the_held_out_set_is_disjoint_from_every_training_stream():
     from april_async.warmstart.sft import held_out_problems
 
     # The experiments' evaluation set: the warm start's held-out problems, as many as asked for.
-    ws = WarmStartConfig(prompts=PromptSourceConfig(kind="addchain", seed=1000), eval_problems=2048)
+    ws = WarmStartConfig(prompts=PromptSourceConfig(kind="addchain", seed=1000), eval_problems=1024)
     held = held_out_problems(ws)
     keys = {_key(p) for p in held}
-    assert len(held) == 2048 and len(keys) >= 1024 and all(addchain.is_held_out(*k) for k in keys)
+    assert len(held) == len(keys) == 1024 and all(addchain.is_held_out(*k) for k in keys)  # no repeats
+    with pytest.raises(ValueError, match="held-out partition has 1981 problems"):
+        held_out_problems(ws.model_copy(update={"eval_problems": addchain.HELD_OUT_SIZE + 1}))
     # Training prompts: the runs' seeds 0-4 (broker.prompts.seed) and the warm start's stream 1000,
     # through the broker's own prompt source.
     for seed in (0, 1, 2, 3, 4, 1000):
