@@ -63,6 +63,7 @@ from april_async.up.config import ACTOR_KINDS, SECTIONS, RunConfig, RunFile, loa
 from april_async.up.console import Console, SafeStream, safe_console
 from april_async.up.plan import Child, allocator_env, allocator_library, plan, plan_run
 from april_async.up.supervisor import Supervisor
+from april_async.warmstart import WarmStartStopped
 
 __all__ = ["ACTOR_KINDS", "SECTIONS", "Child", "Console", "RunConfig", "RunFile", "SafeStream", "Supervisor",
            "allocator_env", "allocator_library", "load_document", "main", "parse_actors", "plan", "plan_run",
@@ -97,6 +98,9 @@ def _main(args, console: Console) -> int:
     except ConfigError as e:
         sup.say(str(e), err=True)
         return 2
+    except WarmStartStopped as e:  # a signal during the warm start: no actor was started
+        sup.say(f"stopped ({sup.stop_reason}) during the warm start, {e}; {sup.dir / 'init'} was not written")
+        return 130
     if args.warm_start_only:  # e.g. before starting SGLang servers from <run.dir>/init
         sup.say(f"initial policy ready in {sup.dir / 'init'}")
         return 0

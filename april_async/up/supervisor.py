@@ -80,7 +80,9 @@ class Supervisor:
 
         self.say(f"warm start -> {init} (once per run directory)")
         t0 = time.monotonic()
-        stats = write_initial_policy(init, self.warm_start)  # complete or absent: another host may be waiting for it
+        # Complete or absent: another host may be waiting for it. A signal (Ctrl-C) stops it between
+        # two steps: WarmStartStopped, which the caller reports.
+        stats = write_initial_policy(init, self.warm_start, stop=lambda: self.stop_reason is not None)
         self.say(f"warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}")
 
     def start(self) -> None:

@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ from april_async.tasks import addchain
 from april_async.tasks.base import Problem
 from april_async.tasks.math_answer import score as math_score
 from april_async.tasks.source import PromptSource, encode_prompt
+from april_async.warmstart import WarmStartStopped
 from april_async.warmstart.config import WarmStartConfig
 
 IGNORE = -100
@@ -68,32 +69,39 @@ def model_config_for(cfg: WarmStartConfig, vocab_size: int, *, bos_id: int | Non
 # Training
 
 
-def write_initial_policy(init: Path | str, cfg: WarmStartConfig) -> dict:
+def write_initial_policy(init: Path | str, cfg: WarmStartConfig, stop: Callable[[], bool] | None = None) -> dict:
     """``make_initial_checkpoint`` into ``init`` as a whole: trained beside it, then renamed into place,
-    so that another host (or a later run) waiting for ``init`` sees it complete or not at all."""
+    so that another host (or a later run) waiting for ``init`` sees it complete or not at all.
+    ``stop``: asked before every step; once it says True, ``WarmStartStopped`` (and no ``init``)."""
     init = Path(init)
     tmp = init.with_name(init.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    stats = make_initial_checkpoint(tmp, cfg)
+    try:
+        stats = make_initial_checkpoint(tmp, cfg, stop)
+    except WarmStartStopped:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, init)
     return stats
 
 
-def make_initial_checkpoint(out_dir: Path | str, cfg: WarmStartConfig | None = None) -> dict:
+def make_initial_checkpoint(out_dir: Path | str, cfg: WarmStartConfig | None = None,
+                            stop: Callable[[], bool] | None = None) -> dict:
     """Train a fresh model on ``cfg.prompts`` and save it (with its tokenizer) into ``out_dir``;
-    returns the training record (also written to ``warmstart.json``). None: the defaults."""
+    returns the training record (also written to ``warmstart.json``). None: the defaults.
+    ``stop``: see ``write_initial_policy``."""
     cfg = cfg or WarmStartConfig()
     log = get_logger(actor="warmstart")
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(Path(out_dir), cfg, log)
+        return _train(Path(out_dir), cfg, log, stop)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _train(out_dir: Path, cfg: WarmStartConfig, log) -> dict:
+def _train(out_dir: Path, cfg: WarmStartConfig, log, stop: Callable[[], bool] | None = None) -> dict:
     t0 = time.monotonic()
     tok = load_tokenizer(cfg.tokenizer)
     eos = tok.eos_id
@@ -115,6 +123,9 @@ def _train(out_dir: Path, cfg: WarmStartConfig, log) -> dict:
     evals: list[dict] = []
     stopped, step, tokens = "max_steps", 0, 0
     while step < cfg.max_steps:
+        if stop is not None and stop():
+            log.info("stopped", step=step, seconds=round(time.monotonic() - t0, 1))
+            raise WarmStartStopped(f"after {step} steps in {time.monotonic() - t0:.0f} s")
         if cfg.max_seconds is not None and time.monotonic() - t0 > cfg.max_seconds:
             stopped = "max_seconds"
             break

@@ -7,6 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from april_async.warmstart import WarmStartStopped
 from april_async.warmstart.config import WarmStartConfig
 from april_async.warmstart.sft import (
     IGNORE,
@@ -14,6 +15,7 @@ from april_async.warmstart.sft import (
     evaluate,
     held_out_problems,
     make_initial_checkpoint,
+    write_initial_policy,
 )
 from april_async.model.decoder import CausalLM
 from april_async.model.tokenizer import CharTokenizer, load_tokenizer
@@ -68,3 +70,18 @@ def test_warm_start_stops_at_the_target_reward(tmp_path):
 def test_bad_warm_start_configs_are_refused(kwargs, message):
     with pytest.raises(ValidationError, match=message):
         WarmStartConfig(**kwargs)
+
+
+def test_a_stop_asked_for_ends_the_warm_start_between_steps_and_writes_nothing(tmp_path):
+    """``april up`` asks its signal flag before every step (a Ctrl-C in the first minutes of the main
+    job went unheard until the warm start's whole budget was spent)."""
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return len(asked) > 2
+    cfg = WarmStartConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_steps=50,
+                          eval_problems=2, max_response_tokens=16)
+    with pytest.raises(WarmStartStopped, match="after 2 steps"):
+        write_initial_policy(tmp_path / "init", cfg, stop=stop)
+    assert not (tmp_path / "init").exists() and not (tmp_path / "init.tmp").exists()
