@@ -156,11 +156,7 @@ class BrokerService:
             self.hub.send(identity, m.Error(code="refused", message=f"no session for {sender!r}: send hello"),
                           parent_id=msg.msg_id)
             return
-        why = roles.refusal(peer.role, msg.msg_type)
-        if why is None and moves_version(body):
-            why = self._mover(peer.role, peer.instance)
-        if why is not None:
-            self._refuse(identity, msg, peer.role, why)
+        if self._refused(identity, msg, peer.role, peer.instance):
             return
         self.core.touch(sender, now)
         if isinstance(body, m.Progress):
@@ -225,10 +221,17 @@ class BrokerService:
         needed = self.journal.records_appended if self.journal is not None else 0
         peer.acks.append((needed, seq))
 
-    def _refuse(self, identity: bytes, msg, role: str, why: str) -> None:
-        """Refuse a message its sender's role may not send (or may not send now), acting on nothing in it."""
+    def _refused(self, identity: bytes, msg, role: str, instance: str) -> bool:
+        """Refuse (and act on nothing in) a message its sender's role may not send, or may not send
+        now (``_mover``); True when it was refused."""
+        why = roles.refusal(role, msg.msg_type)
+        if why is None and moves_version(msg.body):
+            why = self._mover(role, instance)
+        if why is None:
+            return False
         self.log.warning("refused", peer=msg.sender, role=role, msg_type=msg.msg_type, error=why)
         self.hub.send(identity, m.Error(code="refused", message=why[:500]), parent_id=msg.msg_id)
+        return True
 
     def _mover(self, role: str, instance: str) -> str | None:
         """Claim the right to move the policy version for ``instance`` of ``role`` (``roles.VersionRight``):
@@ -238,11 +241,7 @@ class BrokerService:
 
     def _hello(self, identity: bytes, msg, now: float) -> None:
         body: m.Hello = msg.body
-        why = roles.refusal(body.role, msg.msg_type)
-        if why is None and moves_version(body):
-            why = self._mover(body.role, body.instance)
-        if why is not None:
-            self._refuse(identity, msg, body.role, why)
+        if self._refused(identity, msg, body.role, body.instance):
             return
         self.peers[msg.sender] = peer = PeerState(body.role, identity, body.instance, body.capacity)
         if body.role == "generator":

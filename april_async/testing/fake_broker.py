@@ -3,7 +3,8 @@ answers every message with a heartbeat and records what the broadcaster tells th
 
 For generator tests it can also hand out leases (``lease``), keep every token report a generator
 sends (``reports``), and speak an older protocol minor than this code's (``proto_version``), as a
-broker of an earlier release would."""
+broker of an earlier release would. ``NoBroker`` is an actor's broker link where a test runs no
+broker at all."""
 
 from __future__ import annotations
 
@@ -16,6 +17,23 @@ from april_async.config import LinkConfig
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
 from april_async.wire.codec import Message, encode
+
+
+class NoBroker:
+    """An actor's broker link (a ``Peer``'s interface) with no broker behind it: what is sent goes
+    nowhere, a poll waits a little (no busy loop) and brings nothing."""
+
+    def __init__(self, on_connect):
+        on_connect(self)
+
+    def send(self, body, parent_id=None) -> int:
+        return 0
+
+    def poll(self, timeout_s):
+        time.sleep(min(timeout_s, 0.01))
+
+    def close(self) -> None:
+        pass
 
 
 class FakeBroker:

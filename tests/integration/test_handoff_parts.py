@@ -18,6 +18,7 @@ import zmq
 
 from april_async.config import LinkConfig
 from april_async.testing.cluster import FAST_LINK
+from april_async.testing.fake_broker import NoBroker
 from april_async.testing.procs import free_port
 from april_async.testing.weights import LINK, TIMEOUT_S, Weights, state_fingerprint, policy
 from april_async.transport.peer import Peer
@@ -392,20 +393,6 @@ class _Hub:
         pass
 
 
-class _BrokerPeer:
-    def __init__(self, on_connect):
-        on_connect(self)
-
-    def send(self, body, parent_id=None) -> int:
-        return 0
-
-    def poll(self, timeout_s):
-        time.sleep(min(timeout_s, 0.01))
-
-    def close(self) -> None:
-        pass
-
-
 def test_receive_buffers_are_reused_between_versions_of_one_size():
     """gloo: two buffers in turn (the held one may be broadcast from while the next arrives); a
     version of another size gets a new one; a refused assembly frees its buffer at once."""
@@ -415,7 +402,7 @@ def test_receive_buffers_are_reused_between_versions_of_one_size():
     from april_async.broadcaster.config import BroadcasterConfig
 
     hub = _Hub()
-    actor = BroadcasterActor(BroadcasterConfig(store_port=0, backend="gloo"), hub, _BrokerPeer)
+    actor = BroadcasterActor(BroadcasterConfig(store_port=0, backend="gloo"), hub, NoBroker)
     ids = iter(range(1000))
 
     def handle(body):

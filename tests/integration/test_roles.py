@@ -18,6 +18,7 @@ import zmq
 from april_async.broker.config import BrokerServiceConfig
 from april_async.broker.service import BrokerService
 from april_async.config import LinkConfig
+from april_async.testing.fake_broker import NoBroker
 from april_async.transport.hub import Hub
 from april_async.wire import codec
 from april_async.wire import messages as m
@@ -185,22 +186,6 @@ def test_one_instance_of_a_role_moves_the_version_at_a_time(broker, role):
     broker.send(second, m.Bye())
 
 
-class _BrokerLinkStub:
-    """The broadcaster's broker link, with no broker."""
-
-    def __init__(self, on_connect):
-        on_connect(self)
-
-    def send(self, body, parent_id=None) -> int:
-        return 0
-
-    def poll(self, timeout_s):
-        time.sleep(min(timeout_s, 0.01))
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def broadcaster():
     from april_async.broadcaster.actor import BroadcasterActor
@@ -209,7 +194,7 @@ def broadcaster():
     hub = Hub("tcp://127.0.0.1:0", link=LINK, name="broadcaster")
     served = Served(hub, None)
     served.service = BroadcasterActor(BroadcasterConfig(store_port=0, backend="gloo", link=LINK.model_dump()),
-                                      hub, _BrokerLinkStub)
+                                      hub, NoBroker)
     yield served
     served.service.close()
     for sock in served.sockets.values():

@@ -37,6 +37,7 @@ from april_async.engines.config import SGLangEngineConfig
 from april_async.engines.sglang_engine import SGLangEngine
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.testing.fake_broker import NoBroker
 from april_async.testing.procs import free_port
 from standins.launch import StandinPool, start_standin
 from april_async.weights.flat import flatten
@@ -1065,20 +1066,6 @@ class _Hub:
         pass
 
 
-class _BrokerPeer:
-    def __init__(self, on_connect):
-        on_connect(self)
-
-    def send(self, body, parent_id=None) -> int:
-        return 0
-
-    def poll(self, timeout_s):
-        time.sleep(min(timeout_s, 0.01))
-
-    def close(self) -> None:
-        pass
-
-
 def test_the_broadcaster_recovers_its_sglang_servers_on_a_timer(standins):
     """Not only at a generator's hello: every ``recover_interval_s`` its tick recovers every server
     of the generators it knows, off its loop (a server paused since is continued)."""
@@ -1093,7 +1080,7 @@ def test_the_broadcaster_recovers_its_sglang_servers_on_a_timer(standins):
         SGLangFanoutConfig(recover_interval_s=0)
     server = standins()
     cfg = BroadcasterConfig(store_port=0, backend="gloo", sglang=SGLangFanoutConfig(recover_interval_s=5.0))
-    actor = BroadcasterActor(cfg, _Hub(), _BrokerPeer)
+    actor = BroadcasterActor(cfg, _Hub(), NoBroker)
     try:
         now = time.monotonic()
         hello = m.Hello(role="generator", instance="gen-0", engine="sglang", policy_version=0, servers=[server.url])
