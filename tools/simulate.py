@@ -76,9 +76,12 @@ KV cache beyond the prefill charge, weight transfer, and any training time the r
 At 1,000 generators a mode costs 25–35 s of wall time on one core (2 min for the four), much of
 it inside the broker core's own calls — the cost this tool exists to show. After the table it
 prints the slowest call of each kind and one line against issue 18's bounds (p99 <= 1 ms for a
-per-message call, no call or full collection over 10 ms), and the allocator it ran under: the
-broker's worst calls depend on it. Run it as ``april up`` runs the broker where jemalloc is
-installed: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 .venv/bin/python tools/simulate.py``.
+per-message call, no call or full collection over 10 ms), and the allocator it ran under with its
+settings (``GLIBC_TUNABLES``, ``MALLOC_CONF``): the broker's worst calls depend on it. As set up
+by the README it runs glibc's; as ``april up`` runs the broker where jemalloc is installed:
+``MALLOC_CONF=background_thread:true LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2
+.venv/bin/python tools/simulate.py``. Timings are wall-clock: on a busy machine a call the
+scheduler preempts counts as slow, so read the bounds line from a quiet one.
 Where the time went, and what each figure is now (docs/benchmarks.md, "Scale", has the tables):
 
 * Full collections walked the ledger (up to 3.3 s), then start-up's objects (14–28 ms); the ledger
@@ -89,8 +92,10 @@ Where the time went, and what each figure is now (docs/benchmarks.md, "Scale", h
 * ``publish_version`` visits only the samples a new version can make stale (28–240 ms before).
 * An early termination marks 60,000 leases aborting with one watermark (50–63 ms before); a lease
   grant carries its resume as bytes (88–100 ms before, as lists).
-* Under glibc's malloc, the first allocations after a batch is freed sort its freed chunks:
-  ``lease`` and ``finish`` up to 50–90 ms. Under jemalloc none.
+* Under glibc's malloc, the first allocation after a batch was freed sorted its 128,000 freed
+  buffers into the large bins: ``lease``, ``finish``, ``admit`` up to 30–240 ms, ``publish_version``
+  7.5 ms. An acknowledged batch now goes a group per accepted chunk, with a young collection per
+  256 samples (``Delivery.ack_batches``); the run lets the ack free the batch, as the service does.
 * The ledger's maps keyed by sample id rebuilt whole as they grew (``admit`` up to 26–42 ms): they
   are paged (``broker/paged.py``). jemalloc purged freed pages inside calls (``finish`` up to
   22–56 ms): the broker runs it with ``MALLOC_CONF=background_thread:true``. Batches leave in

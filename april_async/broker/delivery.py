@@ -12,7 +12,9 @@ out and reopens the rollout step when no step was taken.
 
 from __future__ import annotations
 
+import gc
 import math
+from collections import deque
 from collections.abc import Sequence
 from itertools import islice
 
@@ -62,6 +64,15 @@ class BatchOut(msgspec.Struct, frozen=True, gc=False):
     policy_version: int
     groups: list[BatchGroupOut]
 
+
+
+LET_GO_SAMPLES_PER_YOUNG_COLLECTION = 256
+"""The collector's young generation is collected after this many samples of acknowledged groups
+are let go. CPython counts every object freed against those allocated since its last young
+collection, which it runs once 700 more were allocated than freed: a group let go (about 2.5
+tracked tuples, lists and dicts a sample) holds it back, and with none run while a batch drained,
+the young generation grew to 60,000-75,000 objects and took 15-36 ms to collect. 256 samples are
+about 700 objects."""
 
 
 class _Assembly:
@@ -122,6 +133,10 @@ class Delivery(Policy):
         # on the way (a broker crash right after ``pull_batch``) can be sent again.
         self.unacked_batches: dict[int, BatchOut] = {}
         self._assembly: _Assembly | None = None  # a batch being packed (``pull_batch`` in slices)
+        # The groups of acknowledged batches, let go one per accepted chunk (``_accept``), not all at
+        # once, and how many of their samples went since the last young collection.
+        self._letting_go: deque[BatchGroupOut] = deque()
+        self._let_go_samples = 0
 
     def batch_pending(self) -> bool:
         """Whether ``pull_batch`` has work: a batch being packed, or B groups ready to start one."""
@@ -212,11 +227,29 @@ class Delivery(Policy):
             self._open_next_step()
 
     def ack_batches(self, upto_batch_id: int) -> bool:
-        """The learner holds every batch up to ``upto_batch_id``: forget them. True if any was."""
+        """The learner holds every batch up to ``upto_batch_id``: forget them. True if any was.
+
+        Their groups are let go one per chunk accepted after this (``_accept``), not here. Freed at
+        once, a batch held a 1,000-generator broker twice: its 128,000 token buffers, of as many
+        sizes as there are response lengths, took 70-150 ms to free, and glibc's malloc then sorted
+        the freed chunks into its large bins (a walk over the sizes a bin holds, for each) inside
+        whichever later allocation missed its caches, 10,000 a call: 30-240 ms in the next
+        ``lease``, ``finish``, ``admit`` or ``publish_version``; the rest of the batch (a quarter
+        of a million tuples, lists and structs scattered over the heap) 30-40 ms. One group a chunk
+        drains at least n times as fast as batches fill it (docs/benchmarks.md, "Scale").
+        """
         done = [bid for bid in self.unacked_batches if bid <= upto_batch_id]
         for bid in done:
-            del self.unacked_batches[bid]
+            self._letting_go.extend(self.unacked_batches.pop(bid).groups)
         return bool(done)
+
+    def _accept(self, s, offset, tokens, logprobs, spans) -> int | None:
+        if self._letting_go:  # where buffers are made, an acknowledged group goes (``ack_batches``)
+            self._let_go_samples += len(self._letting_go.popleft().samples)
+            if self._let_go_samples >= LET_GO_SAMPLES_PER_YOUNG_COLLECTION:
+                self._let_go_samples = 0
+                gc.collect(0)
+        return super()._accept(s, offset, tokens, logprobs, spans)
 
     def unacked_batch_after(self, batch_id: int | None) -> BatchOut | None:
         """The oldest sent batch the learner has not acknowledged (``batch_id``: its newest)."""

@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 
 from april_async.broker import records as r
+from april_async.broker.allocator import allocator_in_use
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
 from april_async.broker.core import LOGPROB_DTYPE, TOKEN_DTYPE, AbortLease, BatchOut, BrokerCore, BrokerError
 from april_async.broker.records import apply_progress, ledger_arrays
@@ -120,7 +121,7 @@ class BrokerService:
         # the simulator: 2.5 ms at most, against 14–19 ms).
         gc.collect()
         gc.freeze()
-        self.log.info("serving", bind=self.hub.endpoint, mode=self.cfg.rollout.mode)
+        self.log.info("serving", bind=self.hub.endpoint, mode=self.cfg.rollout.mode, allocator=allocator_in_use())
         while not stop:
             # A batch being packed for a waiting learner: the next slice at once, after what came in.
             busy = bool(self.batch_waiters) and self.core.batch_pending()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from april_async.broker.allocator import allocator_in_use
 from april_async.sim.config import SimError, SimSettings, sim_settings
 from april_async.sim.costs import COSTS
 
@@ -37,20 +37,6 @@ FLAGS = {  # SimSettings field -> its flags, where they are not simply --field-n
 }
 PRESET_COSTS = ("step_a_s", "step_b_s", "prefill_s")
 
-
-
-def allocator_in_use() -> str:
-    """The malloc this process runs on: jemalloc when preloaded (``LD_PRELOAD``), else the C library's."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    if "jemalloc" not in maps:
-        return "the C library's malloc"
-    conf = os.environ.get("MALLOC_CONF", "")
-    return (f"jemalloc, MALLOC_CONF={conf!r}" if conf else "jemalloc") + (
-        "" if "background_thread:true" in conf else " (without background_thread:true, freed pages are purged "
-                                                    "inside calls: set MALLOC_CONF=background_thread:true)")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags: the run's (modes, η, output) and one per ``SimSettings`` field, which holds the

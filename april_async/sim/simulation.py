@@ -270,9 +270,13 @@ class Simulation:
             while batch is None and core.batch_pending():  # the service's loop: a slice a turn, at once
                 batch = self._call("pull_batch", core.pull_batch, self.now, BATCH_SLICE_SAMPLES)
             if batch is not None:
-                self._call("ack_batches", core.ack_batches, batch.batch_id)  # the learner holds it
+                # The learner holds it, and so does nobody here: the acknowledgement frees it, as in
+                # the service (where only ``unacked_batches`` holds a batch sent).
+                batch_id = batch.batch_id
+                del batch
+                self._call("ack_batches", core.ack_batches, batch_id)
                 self._mark()
-                self.learning = batch.batch_id
+                self.learning = batch_id
                 self._push(self.now + self.spec.train_s, _PUBLISH, 0, 0)
 
     def _publish(self) -> None:

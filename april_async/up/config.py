@@ -74,11 +74,12 @@ class RunConfig(BaseModel):
     broker_allocator: str = "auto"
     """The broker's memory allocator. ``auto``: jemalloc (``LD_PRELOAD``) where ``libjemalloc.so.2``
     is installed (Debian/Ubuntu: ``apt install libjemalloc2``), else the C library's; ``system``:
-    the C library's; or a path to an allocator's shared library. Why: a batch frees each of its
-    samples' token buffers, and glibc's malloc sorts up to 10,000 freed chunks in whichever later
-    allocation comes next, which held a 1,000-generator broker 20–90 ms in a lease or a finish;
-    jemalloc runs with its background thread returning freed pages (``JEMALLOC_CONF``), and then
-    no call did (docs/benchmarks.md)."""
+    the C library's; or a path to an allocator's shared library. jemalloc runs with its background
+    thread returning freed pages (``JEMALLOC_CONF``). Under either, a 1,000-generator broker stays
+    within its latency bounds (docs/benchmarks.md, "Scale"): glibc's malloc stalled it 30–240 ms
+    after each batch until an acknowledged batch was let go a group at a time
+    (``Delivery.ack_batches``). ``april up`` and the broker's ``serving`` log line name the
+    allocator and its settings (``GLIBC_TUNABLES``, ``MALLOC_CONF``)."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many learner steps."""
     duration_s: float | None = Field(None, gt=0)

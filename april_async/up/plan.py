@@ -101,3 +101,15 @@ def allocator_env(library: str | None) -> dict[str, str]:
     if "jemalloc" in Path(library).name:
         env["MALLOC_CONF"] = ",".join(c for c in (os.environ.get("MALLOC_CONF"), JEMALLOC_CONF) if c)
     return env
+
+
+def allocator_description(env: dict[str, str]) -> str:
+    """What ``april up`` says the broker will run on, from its environment (``allocator_env``'s) and
+    this process's (an ``LD_PRELOAD`` or ``GLIBC_TUNABLES`` of the user's is inherited). The broker's
+    "serving" log line names what it got (``broker/allocator.py``)."""
+    lib = env.get("LD_PRELOAD") or os.environ.get("LD_PRELOAD")
+    if lib:
+        conf = env.get("MALLOC_CONF") or os.environ.get("MALLOC_CONF")
+        return f"LD_PRELOAD={lib}" + (f", MALLOC_CONF={conf}" if conf else "")
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    return "the C library's malloc, " + (f"GLIBC_TUNABLES={tunables}" if tunables else "default settings")

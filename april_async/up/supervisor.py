@@ -18,7 +18,7 @@ from april_async.config import ConfigError
 from april_async.runfiles import CHILDREN, per_node, read_json, read_metrics
 from april_async.runtime import die_with_parent
 from april_async.up.config import ACTOR_KINDS, RunConfig
-from april_async.up.plan import Child
+from april_async.up.plan import Child, allocator_description
 from april_async.warmstart.config import WarmStartConfig
 
 STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
@@ -94,6 +94,9 @@ class Supervisor:
         self._write_children()
         names = ", ".join(c.name for c in self.children)
         self.say(f"started {names}; logs in {self.dir / 'logs'}")
+        for c in self.children:
+            if c.kind == "broker":
+                self.say(f"broker allocator: {allocator_description(c.env)}")
 
     def _spawn(self, c: Child) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1", **c.env)

@@ -89,3 +89,22 @@ def test_a_step_is_spread_over_the_generators_not_piled_on_the_first():
     _hello(svc, "gen-1", 40)
     svc.tick(T0)
     assert _leased(svc) == {b"gen-0": 40, b"gen-1": 40}
+
+
+def test_the_start_log_names_the_allocator(tmp_path):
+    """The "serving" line says which malloc the broker runs on and with what settings (its worst
+    call times at 1,000 generators depend on it: docs/benchmarks.md)."""
+    import gc
+
+    from structlog.testing import capture_logs
+
+    from april_async.broker.allocator import allocator_in_use
+
+    svc = service(tmp_path)
+    with capture_logs() as logs:
+        try:
+            svc.run(stop=True)  # nothing to serve: it logs "serving" and closes
+        finally:
+            gc.unfreeze()  # run() froze the test process's objects
+    (serving,) = [e for e in logs if e["event"] == "serving"]
+    assert serving["allocator"] == allocator_in_use()

@@ -299,7 +299,8 @@ def test_the_broker_runs_under_the_allocator_asked_for(tmp_path, no_cluster_env,
     """``run.broker_allocator``: auto preloads jemalloc where it is installed (and only into the
     broker), system preloads nothing, a path must exist."""
     from april_async.config import ConfigError
-    from april_async.up import allocator_library
+    from april_async.up import allocator_env, allocator_library
+    from april_async.up.plan import allocator_description
 
     lib = tmp_path / "libjemalloc.so.2"
     lib.write_bytes(b"\x7fELF")
@@ -327,3 +328,10 @@ def test_the_broker_runs_under_the_allocator_asked_for(tmp_path, no_cluster_env,
     assert children[0].env == {"LD_PRELOAD": str(other)}  # jemalloc's options only for jemalloc
     _, children, _ = plan(load_document(None, ["run.broker_allocator='system'"]), "broker")
     assert children[0].env == {}
+    # What ``april up`` says the broker runs on (its "serving" log line says what it got).
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert allocator_description({}) == "the C library's malloc, default settings"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1048576")
+    assert allocator_description({}) == "the C library's malloc, GLIBC_TUNABLES=glibc.malloc.trim_threshold=1048576"
+    assert (allocator_description(allocator_env(str(lib)))
+            == f"LD_PRELOAD={lib}, MALLOC_CONF=narenas:2,background_thread:true")
