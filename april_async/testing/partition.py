@@ -12,20 +12,29 @@ test_cluster_netns.py`` does. What it reads back:
 
 Cutting a link is ``Hosts.cut`` / ``Hosts.drop`` (``testing.netns``); ``rate`` gives steps per
 minute over a window of wall time. Only the test's own addresses are ever contacted.
+
+Run as a module for the figures of one cut (root and ``ip netns`` needed; prints one JSON object):
+one generator host's link cut after the learner's step 8, restored, and the learner's steps per
+minute before, during and after the cut, with the time until the cut host holds the newest version::
+
+    .venv/bin/python -m april_async.testing.partition                  # 25 s, link down (issue 29)
+    .venv/bin/python -m april_async.testing.partition --cut-s 15 --how drop --hosts 1,2
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from april_async.runfiles import read_metrics
-from april_async.testing.netns import Hosts
+from april_async.testing.netns import Hosts, unavailable
 from april_async.testing.procs import ROOT
 from april_async.testing.runs import logs_of, tiny_policy, tiny_run
 
@@ -201,3 +210,32 @@ def cut_and_measure(run: ClusterRun, *, cut, restore, cut_s: float, watch: list[
     return {"before_spm": rate(steps, t_cut - before_s, t_cut), "during_spm": rate(steps, t_cut, t_back),
             "after_spm": rate(steps, t_after, t_end), "recovery_s": recovery, "cut_s": cut_s,
             "step_at_cut": step_cut, "step_at_return": step_back, "step_at_end": run.step()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m april_async.testing.partition", description="the figures of one network cut")
+    ap.add_argument("--cut-s", type=float, default=25.0, help="how long the link stays cut (default 25)")
+    ap.add_argument("--how", choices=["link", "drop"], default="link",
+                    help="link: the host's link down; drop: every packet lost both ways, link up")
+    ap.add_argument("--hosts", default="2", help="the generator hosts to cut, by index (default 2)")
+    ap.add_argument("--catch-up-s", type=float, default=120.0)
+    ap.add_argument("--dir", help="where the run goes (default: a new temporary directory)")
+    args = ap.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"partition: {why}", file=sys.stderr)
+        return 2
+    hosts = [int(h) for h in args.hosts.split(",")]
+    tmp = Path(args.dir or tempfile.mkdtemp(prefix="april-partition-"))
+    with ClusterRun(tmp) as run:
+        act = {"link": (run.hosts.cut, run.hosts.restore), "drop": (run.hosts.drop, run.hosts.undrop)}[args.how]
+        fig = cut_and_measure(run, cut=lambda: [act[0](h) for h in hosts], restore=lambda: [act[1](h) for h in hosts],
+                              cut_s=args.cut_s, watch=[f"n{h}-gen-0" for h in hosts], catch_up_s=args.catch_up_s)
+        run.stop()
+        fig.update(run.audit(), dir=str(tmp))
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in fig.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

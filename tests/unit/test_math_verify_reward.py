@@ -13,8 +13,9 @@ from april_async.scorer.rewards import BUILTIN_TASK_REWARDS, RewardInput, Unpars
 from april_async.tasks import math_verified
 from april_async.tasks.datasets import load_problems
 
-SLACK_S = 2.0
-"""On top of a limit, for a loaded CI machine."""
+SLACK_S = 7.0
+"""On top of a limit, for a loaded CI machine (5.4 s against a 3 s limit was seen with both cores
+busy); unbounded, the first answer below computes a number of ~10^8 digits: minutes."""
 
 
 def sample(text: str, answer, task: str = "math") -> RewardInput:
