@@ -13,7 +13,7 @@ peers' back-offs starved each other) and every other round waited for it; the le
 15 steps in 29 s to one a minute.
 
 Marked ``partition``: left out of the default run, run by CI after it, one at a time
-(``.ci/run``; by hand ``pytest -m partition``); each takes about two minutes. The rates are taken
+(``.ci/run``; by hand ``pytest -m partition``); each takes about 70 s. The rates are taken
 over 20 s windows: over 6 s ones a run with no cut moved by a third on a loaded machine.
 """
 
