@@ -31,11 +31,17 @@ def one_round(p: RoundPlanner, version: int, now: float, acks: dict[str, int]) -
     return [e for e in p.tick(now + 0.3) if isinstance(e, Log)]
 
 
-def test_a_member_missing_rounds_in_a_row_is_reported_and_its_recovery_too():
+def planner(*generators: str) -> RoundPlanner:
+    """A planner with a learner and ``generators``, each holding version 0."""
     p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
     p.hello("learner-0", "learner", 0, [], 0.0)
-    for g in ("gen-0", "gen-1"):
+    for g in generators:
         p.hello(g, "generator", 0, [], 0.0)
+    return p
+
+
+def test_a_member_missing_rounds_in_a_row_is_reported_and_its_recovery_too():
+    p = planner("gen-0", "gen-1")
     now, reported = 0.0, []
     for v in (1, 2, 3):
         now += 10.0  # past every retry delay
@@ -52,9 +58,7 @@ def test_a_member_missing_rounds_in_a_row_is_reported_and_its_recovery_too():
 
 
 def test_a_failed_collective_counts_against_every_member():
-    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
-    p.hello("learner-0", "learner", 0, [], 0.0)
-    p.hello("gen-0", "generator", 0, [], 0.0)
+    p = planner("gen-0")
     now = 0.0
     for v in (1, 2, 3):
         now += 10.0
@@ -69,10 +73,7 @@ def test_a_failed_collective_counts_against_every_member():
 
 
 def test_a_member_that_keeps_failing_is_benched_for_longer_each_time():
-    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
-    p.hello("learner-0", "learner", 0, [], 0.0)
-    for g in ("gen-0", "gen-1"):
-        p.hello(g, "generator", 0, [], 0.0)
+    p = planner("gen-0", "gen-1")
     now, benched = 0.0, []
     for v in (1, 2, 3, 4):
         now += 100.0  # past every retry delay and bench
@@ -88,10 +89,7 @@ def test_a_member_gone_while_the_collective_runs_is_not_waited_for():
     other member and the learner) waited for it until the cut ended. Its session expiring now
     cuts the collective (``Sever``); one that acked already, or a round whose collective is over,
     is left alone."""
-    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
-    p.hello("learner-0", "learner", 0, [], 0.0)
-    for g in ("gen-0", "gen-1"):
-        p.hello(g, "generator", 0, [], 0.0)
+    p = planner("gen-0", "gen-1")
     held(p, 1, 1.0)
     assert any(isinstance(e, StartCollective) for e in p.tick(1.0))
     p.heartbeat("gen-0", 1, 1.1)  # acked early (a member reports after its own receive)
@@ -106,10 +104,7 @@ def test_a_member_gone_while_the_collective_runs_is_not_waited_for():
 def test_a_member_not_at_the_rendezvous_in_time_is_given_up_and_benched_for_longer_each_time():
     """After a cut a returning generator's worker may still sit in an old collective: the epoch
     re-formed for it must not wait ``timeout_s`` on it, nor must the learner."""
-    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
-    p.hello("learner-0", "learner", 0, [], 0.0)
-    for g in ("gen-0", "gen-1"):
-        p.hello(g, "generator", 0, [], 0.0)
+    p = planner("gen-0", "gen-1")
     benched = []
     now = 0.0
     for v in (1, 2):
