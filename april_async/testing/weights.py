@@ -166,7 +166,7 @@ class RawGenerator:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.send(m.Heartbeat())
-            self.w.broker.pump(0.02)
+            self.w.pump(0.02)
             while self.sock.poll(0):
                 msg = decode(self.sock.recv_multipart())
                 if isinstance(msg.body, m.WeightsAnnounce):
@@ -246,11 +246,16 @@ class Weights:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}; status {self.status()}\n"
                                      f"{self.cluster.dump_logs()}")
-            self.broker.pump(0.05)
-            if self.learner is not None:
-                while self.learner.poll(0.0) is not None:
-                    pass
+            self.pump(0.05)
             self.cluster.assert_alive()
+
+    def pump(self, timeout_s: float) -> None:
+        """Serve the broker and the learner's session: a learner peer that lost its connection
+        reconnects (and hands its newest version over again) only while it is polled."""
+        self.broker.pump(timeout_s)
+        if self.learner is not None:
+            while self.learner.poll(0.0) is not None:
+                pass
 
     def holds(self, name: str, version: int, expect: str) -> bool:
         got = self.loads(name)
