@@ -20,6 +20,14 @@
   (``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``, at the link's timing) close a connection that a cut
   left half-open, with what was queued on it, instead of leaving it to TCP's retransmissions
   (15 minutes and more).
+- No receive high-water mark (``RCVHWM`` 0). With ZeroMQ's heartbeats on, libzmq 4.3.x aborts the
+  whole process (``Assertion failed: !_io_error``, stream_engine_base.cpp; libzmq issues #3937,
+  #4364, #4841) when a peer whose messages filled the receive queue disconnects before the hub
+  drained them: its connection's input is stopped, the hang-up marks it failed, and the next
+  heartbeat writes to it. A peer that floods the hub and goes (a generator killed mid-burst, a
+  fuzzer) would take the broker down. Unlimited, the queue never fills, so input never stops;
+  what bounds it is the senders (their own send queues, ``MAXMSGSIZE`` per message, and with
+  keys only listed clients), and the hub drains it on every poll.
 - Authentication (``transport/curve.py``): with keys the hub is a CurveZMQ server that admits
   only listed clients, and logs every refused handshake (``auth_refused``); without keys it
   binds loopback addresses only, unless ``link.allow_open``. With a ``roles.toml`` beside the
@@ -65,6 +73,7 @@ class Hub:
         self.sock.setsockopt(zmq.MAXMSGSIZE, link.max_message_bytes * HARD_LIMIT_FACTOR)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(link.heartbeat_interval_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(link.peer_timeout_s * 1000))
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # see the module docstring: a full queue + heartbeats aborts
         self.secure = curve.serve(self.sock, self.ctx, link.keys, bind, allow_open=link.allow_open)
         self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         if bind.endswith(":0"):

@@ -214,3 +214,39 @@ def test_2k_malformed_frames_at_a_real_broker_then_a_good_client_is_served(tmp_p
     finally:
         sock.close()
         cluster.stop_all()
+
+
+HUB_UNDER_A_FLOOD = """
+import sys, time, zmq
+from april_async.config import LinkConfig
+from april_async.transport.hub import Hub
+
+hub = Hub("tcp://127.0.0.1:0", link=LinkConfig(heartbeat_interval_s=0.05, peer_timeout_s=0.8))
+ctx = zmq.Context.instance()
+for burst in range(3):
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.IDENTITY, b"flood-%d" % burst)
+    flood.setsockopt(zmq.SNDHWM, 0)
+    flood.setsockopt(zmq.LINGER, 5000)  # everything is handed to TCP before the socket goes
+    flood.connect(hub.endpoint)
+    for _ in range(5000):
+        flood.send(b"junk" * 50)
+    flood.close()  # gone while the hub, busy elsewhere, has not read its messages
+    time.sleep(0.5)  # ten heartbeat intervals
+    hub.poll(0.1)
+print("served", hub.counters["bad_frames"] > 0, flush=True)
+hub.close()
+"""
+
+
+def test_a_peer_that_floods_the_hub_and_goes_does_not_abort_it():
+    """libzmq 4.3 aborts a process whose heartbeating socket had its input stopped by a full
+    receive queue when that peer disconnects (see ``transport/hub.py``); the hub keeps no receive
+    limit, so the junk of three such peers is read and the process lives. Its own process: an
+    abort here would take pytest with it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", HUB_UNDER_A_FLOOD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-2000:]}"
+    assert "served True" in out.stdout, out.stdout
