@@ -146,38 +146,58 @@ class RawGenerator:
     def hold_session(self, what: str | None = None) -> None:
         """Say hello until the broadcaster lists this generator, keeping it fresh: a slow start,
         or a pause longer than the peer timeout, would otherwise lose a single hello's session."""
-
-        def listed() -> bool:
-            held = self.name in self.w.status().get("members", {})
-            if held:
-                self.send(m.Heartbeat())
-            else:
-                self.hello()
-            time.sleep(0.05)
-            return held
-
-        self.w.wait(what or f"{self.name}'s session", listed)
+        hold_sessions([self], what)
 
     def announce(self, timeout_s: float) -> m.WeightsAnnounce | None:
         """The next announce on this connection (heartbeats meanwhile: rounds take members heard
         from lately), or None after ``timeout_s``."""
+        return announces([self], timeout_s)[self.name]
+
+    def _heartbeat_and_read(self, got: dict) -> None:
         from april_async.wire.codec import decode
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.send(m.Heartbeat())
-            self.w.pump(0.02)
-            while self.sock.poll(0):
-                msg = decode(self.sock.recv_multipart())
-                if isinstance(msg.body, m.WeightsAnnounce):
-                    return msg.body
-            time.sleep(0.05)
-        return None
+        self.send(m.Heartbeat())
+        while self.name not in got and self.sock.poll(0):
+            msg = decode(self.sock.recv_multipart())
+            if isinstance(msg.body, m.WeightsAnnounce):
+                got[self.name] = msg.body
 
     def close(self, bye: bool = True) -> None:
         if bye:
             self.send(m.Bye(reason="done"))
         self.sock.close()
+
+
+def hold_sessions(gens: list[RawGenerator], what: str | None = None) -> None:
+    """Say hello (or, once listed, heartbeat) from every one of ``gens`` until the broadcaster lists
+    them all. Together: on a loaded machine the wait for one can outlast another's peer timeout,
+    and a generator that fell silent meanwhile would be dropped from the next round."""
+    w = gens[0].w
+
+    def listed() -> bool:
+        members = w.status().get("members", {})
+        for gen in gens:
+            if gen.name in members:
+                gen.send(m.Heartbeat())
+            else:
+                gen.hello()
+        time.sleep(0.05)
+        return all(gen.name in members for gen in gens)
+
+    w.wait(what or f"{', '.join(g.name for g in gens)}'s sessions", listed)
+
+
+def announces(gens: list[RawGenerator], timeout_s: float) -> dict[str, m.WeightsAnnounce | None]:
+    """The next announce of each of ``gens`` (None for one that got none within ``timeout_s``),
+    every one heartbeating until all have theirs: a round takes the members heard from lately."""
+    w, got = gens[0].w, {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(gens) and time.monotonic() < deadline:
+        for gen in gens:
+            gen._heartbeat_and_read(got)
+        w.pump(0.02)
+        time.sleep(0.05)
+    return {gen.name: got.get(gen.name) for gen in gens}
 
 
 class Weights:
@@ -196,6 +216,12 @@ class Weights:
             "name": "broadcaster", "bind": self.endpoint, "link.broker": self.broker.hub.endpoint, **FAST_LINK,
             "store_port": free_port(), "backend": "gloo", "bucket_mb": 0.25, "timeout_s": TIMEOUT_S,
             "status_file": str(self.status_file)})
+
+    def wait_serving(self) -> None:
+        """Until the broadcaster has bound its hub and logged ``serving`` (its start-up, torch's
+        import among it, takes seconds on a loaded machine: not part of any answer's deadline)."""
+        log = self.cluster.logs["broadcaster"]
+        self.wait("the broadcaster serving", lambda: log.is_file() and "serving" in log.read_text(errors="replace"))
 
     def start_member(self, name: str):
         """A member process (``member_main``) named ``name``, its loads in ``loads_file(name)``."""

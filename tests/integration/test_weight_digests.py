@@ -23,7 +23,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from april_async.testing.weights import LINK, TIMEOUT_S, RawGenerator, RecordingEngine, ScriptedSession, policy
+from april_async.testing.weights import (LINK, TIMEOUT_S, RawGenerator, RecordingEngine, ScriptedSession, announces,
+                                         hold_sessions, policy)
 from april_async.weights.flat import bucket_digests, buckets, check_digests, flatten
 from april_async.weights.group import WeightGroup
 from april_async.wire import messages as m
@@ -212,10 +213,9 @@ def test_a_generator_of_1_6_makes_the_round_blake2b_and_blake3_returns_once_it_l
     groups = {name: WeightGroup() for name in gens}
     try:
         w.connect_learner()
-        for gen in gens.values():
-            gen.hold_session()
+        hold_sessions(list(gens.values()))
         w.send_version(1)
-        anns = {name: gen.announce(15.0) for name, gen in gens.items()}
+        anns = announces(list(gens.values()), 15.0)
         assert all(anns.values()), f"announces {anns}\n{w.cluster.dump_logs()}"
         _, v1 = flatten(policy(1))
         assert {a.digest_alg for a in anns.values()} == {B2}
@@ -251,6 +251,7 @@ def test_the_broadcaster_refuses_a_generator_of_protocol_1_5(weights):
 
     w = weights
     w.start_broadcaster()
+    w.wait_serving()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"gen-old")
     sock.setsockopt(zmq.LINGER, 0)
