@@ -26,6 +26,7 @@ import torch
 
 from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest, RequestRefused
 from april_async.engines.config import TorchEngineConfig
+from april_async.engines.sampling import sample_rows
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
 from april_async.runtime import resolve_device
@@ -168,36 +169,24 @@ class TorchEngine(Engine):
 def sample_batch(logits: torch.Tensor, requests: list[EngineRequest], generators: list) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` [B, V], each row with its request's sampling settings.
 
-    Tempered log-softmax, then top-k and top-p on one descending sort, then an inverse-CDF draw
-    with one uniform per row (from the row's own generator when the request is seeded).
-    Greedy rows (temperature 0) take the argmax. Returns tokens and behaviour log-probs.
+    Tempered log-softmax, then top-k and top-p on one descending sort (only when some row asks for
+    truncation), then an inverse-CDF draw with one uniform per row (from the row's own generator when
+    the request is seeded): ``sampling.sample_rows``. Greedy rows (temperature 0) take the argmax.
+    Returns tokens and behaviour log-probs.
 
     Everything runs on ``logits.device``; the tokens and log-probs come back to the host in one
     transfer (one float64 [2, B] tensor: token ids are exact in float64, log-probs widen exactly).
     """
-    device = logits.device
+    device, vocab = logits.device, logits.shape[1]
     temps = _on(device, [r.temperature for r in requests], logits.dtype)
-    greedy = temps == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None], -1)
     u = torch.stack([torch.rand((), generator=g, device=device) if g is not None else torch.rand((), device=device)
                      for g in generators])
-    if any(r.top_k or r.top_p < 1.0 for r in requests):
-        # Truncation needs the tokens in rank order: one descending sort for the whole batch.
-        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
-        probs = sorted_lp.exp()
-        ranks = torch.arange(probs.shape[1], device=device)[None]
-        top_k = _on(device, [r.top_k or probs.shape[1] for r in requests], torch.int64)[:, None]
-        top_p = _on(device, [r.top_p for r in requests], probs.dtype)[:, None]
-        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each one
-        probs = torch.where((ranks < top_k) & (before < top_p), probs, torch.zeros_like(probs))
-    else:
-        # No truncation: the inverse CDF works in vocabulary order, no sort needed.
-        probs, order = logprobs.exp(), None
-    cdf = torch.cumsum(probs, -1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous()).clamp(max=probs.shape[1] - 1)
-    tokens = (pick if order is None else order.gather(1, pick))[:, 0]
-    tokens = torch.where(greedy, logprobs.argmax(-1), tokens)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    truncate = any(r.top_k or r.top_p < 1.0 for r in requests)
+    top_k = top_p = None
+    if truncate:
+        top_k = _on(device, [min(r.top_k, vocab) if r.top_k else vocab for r in requests], torch.int64)
+        top_p = _on(device, [r.top_p for r in requests], logits.dtype)
+    tokens, chosen = sample_rows(logits, temps, top_k, top_p, u, truncate=truncate)
     ids, lps = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()  # the one sync
     return [int(t) for t in ids], lps
 
