@@ -44,3 +44,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The column of each row's (unnormalised) ``probs`` where its CDF passes ``u`` of the row's mass."""
     cdf = torch.cumsum(probs, -1)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous()).clamp(max=probs.shape[1] - 1)[:, 0]
+
+
+def to_device(device: torch.device, data: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on ``device``. To CUDA it goes by a pinned, non-blocking copy:
+    ``torch.tensor(..., device="cuda")`` waits for the GPU to finish its queued work first."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
