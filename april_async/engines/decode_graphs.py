@@ -6,7 +6,8 @@ write only buffers allocated once: ``sample`` (every active row's token from its
 ``forward`` (one decode forward of every continuing row, writing each row's next logits). On CUDA
 each is captured as a CUDA graph the first time its bucket is met and replayed after that; with
 ``capture=False`` the same functions run eagerly on the same buffers, which is how the CPU tests
-drive this path. Prefill stays eager (``TorchEngine.submit``) and writes its row of ``logits``.
+drive this path. Every bucket is captured when the engine is made (``capture_all``), before the
+generator starts the thread that receives weights onto the GPU: nothing is captured mid-run. Prefill stays eager (``TorchEngine.submit``) and writes its row of ``logits``.
 
 Batch buckets: the active count rounded up to a power of two (``slots`` at most). Rows n..b-1 of a
 bucket are padding. They are free rows, because active requests always hold rows 0..n-1
@@ -90,6 +91,17 @@ class StaticDecode:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._addresses = addresses(model)
+        if capture:
+            self.capture_all()
+
+    def capture_all(self) -> None:
+        """Capture every bucket's functions now. Each runs on the buffers as they are: no row is
+        active yet, so the forwards write only free rows (token 0 at position 0, and their logits)."""
+        for b in self.batch_sizes:
+            for truncate in (False, True):
+                self._run(("sample", b, truncate), lambda b=b, t=truncate: self._sample(b, t))
+            for span in self.spans:
+                self._run(("forward", b, span), lambda b=b, s=span: self._forward(b, s))
 
     # ------------------------------------------------------------------ the engine's calls
 
@@ -161,7 +173,12 @@ class StaticDecode:
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm ``fn`` up on a side stream (first calls allocate workspaces), then capture it. Each
         function rewrites the same outputs from the same inputs, so the warm-up runs change nothing
-        the replay that follows does not write again."""
+        the replay that follows does not write again.
+
+        All graphs share one memory pool, and are replayed in any order: that is safe because each
+        keeps nothing in the pool past its own run (its inputs and outputs are the static buffers,
+        allocated outside it), so a graph's scratch memory holds nothing another graph reads.
+        ``thread_local``: another thread's CUDA calls (a weights receive) do not break a capture."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -169,7 +186,7 @@ class StaticDecode:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             fn()
         return graph
 

@@ -6,6 +6,7 @@ CUDA graphs and compare them with the eager step."""
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,9 +22,9 @@ CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hid
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, eos_token_id=100)
 
 
-def model(seed=0, device="cpu"):
+def model(seed=0, device="cpu", cfg=CFG):
     torch.manual_seed(seed)
-    return CausalLM(CFG).to(device).eval()
+    return CausalLM(cfg).to(device).eval()
 
 
 def req(lease, prompt, n, resume=(), **kw):
@@ -303,8 +304,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 def test_captured_graphs_match_the_eager_step_on_cuda():
-    """float32 on CUDA: the mixed run on captured graphs (several batch and span buckets) against the
-    eager step and against the same functions uncaptured."""
+    """float32 on CUDA: the mixed run on captured graphs (several batch and span buckets, all captured
+    when the engine is made) against the eager step and against the same functions uncaptured."""
     script = mixed_script(slots=4)
     script[0].append(("submit", req(50, prompt(50, 60), 30, temperature=0.0)))  # crosses the 64-key span
     runs = {}
@@ -312,9 +313,7 @@ def test_captured_graphs_match_the_eager_step_on_cuda():
         engine = TorchEngine(model(device="cuda"), slots=5, max_seq_len=128, **kw)
         runs[step] = drive(engine, script)
         if step == "graphs":
-            keys = set(engine._static.graphs)
-            assert {k[2] for k in keys if k[0] == "forward"} == {64, 128}, keys
-            assert len({k[1] for k in keys}) >= 3, keys
+            assert len(engine._static.graphs) == 4 * (2 + 2)  # batch 1, 2, 4, 5 x (2 samplers + spans 64, 128)
     assert_same(runs["eager"], runs["static"], tol=1e-4)
     assert_same(runs["static"], runs["graphs"], tol=1e-4)
 
@@ -322,21 +321,25 @@ def test_captured_graphs_match_the_eager_step_on_cuda():
 @pytest.mark.gpu
 @needs_cuda
 def test_graphs_on_cuda_load_weights_in_place_and_synchronise_once_a_step():
-    engine = TorchEngine(model(device="cuda").to(torch.bfloat16), slots=4, max_seq_len=64)  # auto: graphs
+    endless = replace(CFG, eos_token_id=None)  # every response runs to its length: the tags are known
+    engine = TorchEngine(model(device="cuda", cfg=endless).to(torch.bfloat16), slots=4, max_seq_len=64)  # auto: graphs
     assert engine._static is not None and engine._static.capture
     before = addresses(engine.model)
     script = {0: [("submit", req(1, prompt(1, 4), 9, temperature=0.0)), ("submit", req(2, prompt(2, 5), 9, seed=3))],
-              3: [("load", {k: v.cuda() for k, v in model(1).state_dict().items()}, 5)]}
+              3: [("load", {k: v.cuda() for k, v in model(1, cfg=endless).state_dict().items()}, 5)]}
     got = drive(engine, script)
     assert addresses(engine.model) == before
     assert got[1][2] == [0, 0, 0, 0, 5, 5, 5, 5, 5]
-    eager = drive(TorchEngine(model(device="cuda").to(torch.bfloat16), slots=4, max_seq_len=64, cuda_graphs="off"),
-                  script)
-    assert got[1][0] == eager[1][0] and got[2][0] == eager[2][0]
+    assert all(len(v[0]) == 9 and v[3] == "length" for v in got.values())
+    # bfloat16 rounds differently at other batch and span sizes, so only the first token (from the
+    # prefill's logits, the same on both steps) is compared with the eager step.
+    eager = drive(TorchEngine(model(device="cuda", cfg=endless).to(torch.bfloat16), slots=4, max_seq_len=64,
+                              cuda_graphs="off"), script)
+    assert got[1][0][0] == eager[1][0][0] and got[2][0][0] == eager[2][0][0]
 
     for r in (req(3, prompt(3, 4), 20, seed=1, top_k=9), req(4, prompt(4, 4), 20, temperature=0.0)):
         engine.submit(r)
-    engine.step()  # warm-up: this bucket's capture synchronises
+    engine.step()  # warm-up: first-use allocations may synchronise
     syncs = []
     for _ in range(5):
         with warnings.catch_warnings(record=True) as caught:
