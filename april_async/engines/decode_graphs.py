@@ -94,9 +94,12 @@ class StaticDecode:
         if capture:
             self.capture_all()
 
+    @torch.no_grad()
     def capture_all(self) -> None:
         """Capture every bucket's functions now. Each runs on the buffers as they are: no row is
-        active yet, so the forwards write only free rows (token 0 at position 0, and their logits)."""
+        active yet, so the forwards write only free rows (token 0 at position 0, and their logits).
+        Without autograd, as every decode step runs: a captured forward that recorded a backward
+        would keep its saved activations in the graphs' pool."""
         for b in self.batch_sizes:
             for truncate in (False, True):
                 self._run(("sample", b, truncate), lambda b=b, t=truncate: self._sample(b, t))

@@ -150,6 +150,22 @@ def test_the_engine_runs_the_bucket_of_its_active_count_and_longest_context(monk
     assert spans == {64, 128}  # the 60-token prompt passed 64 keys
 
 
+def test_running_every_bucket_up_front_changes_no_later_output(monkeypatch):
+    """What a CUDA engine does when it is made (``capture_all``), run uncaptured: every bucket's
+    functions run on the empty engine without autograd, and a run after it is the eager step's."""
+    engine = TorchEngine(model(), slots=5, max_seq_len=100, _step="static")
+    runs = []
+    original = StaticDecode._run
+    with monkeypatch.context() as patch:
+        patch.setattr(StaticDecode, "_run", lambda self, key, fn: (runs.append(key), original(self, key, fn)))
+        engine._static.capture_all()
+    assert sorted(runs) == sorted([("sample", b, t) for b in (1, 2, 4, 5) for t in (False, True)]
+                                  + [("forward", b, s) for b in (1, 2, 4, 5) for s in (64, 100)])
+    assert not engine._static.logits.requires_grad and not engine._static.sampled.requires_grad
+    script = mixed_script(slots=5)
+    assert_same(drive(TorchEngine(model(), slots=5, max_seq_len=100, _step="eager"), script), drive(engine, script))
+
+
 # ---------------------------------------------------------------- the same run on both steps
 
 
