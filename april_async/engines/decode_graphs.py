@@ -4,10 +4,11 @@ On a GPU the eager decode step is launch-bound: a 0.5B model's step launches abo
 from Python and costs 20-40 ms whatever the batch. Here a step is two functions that read and
 write only buffers allocated once: ``sample`` (every active row's token from its logits) and
 ``forward`` (one decode forward of every continuing row, writing each row's next logits). On CUDA
-each is captured as a CUDA graph the first time its bucket is met and replayed after that; with
-``capture=False`` the same functions run eagerly on the same buffers, which is how the CPU tests
-drive this path. Every bucket is captured when the engine is made (``capture_all``), before the
-generator starts the thread that receives weights onto the GPU: nothing is captured mid-run. Prefill stays eager (``TorchEngine.submit``) and writes its row of ``logits``.
+each is captured as a CUDA graph per bucket and replayed; with ``capture=False`` the same functions
+run eagerly on the same buffers, which is how the CPU tests drive this path. Every bucket is
+captured when the engine is made (``capture_all``), before the generator starts the thread that
+receives weights onto the GPU: nothing is captured mid-run. Prefill stays eager
+(``TorchEngine.submit``) and writes its row of ``logits``.
 
 Batch buckets: the active count rounded up to a power of two (``slots`` at most). Rows n..b-1 of a
 bucket are padding. They are free rows, because active requests always hold rows 0..n-1
@@ -109,12 +110,13 @@ class StaticDecode:
     # ------------------------------------------------------------------ the engine's calls
 
     def sample(self, requests: Sequence, generators: Sequence) -> tuple[list[int], list[float]]:
-        """Sample rows 0..n-1 (``requests[i]`` holds row i) from ``logits``: tokens and log-probs, one read."""
+        """Sample rows 0..n-1 (``requests[i]`` holds row i) from ``logits``: tokens and log-probs,
+        read back at once."""
         n = len(requests)
         b = bucket_of(n, self.batch_sizes)
-        settings = to_device(self.device, [[r.temperature for r in requests],
-                                     [min(r.top_k, self.vocab) if r.top_k else self.vocab for r in requests],
-                                     [r.top_p for r in requests]], torch.float32)
+        top_k = [min(r.top_k, self.vocab) if r.top_k else self.vocab for r in requests]
+        settings = to_device(self.device, [[r.temperature for r in requests], top_k, [r.top_p for r in requests]],
+                             torch.float32)
         self.temps[:n] = settings[0]
         self.top_k[:n] = settings[1]  # exact: a vocabulary is far below float32's 2**24
         self.top_p[:n] = settings[2]
@@ -128,7 +130,8 @@ class StaticDecode:
         return [int(t) for t in ids], lps
 
     def forward(self, tokens: list[int], lengths: list[int]) -> None:
-        """Rows 0..n-1 take ``tokens[i]`` at position ``lengths[i]``; ``logits`` rows 0..n-1 become their next logits."""
+        """Rows 0..n-1 take ``tokens[i]`` at position ``lengths[i]``; rows 0..n-1 of ``logits``
+        become their next logits."""
         n = len(tokens)
         b = bucket_of(n, self.batch_sizes)
         span = bucket_of(max(lengths) + 1, self.spans)
@@ -168,10 +171,11 @@ class StaticDecode:
         if not self.capture:
             fn()
             return
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self.graphs[key] = self._capture(fn)
-        graph.replay()
+        with torch.cuda.device(self.device):  # the engine's GPU, whichever is current
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = self.graphs[key] = self._capture(fn)
+            graph.replay()
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm ``fn`` up on a side stream (first calls allocate workspaces), then capture it. Each

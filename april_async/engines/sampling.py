@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                u: torch.Tensor, *, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, u: torch.Tensor, *, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V] (float32) and its behaviour log-prob.
 
     ``temps`` [B]: 0 is greedy (the argmax); ``u`` [B]: uniforms in [0, 1). With ``truncate``,

@@ -54,7 +54,8 @@ class TorchEngine(Engine):
     caps = EngineCaps(weights="in_process")
 
     def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0,
-                 cuda_graphs: Literal["auto", "on", "off"] = "auto", _step: Literal["eager", "static"] | None = None):
+                 cuda_graphs: Literal["auto", "on", "off"] = "auto",
+                 _step: Literal["eager", "static"] | None = None):
         """``cuda_graphs`` as ``TorchEngineConfig.cuda_graphs``. ``_step`` (tests): ``static`` runs the
         static-buffer step without capturing it, on any device; ``eager`` the eager step."""
         self.model = model.eval()
@@ -123,7 +124,8 @@ class TorchEngine(Engine):
         order = list(self._active.items())
         if self._static is None:
             tokens, logprobs = sample_batch(torch.stack([slot.next_logits for _, slot in order]),
-                                            [slot.request for _, slot in order], [slot.generator for _, slot in order])
+                                            [slot.request for _, slot in order],
+                                            [slot.generator for _, slot in order])
         else:  # the static step samples by row (its logits live in rows 0..n-1); outputs keep the order above
             rows = [self._active[i] for i in range(len(order))]
             by_row = self._static.sample([slot.request for slot in rows], [slot.generator for slot in rows])
