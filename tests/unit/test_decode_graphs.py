@@ -17,6 +17,7 @@ from april_async.engines.config import TorchEngineConfig
 from april_async.engines.decode_graphs import StaticDecode, addresses, bucket_of, buckets
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
+from april_async.testing.models import checkpoint
 
 CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, eos_token_id=100)
@@ -309,6 +310,17 @@ def test_cuda_graphs_on_without_cuda_is_refused_by_name():
         TorchEngineConfig(cuda_graphs="yes")
     for setting in ("auto", "off"):  # the CPU keeps the eager step
         assert TorchEngine(model(), slots=2, max_seq_len=32, cuda_graphs=setting)._static is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only resolution; this host has CUDA")
+def test_the_config_reaches_the_engine(tmp_path):
+    """``from_config`` passes ``cuda_graphs``: ``auto`` is the eager step on a CPU host, and ``on``
+    with ``device = "auto"`` (valid in the file) is refused when the engine finds no GPU."""
+    checkpoint(tmp_path / "ckpt", 0)
+    cfg = TorchEngineConfig(checkpoint=str(tmp_path / "ckpt"), slots=2, max_seq_len=32)
+    assert cfg.cuda_graphs == "auto" and TorchEngine.from_config(cfg)._static is None
+    with pytest.raises(ValueError, match="cuda_graphs='on' needs a CUDA device"):
+        TorchEngine.from_config(TorchEngineConfig(checkpoint=str(tmp_path / "ckpt"), cuda_graphs="on"))
 
 
 # ---------------------------------------------------------------- on a GPU
