@@ -177,6 +177,8 @@ def test_the_static_step_matches_the_eager_one_through_joins_finishes_aborts_res
     assert_same(eager, static)
     finishes = {v[3] for v in eager.values()}
     assert finishes == {"abort", "length", "stop"}, finishes  # the run met every way out
+    ends = {v[0][-1] for v in eager.values() if v[3] == "stop"}
+    assert 100 in ends and ends & {3, 5}, ends  # by the model's eos id and by a request's stop tokens
     assert all(len(v[0]) > 0 for lease, v in eager.items() if lease != 2)
 
 
