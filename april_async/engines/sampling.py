@@ -5,7 +5,8 @@ share (the eager one, ``torch_engine.sample_batch``, and the static-buffer one, 
 ``truncate`` flag, so it can be captured in a CUDA graph. Each row draws with one uniform ``u`` by
 the inverse CDF: in vocabulary order for a row without top-k/top-p truncation, in rank order (one
 descending sort) for a row with it. The order is chosen per row, so a seeded request samples the same
-tokens whatever its batch-mates ask for.
+tokens whatever its batch-mates ask for. ``to_device``: how the small host lists of both steps (ids,
+positions, settings) reach the device without waiting for it.
 """
 
 from __future__ import annotations

@@ -212,6 +212,38 @@ def test_a_static_step_reads_back_from_the_device_once_and_a_prefill_never(monke
     assert per_step and all(r == ["tolist"] for r in per_step), per_step
 
 
+READ_OR_SIZED_BY_DATA = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique_dim",
+                         "aten._unique2", "aten.item", "aten.bincount", "aten.repeat_interleave", "aten._assert_async"}
+"""Ops that read a value back to the host or size their output by the data: a CUDA graph cannot hold them."""
+
+
+def test_the_static_functions_use_only_ops_a_cuda_graph_can_hold(monkeypatch):
+    """The CPU's stand-in for a capture: no op the sample and forward functions dispatch, through a
+    mixed run, reads back or has a data-dependent shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    seen = Ops()
+    original = StaticDecode._run
+
+    def run(self, key, fn):
+        with seen:
+            original(self, key, fn)
+
+    monkeypatch.setattr(StaticDecode, "_run", run)
+    drive(TorchEngine(model(), slots=4, max_seq_len=64, _step="static"), mixed_script(slots=4))
+    assert {"aten.sort", "aten.searchsorted", "aten.index_put_", "aten.mm"} <= seen.ops  # both functions ran
+    assert not seen.ops & READ_OR_SIZED_BY_DATA, sorted(seen.ops & READ_OR_SIZED_BY_DATA)
+
+
 # ---------------------------------------------------------------- weights
 
 
