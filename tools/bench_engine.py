@@ -5,6 +5,13 @@ long tails expensive (on a CPU the step cost grows with the batch; on a GPU it i
     .venv/bin/python tools/bench_engine.py --quick    # a smoke run
     .venv/bin/python tools/bench_engine.py --dtype bfloat16
     python3 tools/bench_engine.py --device cuda --dtype bfloat16 --models 5M 0.5B   # on a GPU
+    python3 tools/bench_engine.py --device cuda --dtype bfloat16 --cuda-graphs both  # eager vs graphs
+
+``--cuda-graphs`` picks the decode step timed: ``off`` the eager one, ``on`` the CUDA graphs
+(``TorchEngineConfig.cuda_graphs``), ``both`` each on the same model, the graphs' columns after the
+eager ones on each row (``graph ms``, ``graph tok/s``, ``graph x``, and ``speedup``: eager ms over
+graph ms). On the CPU, ``on`` and ``both`` time the static-buffer step run without capture (the
+path the CPU tests use): a check of its overhead, not of graphs.
 
 ``--device`` is the engine's own setting (``cpu``, ``cuda``, ``cuda:<i>``; ``runtime.resolve_device``),
 and the model is built there. On CUDA the timed steps are bracketed by ``torch.cuda.synchronize()``:
@@ -41,13 +48,22 @@ from april_async.runtime import resolve_device  # noqa: E402
 MODELS = BENCH_MODELS  # Qwen2-shaped by size (april_async/model/shapes.py)
 
 
-def step_seconds(model: CausalLM, batch: int, steps: int) -> float:
-    engine = TorchEngine(model, slots=batch, max_seq_len=16 + steps + 8)
+def engine_for(model: CausalLM, slots: int, max_seq_len: int, graphs: bool) -> TorchEngine:
+    """An engine on the eager step, or on CUDA graphs (on the CPU: the static step uncaptured)."""
+    if not graphs:
+        return TorchEngine(model, slots=slots, max_seq_len=max_seq_len, cuda_graphs="off")
+    if next(model.parameters()).device.type == "cuda":
+        return TorchEngine(model, slots=slots, max_seq_len=max_seq_len, cuda_graphs="on")
+    return TorchEngine(model, slots=slots, max_seq_len=max_seq_len, _step="static")
+
+
+def step_seconds(model: CausalLM, batch: int, steps: int, graphs: bool = False) -> float:
+    engine = engine_for(model, batch, 16 + steps + 8, graphs)
     for i in range(batch):
         engine.submit(EngineRequest(lease_id=i, sample_id=i, prompt=list(range(1, 17)), resume=[],
                                     max_new_tokens=steps + 4, temperature=1.0, seed=i))
     for _ in range(2):
-        engine.step()  # warm-up
+        engine.step()  # warm-up (and, with graphs, the captures of this batch's buckets)
     settle(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
@@ -78,13 +94,13 @@ def settle(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile(model: CausalLM, batch: int, name: str) -> None:
+def profile(model: CausalLM, batch: int, name: str, graphs: bool = False) -> None:
     """Where a decode step's time goes: the ops of 8 steps (after 2 warm-up steps), by host time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     steps = 8
-    engine = TorchEngine(model, slots=batch, max_seq_len=16 + steps + 12)
+    engine = engine_for(model, batch, 16 + steps + 12, graphs)
     for i in range(batch):
         engine.submit(EngineRequest(lease_id=i, sample_id=i, prompt=list(range(1, 17)), resume=[],
                                     max_new_tokens=steps + 8, temperature=1.0, seed=i))
@@ -96,7 +112,7 @@ def profile(model: CausalLM, batch: int, name: str) -> None:
         for _ in range(steps):
             engine.step()
         settle(engine.device)
-    print(f"== {name}, batch {batch}: {steps} decode steps")
+    print(f"== {name}, batch {batch}: {steps} decode steps{' (graphs)' if graphs else ''}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
 
 
@@ -111,6 +127,8 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", help="default: 1 2 4 ... 128 (--quick: 1 4)")
     p.add_argument("--profile", type=int, metavar="BATCH",
                    help="instead: torch.profiler's table of 8 decode steps at this batch, by host time")
+    p.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="off",
+                   help="the decode step timed: eager, CUDA graphs, or both side by side (default: %(default)s)")
     args = p.parse_args()
     try:
         device = resolve_device(check_device(args.device))
@@ -124,18 +142,26 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}{gpu}")
     bandwidth = copy_bandwidth(device, (64 if args.quick else 512) << 20)
     print(f"memory bandwidth (a device-to-device copy, read + written): {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'model':<6} {'params':>7} {'batch':>6} {'step ms':>8} {'tokens/s':>9} {'bound ms':>9} {'x bound':>8}")
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    label = "CUDA graphs" if device.type == "cuda" else "the static-buffer step, uncaptured (no graphs on the CPU)"
+    print("decode step: " + {"off": "eager", "on": label, "both": f"eager, then {label}"}[args.cuda_graphs])
+    extra = f" {'graph ms':>9} {'graph tok/s':>11} {'graph x':>8} {'speedup':>8}" if args.cuda_graphs == "both" else ""
+    print(f"{'model':<6} {'params':>7} {'batch':>6} {'step ms':>8} {'tokens/s':>9} {'bound ms':>9} {'x bound':>8}{extra}")
     for name in args.models:
         with torch.device(device):
             model = CausalLM(MODELS[name]).to(dtype).eval()
         params = sum(t.numel() for t in model.parameters()) / 1e6
         if args.profile:
-            profile(model, args.profile, name)
+            for g in graphs:
+                profile(model, args.profile, name, g)
             continue
         for b in batches:
-            s = step_seconds(model, b, steps)
+            s, *g = (step_seconds(model, b, steps, graphed) for graphed in graphs)
             bound = decode_step_bytes(model, b, context=16 + 2 + steps // 2) / bandwidth  # mid-run context
-            print(f"{name:<6} {params:6.1f}M {b:6d} {s * 1e3:8.2f} {b / s:9.0f} {bound * 1e3:9.3f} {s / bound:8.1f}")
+            row = f"{name:<6} {params:6.1f}M {b:6d} {s * 1e3:8.2f} {b / s:9.0f} {bound * 1e3:9.3f} {s / bound:8.1f}"
+            if g:
+                row += f" {g[0] * 1e3:9.2f} {b / g[0]:11.0f} {g[0] / bound:8.1f} {s / g[0]:8.2f}"
+            print(row, flush=True)
     return 0
 
 

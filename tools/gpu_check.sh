@@ -15,7 +15,8 @@
 # Steps, each bounded by `timeout` and by what is left of the budget; a failure does not stop the next:
 #   a. the carried wheels (.whl/) into /tmp/site; GPU, Python, torch, CUDA    -> env.log
 #   b. the gpu-marked tests, then the engine's and the learner's unit tests  -> tests.log
-#   c. bench_engine: decode steps of the 5M and 0.5B models, bfloat16        -> bench_engine.log
+#   c. bench_engine: decode steps of the 5M and 0.5B models, bfloat16, eager and CUDA graphs side
+#      by side (--cuda-graphs both)                                          -> bench_engine.log
 #   d. bench_learner: 0.5B, bfloat16, 1 rank, 4 groups x 8, responses 1-256, and the model
 #      step of transformers against model/decoder.py                          -> bench_learner.log
 #   e. launch/gpu1.toml in /tmp/gpu1: the warm start, then the whole loop     -> loop.log, actors.log
@@ -37,7 +38,7 @@ SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
 
 if [[ $DEVICE == cpu ]]; then  # smoke sizes; the run on ports that a dev machine's own run leaves free
-    ENGINE_ARGS=(--device cpu --quick --models 5M)
+    ENGINE_ARGS=(--device cpu --quick --models 5M --cuda-graphs both)
     LEARNER_ARGS=(--device cpu --smoke --ranks 1)
     LOOP_ARGS=(--set generator.torch.device=cpu --set generator.torch.dtype=float32 --set learner.device=cpu
                --set learner.dtype=float32 --set run.broker_port=5655 --set run.broadcaster_port=5656
@@ -45,7 +46,7 @@ if [[ $DEVICE == cpu ]]; then  # smoke sizes; the run on ports that a dev machin
     WARM_S=20
     LOOP_S=45
 else
-    ENGINE_ARGS=(--device cuda --dtype bfloat16 --models 5M 0.5B)
+    ENGINE_ARGS=(--device cuda --dtype bfloat16 --models 5M 0.5B --cuda-graphs both)
     LEARNER_ARGS=(--device cuda --dtype bfloat16 --params 0.5B --ranks 1 --groups 4 --group-size 8
                   --response-len 256 --steps 3 --versus-decoder)
     LOOP_ARGS=()
@@ -87,11 +88,11 @@ print("torch", torch.__version__, "| cuda", torch.version.cuda, "| available", c
 step tests-gpu 100 "$OUT/tests.log" "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
     --continue-on-collection-errors tests
 step tests-unit 80 "$OUT/tests.log" "$PY" -m pytest -p no:cacheprovider -q -n 8 \
-    tests/unit/test_torch_engine.py tests/unit/test_learner.py tests/unit/test_learner_hf.py \
-    tests/unit/test_hf_architectures.py
+    tests/unit/test_torch_engine.py tests/unit/test_decode_graphs.py tests/unit/test_learner.py \
+    tests/unit/test_learner_hf.py tests/unit/test_hf_architectures.py
 
 # c, d. benchmarks
-step bench-engine 90 "$OUT/bench_engine.log" "$PY" tools/bench_engine.py "${ENGINE_ARGS[@]}"
+step bench-engine 150 "$OUT/bench_engine.log" "$PY" tools/bench_engine.py "${ENGINE_ARGS[@]}"
 step bench-learner 200 "$OUT/bench_learner.log" "$PY" tools/bench_learner.py "${LEARNER_ARGS[@]}"
 
 # e. the whole loop: the warm start first (on the CPU, cut at WARM_S; april up counts it in
@@ -123,7 +124,7 @@ kill "$apps" 2>/dev/null
 {
     echo "== figures"
     grep -hE '(passed|failed|errors?|skipped|deselected).* in [0-9.]+s' "$OUT/tests.log"
-    grep -hE '^(torch |5M |0\.5B )' "$OUT/bench_engine.log"
+    grep -hE '^(torch |decode step|model |5M |0\.5B )' "$OUT/bench_engine.log"
     grep -hE '^\{"(ranks|model_step)"' "$OUT/bench_learner.log"
     grep -hE 'warm start done|april up: done' "$OUT/loop.log"
 } 2>&1 | tee -a "$SUMMARY"

@@ -26,6 +26,15 @@ class TorchEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights, activations and KV cache; ``auto`` is bfloat16 on CUDA, float32 on the CPU.
     Sampling always works on float32 logits."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Decode steps as CUDA graphs, captured per batch and key-span bucket and replayed (prefill stays
+    eager): ``auto`` is on for a CUDA device and off on the CPU; ``on`` needs a CUDA device."""
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> TorchEngineConfig:
+        if self.cuda_graphs == "on" and self.device == "cpu":
+            raise ValueError("cuda_graphs = 'on' needs a CUDA device, and device is 'cpu' (use 'auto' or 'off')")
+        return self
 
 
 class ScriptedEngineConfig(BaseModel):

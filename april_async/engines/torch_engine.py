@@ -15,17 +15,24 @@ The engine runs on one device (``auto | cpu | cuda[:i]``) and every tensor it ma
 A decode step reads back from the device once: the sampled ids and their log-probs, together. Host
 data goes to the device through pinned memory without blocking, and the cache's key span is known
 on the host, so nothing else waits for the GPU; a prefill reads nothing back.
+
+On CUDA the decode step runs on static buffers, captured as CUDA graphs per batch and span bucket and
+replayed (``decode_graphs``; ``cuda_graphs``: ``auto`` is on for CUDA, off on the CPU). Prefill
+stays eager. Both steps keep the same contract: the same rows, tokens, tags and finishes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest, RequestRefused
 from april_async.engines.config import TorchEngineConfig
+from april_async.engines.decode_graphs import StaticDecode
+from april_async.engines.sampling import sample_rows, to_device
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
 from april_async.runtime import resolve_device
@@ -36,7 +43,7 @@ class _Slot:
     request: EngineRequest
     length: int  # tokens in the cache
     generated: int  # new tokens under this request
-    next_logits: torch.Tensor
+    next_logits: torch.Tensor | None  # None on the static step: its row of StaticDecode.logits
     generator: torch.Generator | None
     logits_version: int  # the version of the weights that computed ``next_logits``
     pending: int = -1  # the token sampled this step, fed to the next forward
@@ -46,7 +53,11 @@ class TorchEngine(Engine):
     name = "torch"
     caps = EngineCaps(weights="in_process")
 
-    def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0):
+    def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0,
+                 cuda_graphs: Literal["auto", "on", "off"] = "auto",
+                 _step: Literal["eager", "static"] | None = None):
+        """``cuda_graphs`` as ``TorchEngineConfig.cuda_graphs``. ``_step`` (tests): ``static`` runs the
+        static-buffer step without capturing it, on any device; ``eager`` the eager step."""
         self.model = model.eval()
         self.slots = slots
         self.policy_version = policy_version
@@ -60,6 +71,10 @@ class TorchEngine(Engine):
         self._tensor_names = frozenset(model.state_dict())
         self._active: dict[int, _Slot] = {}  # slot index -> state
         self._by_lease: dict[int, int] = {}
+        graphs = graphs_on(cuda_graphs, self.device)
+        static = graphs if _step is None else _step == "static"
+        self._static = StaticDecode(model, self.cache, capture=graphs and _step is None) if static else None
+        """The static-buffer step (captured as CUDA graphs, or run eagerly in tests); None: the eager step."""
 
     @classmethod
     def from_config(cls, cfg: TorchEngineConfig) -> TorchEngine:
@@ -68,7 +83,7 @@ class TorchEngine(Engine):
         name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
         model = CausalLM.from_pretrained(Path(cfg.checkpoint), dtype=dtype).to(device)
-        return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len)
+        return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len, cuda_graphs=cfg.cuda_graphs)
 
     def active(self) -> int:
         return len(self._active)
@@ -87,14 +102,18 @@ class TorchEngine(Engine):
         if len(self._active) >= self.slots:
             raise RuntimeError(f"torch engine: all {self.slots} slots are busy (lease {request.lease_id})")
         free = len(self._active)  # active requests always hold rows 0..n-1 (see _release)
-        ids = _on(self.device, [tokens], torch.int64)
+        ids = to_device(self.device, [tokens], torch.int64)
         pos = torch.arange(len(tokens), device=self.device)[None]
         slots = torch.full((1,), free, device=self.device)
         logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, span=len(tokens)))
         gen = None
         if request.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(request.seed)
-        self._active[free] = _Slot(request, len(tokens), 0, logits[0, -1].float(), gen, self.policy_version)
+        next_logits = logits[0, -1].float()
+        if self._static is not None:
+            self._static.logits[free] = next_logits
+            next_logits = None
+        self._active[free] = _Slot(request, len(tokens), 0, next_logits, gen, self.policy_version)
         self._by_lease[request.lease_id] = free
 
     @torch.no_grad()
@@ -103,8 +122,14 @@ class TorchEngine(Engine):
             return []
         outs = []
         order = list(self._active.items())
-        tokens, logprobs = sample_batch(torch.stack([slot.next_logits for _, slot in order]),
-                                        [slot.request for _, slot in order], [slot.generator for _, slot in order])
+        if self._static is None:
+            tokens, logprobs = sample_batch(torch.stack([slot.next_logits for _, slot in order]),
+                                            [slot.request for _, slot in order],
+                                            [slot.generator for _, slot in order])
+        else:  # the static step samples by row (its logits live in rows 0..n-1); outputs keep the order above
+            rows = [self._active[i] for i in range(len(order))]
+            by_row = self._static.sample([slot.request for slot in rows], [slot.generator for slot in rows])
+            tokens, logprobs = ([got[idx] for idx, _ in order] for got in by_row)
         # The one device -> host read of the step is over; from here on the host only queues work.
         for (idx, slot), token, logprob in zip(order, tokens, logprobs):
             r = slot.request
@@ -119,11 +144,17 @@ class TorchEngine(Engine):
         for out in outs:
             if out.finish:
                 self._release(self._by_lease[out.lease_id])
-        if self._active:  # rows 0..n-1 after the releases: attention reads the cache in place
+        if self._active and self._static is not None:
+            cont = [self._active[i] for i in range(len(self._active))]
+            self._static.forward([slot.pending for slot in cont], [slot.length for slot in cont])
+            for slot in cont:
+                slot.length += 1
+                slot.logits_version = self.policy_version
+        elif self._active:  # rows 0..n-1 after the releases: attention reads the cache in place
             cont = sorted(self._active.items())
             slots = torch.arange(len(cont), device=self.device)
-            pos = _on(self.device, [[slot.length] for _, slot in cont], torch.int64)
-            ids = _on(self.device, [[slot.pending] for _, slot in cont], torch.int64)
+            pos = to_device(self.device, [[slot.length] for _, slot in cont], torch.int64)
+            ids = to_device(self.device, [[slot.pending] for _, slot in cont], torch.int64)
             span = max(slot.length for _, slot in cont) + 1
             logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, leading=True, span=span))
             for row, (_, slot) in enumerate(cont):
@@ -146,6 +177,8 @@ class TorchEngine(Engine):
         if idx != last:
             moved = self._active.pop(last)
             self.cache.move(last, idx, moved.length)
+            if self._static is not None:
+                self._static.move(last, idx)
             self._active[idx] = moved
             self._by_lease[moved.request.lease_id] = idx
 
@@ -156,55 +189,55 @@ class TorchEngine(Engine):
         ``version``, though their keys and values of earlier positions stay in the cache as the old
         weights wrote them (no re-prefill: PipelineRL's in-flight update). ``state_dict``
         may hold some of the model's tensors (an update in buckets), but a name the model does not
-        have is a ``ValueError``: weights of another architecture, which loading would drop unseen."""
+        have is a ``ValueError``: weights of another architecture, which loading would drop unseen; so
+        is a tensor of another shape, before anything is loaded. The weights are copied into the
+        model's own tensors, where the captured decode graphs read them."""
         unknown = sorted(set(state_dict) - self._tensor_names)
         if unknown:
             raise ValueError(f"weights version {version} names {len(unknown)} tensor(s) the engine's model does "
                              f"not have, e.g. {unknown[0]!r}: the learner trains another architecture")
+        own = self.model.state_dict()
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"weights version {version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the engine's model {tuple(own[name].shape)}")
         self.model.load_state_dict(state_dict, strict=False)
+        if self._static is not None:
+            self._static.check_addresses()
         self.policy_version = version
+
+
+def graphs_on(setting: str, device: torch.device) -> bool:
+    """Whether the decode step runs as CUDA graphs: ``on``, or ``auto`` on a CUDA device. ``on``
+    anywhere else is a ``ValueError`` naming the setting."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"cuda_graphs {setting!r} is not one of auto, on, off")
+    if setting == "on" and device.type != "cuda":
+        raise ValueError(f"cuda_graphs='on' needs a CUDA device; the torch engine runs on {device}")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
 def sample_batch(logits: torch.Tensor, requests: list[EngineRequest], generators: list) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` [B, V], each row with its request's sampling settings.
 
-    Tempered log-softmax, then top-k and top-p on one descending sort, then an inverse-CDF draw
-    with one uniform per row (from the row's own generator when the request is seeded).
-    Greedy rows (temperature 0) take the argmax. Returns tokens and behaviour log-probs.
+    Tempered log-softmax, then top-k and top-p on one descending sort (only when some row asks for
+    truncation), then an inverse-CDF draw with one uniform per row (from the row's own generator when
+    the request is seeded): ``sampling.sample_rows``. Greedy rows (temperature 0) take the argmax.
+    Returns tokens and behaviour log-probs.
 
     Everything runs on ``logits.device``; the tokens and log-probs come back to the host in one
     transfer (one float64 [2, B] tensor: token ids are exact in float64, log-probs widen exactly).
     """
-    device = logits.device
-    temps = _on(device, [r.temperature for r in requests], logits.dtype)
-    greedy = temps == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None], -1)
+    device, vocab = logits.device, logits.shape[1]
+    temps = to_device(device, [r.temperature for r in requests], logits.dtype)
     u = torch.stack([torch.rand((), generator=g, device=device) if g is not None else torch.rand((), device=device)
                      for g in generators])
-    if any(r.top_k or r.top_p < 1.0 for r in requests):
-        # Truncation needs the tokens in rank order: one descending sort for the whole batch.
-        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
-        probs = sorted_lp.exp()
-        ranks = torch.arange(probs.shape[1], device=device)[None]
-        top_k = _on(device, [r.top_k or probs.shape[1] for r in requests], torch.int64)[:, None]
-        top_p = _on(device, [r.top_p for r in requests], probs.dtype)[:, None]
-        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each one
-        probs = torch.where((ranks < top_k) & (before < top_p), probs, torch.zeros_like(probs))
-    else:
-        # No truncation: the inverse CDF works in vocabulary order, no sort needed.
-        probs, order = logprobs.exp(), None
-    cdf = torch.cumsum(probs, -1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].contiguous()).clamp(max=probs.shape[1] - 1)
-    tokens = (pick if order is None else order.gather(1, pick))[:, 0]
-    tokens = torch.where(greedy, logprobs.argmax(-1), tokens)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    truncate = any(r.top_k or r.top_p < 1.0 for r in requests)
+    top_k = top_p = None
+    if truncate:
+        top_k = to_device(device, [min(r.top_k, vocab) if r.top_k else vocab for r in requests], torch.int64)
+        top_p = to_device(device, [r.top_p for r in requests], logits.dtype)
+    tokens, chosen = sample_rows(logits, temps, top_k, top_p, u, truncate=truncate)
     ids, lps = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()  # the one sync
     return [int(t) for t in ids], lps
 
-
-def _on(device: torch.device, data: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small host list as a tensor on ``device``. To CUDA it goes by a pinned, non-blocking copy:
-    ``torch.tensor(..., device="cuda")`` waits for the GPU to finish its queued work first."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -39,6 +39,17 @@ def test_bench_engine_prints_tokens_per_second_by_batch():
     assert float(rows[2][5]) > 3 * float(rows[0][5])
 
 
+def test_bench_engine_prints_eager_and_graph_steps_side_by_side():
+    """``--cuda-graphs both``: the eager columns, then the graph step's (on the CPU the static-buffer
+    step uncaptured) and the speedup, eager ms over graph ms."""
+    out = run("tools/bench_engine.py", "--quick", "--models", "5M", "--batches", "2", "--cuda-graphs", "both")
+    assert "decode step: eager, then the static-buffer step, uncaptured" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("5M ")]
+    assert len(rows) == 1 and len(rows[0]) == 11, rows
+    step_ms, graph_ms, speedup = float(rows[0][3]), float(rows[0][7]), float(rows[0][10])
+    assert speedup == pytest.approx(step_ms / graph_ms, rel=0.05, abs=0.01)
+
+
 def test_bench_learner_prints_the_step_at_one_and_two_ranks(tmp_path):
     import json
 

@@ -129,11 +129,14 @@ def test_rope_scaling_changes_the_logits_the_test_compares():
             assert (model(x)[0] - plain(x)[0]).abs().max().item() > 100 * TOL, scaled
 
 
-def test_continuous_batching_logprobs_are_transformers_log_softmax(case):
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_continuous_batching_logprobs_are_transformers_log_softmax(case, step):
     """Slots at different positions (prompts of 250, 20 and 130 tokens joining at steps 0, 3 and 5):
-    each greedy token is transformers' argmax, and its log-prob transformers' log-softmax there."""
+    each greedy token is transformers' argmax, and its log-prob transformers' log-softmax there. On
+    the eager decode step and on the static-buffer one (CUDA graphs' step, run uncaptured: padded
+    batch, key spans of 256 and 400)."""
     name, hf, path = case
-    engine = TorchEngine(CausalLM.from_pretrained(path), slots=3, max_seq_len=400)
+    engine = TorchEngine(CausalLM.from_pretrained(path), slots=3, max_seq_len=400, _step=step)
     prompts = {1: ids(1, 250, 5)[0].tolist(), 2: ids(1, 20, 6)[0].tolist(), 3: ids(1, 130, 7)[0].tolist()}
     joins = {0: 1, 3: 2, 5: 3}
     got = {lid: ([], []) for lid in prompts}

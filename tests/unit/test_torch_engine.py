@@ -119,6 +119,16 @@ def test_seeded_sampling_repeats_and_stop_tokens_end_a_response():
     assert finish == "stop" and toks[-1] == first and len(toks) <= 4
 
 
+def test_a_seeded_request_samples_the_same_beside_a_truncating_one():
+    """The inverse-CDF order (vocabulary or rank) is each row's own: a seeded request without top-k
+    or top-p draws the same tokens alone and beside a request that truncates."""
+    alone = run(TorchEngine(model(), slots=2, max_seq_len=64), {0: [req(1, PROMPTS[1], 12, seed=7)]})[1]
+    mixed = run(TorchEngine(model(), slots=2, max_seq_len=64),
+                {0: [req(1, PROMPTS[1], 12, seed=7), req(2, PROMPTS[2], 12, seed=8, top_k=5, top_p=0.9)]})
+    assert mixed[1][0] == alone[0]
+    assert mixed[1][1] == pytest.approx(alone[1], abs=1e-5)
+
+
 def test_weights_swap_between_steps_and_each_token_carries_the_version_of_its_logits():
     engine = TorchEngine(model(0), slots=1, max_seq_len=64)
     engine.submit(req(1, PROMPTS[1], 6, temperature=0.0))
