@@ -11,11 +11,22 @@ not show it (a faster mode may train on staler data), so every cell here is a wh
 run (all five actors, the built-in addchain task) and is judged by when its reward gets there.
 
 The config. ``[experiment]`` names the base ``april up`` file (``base``), the cells (``cells``: a
-list of small grids, each ``{mode, r, eta, boundary, over_bound}`` with lists crossed), the seeds,
+list of small grids, each ``{mode, r, eta, boundary, over_bound, admission}`` with lists crossed,
+plus ``groups_scale``, B as a multiple of the base's), the seeds,
 the training window (``duration_s``), the reward levels (``levels``) and the moving average that
 must reach them (``ma_steps``; ``sync_levels`` adds levels read off the sync cell); ``[smoke]``
 replaces any of those for ``--smoke`` (into ``<out>-smoke``, with its own warm start); ``[sim]`` is
 ``tools/simulate.py``'s settings for ``--sim``. Relative paths are read from the current directory.
+
+Controls. A cell's name (its directory and row) and label are made from its knobs, so they say
+what runs: ``sync-2B`` ("sync 2B") trains on twice the base's groups a step, which keeps as many
+groups in flight as april at r = 2; ``async-r2-eta4-perstep`` ("async + APRIL's admission count")
+is async leasing continuously but starting at most ceil(r·B) groups a version
+(``broker.rollout.async_admission``). A cell may also carry ``set = [...]``, ``april up --set``
+overrides for its runs only; it then needs a ``name`` (one cell, beginning with its mode) and may
+give a ``label`` (beginning with its mode as shown). An override of a key the cell's knobs own
+(mode, r, η, boundary, over_bound, admission, B) or that the tool sets per run (the seed, the run
+directory, the ports) is refused, naming it; every cell's run file is checked before anything runs.
 
 One run (a cell at a seed). Every run starts from one initial policy, made once by the base's warm
 start into ``init`` (default ``<out>/init``; ``warm_start`` in ``april_async/experiments/runs.py``), so runs differ

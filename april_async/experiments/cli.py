@@ -21,7 +21,7 @@ from april_async.experiments.numbers import (Row, aggregate, engine_numbers, res
                                              run_numbers, time_to, time_to_eval)
 from april_async.experiments.plot import plot_eval, plot_experiment, plot_sweep
 from april_async.experiments.report import eval_table, paired_table, sim_table, tables, write_docs, write_results
-from april_async.experiments.runs import (check_initial_policy, evaluate_policy, finished_dir, fresh_ports,
+from april_async.experiments.runs import (check_cells, check_initial_policy, evaluate_policy, finished_dir, fresh_ports,
                                           held_out_problems, resumable, run_dir_of, run_one, run_up, toml_value,
                                           up_argv, up_command, validate_base_budget, warm_start)
 from april_async.experiments.sim import run_sim, run_sim_cell
@@ -65,6 +65,8 @@ def _experiment(args, docs_page: Path) -> int:
     cfg, sim = load_experiment(args.config, args.smoke)
     out = args.out or cfg.out
     cells = experiment_cells(cfg)
+    if not args.sim and not args.report:
+        check_cells(cfg, cells)
     if args.dry_run:
         init = cfg.init or out / "init"
         for cell in cells:
