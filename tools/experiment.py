@@ -44,6 +44,14 @@ What a run reports (from its ``metrics.jsonl``, one line per learner step, and t
 - ``t_<level>``: the first t at which the moving average of the batch reward over the last
   ``ma_steps`` steps is at least ``level`` (no value until ``ma_steps`` steps exist; None if never),
   timed from the stored reward curve, so that ``--report`` can time other levels;
+- ``s_<level>``: the same, in trained samples instead of seconds (responses in the batches the
+  learner trained on, counted from the end of the first step as t is); ``te_<level>`` and
+  ``se_<level>``, time and samples to a held-out level, linear between evaluated checkpoints;
+- ``length_hist``: the window's trained samples by response tokens (``{tokens: [samples, reward
+  sum]}``, from the learner's ``sample_response_lens`` and ``sample_rewards``), which the report
+  splits into bins at the terciles of every cell's samples pooled: per cell, the share of samples
+  and the mean batch reward in each bin, to tell a scheduling gain from short answers delivered
+  first;
 - ``reward_final``: the mean batch reward of the window's last ``ma_steps`` steps;
 - ``off_policy_frac``: trained tokens from an older policy version (token-weighted over the window);
   ``discarded_frac``: generated tokens dropped by staleness restarts, both from the broker's
@@ -62,8 +70,8 @@ A cell is the mean and sample standard deviation of those over its seeds (``t_<l
 seeds that reached it, with how many did).
 
 Against sync (``april_async/experiments/bootstrap.py``): every cell runs the same seeds, so each
-claim — time to each level (batch and held-out reward), trained tokens/s, the held-out reward at
-the window's end — is a ratio to sync over the seeds both have, with a 95 % paired bootstrap
+claim — time and trained samples to each level (batch and held-out reward), trained tokens/s, the
+held-out reward at the window's end — is a ratio to sync over the seeds both have, with a 95 % paired bootstrap
 interval over those seeds and a verdict (faster / slower than sync, or not distinguishable); in
 the tables, ``results.md`` and ``results.json`` (``against_sync``).
 
