@@ -136,6 +136,19 @@ def test_async_with_per_step_admission_starts_at_most_ceil_rB_groups_a_version_w
     assert core.counters.early_terminations == 0 and core.counters.aborts_sent == 0
 
 
+def test_a_batch_the_learner_skipped_reopens_the_per_step_count_of_async():
+    core = make(mode="async", over_provision=1.0, batch_groups=2, staleness_bound=4, async_admission="per_step")
+    admit(core, 6)
+    for g in core.lease("gen", 100, 0.0):
+        finish(core, g)
+    score_all(core)
+    batch = core.pull_batch(1.0)
+    assert core.lease("gen", 100, 1.0) == []  # ceil(r·B) = 2 groups leased in version 0
+    core.report_batch(batch.batch_id, 0, [g.group_id for g in batch.groups], "zero_variance")
+    assert core.counters.steps_skipped == 1
+    assert len(core.lease("gen", 100, 1.0)) == 4  # no step taken: the count starts again
+
+
 def test_continuous_async_admission_counts_no_steps():
     core = make(mode="async", over_provision=1.5, batch_groups=2)
     assert core.config.async_admission == "continuous" and not core.config.counts_steps
@@ -147,7 +160,7 @@ def test_continuous_async_admission_counts_no_steps():
 @pytest.mark.parametrize("mode", ["sync", "april"])
 def test_per_step_admission_is_refused_outside_async(mode):
     extra = {"over_provision": 1.0, "staleness_bound": 0} if mode == "sync" else {}
-    with pytest.raises(ValidationError, match=f"async_admission 'per_step' is a choice of mode 'async' only, not '{mode}'"):
+    with pytest.raises(ValidationError, match=f"'per_step' is a choice of mode 'async' only, not '{mode}'"):
         RolloutConfig(mode=mode, async_admission="per_step", **extra)
 
 
