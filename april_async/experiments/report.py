@@ -112,8 +112,8 @@ def length_table(cells: list[dict], edges: list[int]) -> str:
     bins = next(c["length_split"] for c in cells if c.get("length_split"))
     head = ["cell"] + [f"{b['bin']} tok: {what}" for b in bins for what in ("share", "reward")]
     lines = [f"Reward by response length: every trained sample of the window by its response tokens, in bins at the "
-             f"{len(bins)}-quantiles of all cells' samples pooled (edges {', '.join(map(str, edges)) or 'none'}), so "
-             "every cell is split at the same lengths. *share*: the cell's samples in the bin; *reward*: their mean "
+             f"terciles of all cells' samples pooled (edges {', '.join(map(str, edges)) or 'none'}; an edge that ties "
+             "another or the longest response is left out), so every cell is split at the same lengths. *share*: the cell's samples in the bin; *reward*: their mean "
              "batch reward; means ± sd over seeds. A cell whose reward rises only through a larger share of short "
              "answers gains by what it delivers first, not by its schedule.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
