@@ -51,7 +51,8 @@ What a run reports (from its ``metrics.jsonl``, one line per learner step, and t
   sum]}``, from the learner's ``sample_response_lens`` and ``sample_rewards``), which the report
   splits into bins at the terciles of every cell's samples pooled: per cell, the share of samples
   and the mean batch reward in each bin, to tell a scheduling gain from short answers delivered
-  first;
+  first; ``eval_length_hist``, the same of the last evaluated checkpoint's held-out answers (split
+  at their own terciles);
 - ``reward_final``: the mean batch reward of the window's last ``ma_steps`` steps;
 - ``off_policy_frac``: trained tokens from an older policy version (token-weighted over the window);
   ``discarded_frac``: generated tokens dropped by staleness restarts, both from the broker's

@@ -111,8 +111,8 @@ def _experiment(args, docs_page: Path) -> int:
         for lv in eval_levels:
             run[f"te_{lv:g}"] = time_to_eval(curve, lv) if curve else None
             run[f"se_{lv:g}"] = samples_to_eval(curve, run.get("curve"), lv) if curve else None
-    edges = length_edges(runs)
-    aggregated = aggregate(cells, runs, levels, eval_levels, edges)
+    edges, eval_edges = length_edges(runs), length_edges(runs, key="eval_length_hist")
+    aggregated = aggregate(cells, runs, levels, eval_levels, edges, eval_edges)
     sim_file = out / "sim.json"
     sim_rows = json.loads(sim_file.read_text())["cells"] if sim_file.is_file() else None
     text = tables(cfg, aggregated, sim_rows, notes)
@@ -122,6 +122,8 @@ def _experiment(args, docs_page: Path) -> int:
         text += "\n" + samples_table(aggregated, levels, eval_levels)
     if any(c.get("length_split") for c in aggregated):
         text += "\n" + length_table(aggregated, edges)
+    if any(c.get("eval_length_split") for c in aggregated):
+        text += "\n" + length_table(aggregated, eval_edges, held_out=True)
     paired = against_sync([c.name for c in cells], runs, levels, eval_levels)
     if paired:
         text += "\n" + paired_table(paired, {c.name: c.label for c in cells}, len(cfg.seeds))
@@ -131,6 +133,7 @@ def _experiment(args, docs_page: Path) -> int:
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
             "initial_policy": initial_policy, "eval_initial": eval_initial}
     results.write_text(json.dumps({**meta, "cells": aggregated, "against_sync": paired, "length_edges": edges,
+                                   "eval_length_edges": eval_edges,
                                    "runs": runs}, indent=2))
     (out / "results.md").write_text(text)
     print(text)

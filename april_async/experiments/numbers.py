@@ -277,14 +277,16 @@ def length_hist(rows: list[dict]) -> dict[str, list[float]]:
     return {str(n): [c, round(rw, 6)] for n, (c, rw) in sorted(hist.items())}
 
 
-def length_edges(runs: list[dict], bins: int = 3) -> list[int]:
+def length_edges(runs: list[dict], bins: int = 3, key: str = "length_hist") -> list[int]:
     """The upper edges (response tokens, inclusive) of all but the last length bin: the
-    ``bins``-quantiles of the trained samples of every finished run of every cell, pooled, so that
-    each cell is split at the same lengths. Fewer edges where lengths tie; none without lengths."""
+    ``bins``-quantiles of the samples in ``key`` (``length_hist``: the trained ones;
+    ``eval_length_hist``: the last checkpoint's held-out answers) of every finished run of every
+    cell, pooled, so that each cell is split at the same lengths. Fewer edges where lengths tie;
+    none without lengths."""
     pooled: dict[int, int] = {}
     for r in runs:
         if r.get("status") == "ok":
-            for n, (c, _) in r.get("length_hist", {}).items():
+            for n, (c, _) in (r.get(key) or {}).items():
                 pooled[int(n)] = pooled.get(int(n), 0) + int(c)
     total = sum(pooled.values())
     if not total:
@@ -301,13 +303,13 @@ def length_edges(runs: list[dict], bins: int = 3) -> list[int]:
 
 
 def length_bins(edges: list[int]) -> list[str]:
-    """The bins ``length_edges`` makes, in words: ``≤ 40``, ``41–72``, ``> 72`` (response tokens)."""
+    """The bins ``length_edges`` makes, in words: ``≤ 40 tok``, ``41–72 tok``, ``> 72 tok``."""
     if not edges:
-        return ["all"]
+        return ["all lengths"]
     lows = [None, *(e + 1 for e in edges)]
     highs = [*edges, None]
-    return [f"≤ {hi}" if lo is None else f"> {lo - 1}" if hi is None else (f"{lo}–{hi}" if lo != hi else f"{lo}")
-            for lo, hi in zip(lows, highs)]
+    return [(f"≤ {hi}" if lo is None else f"> {lo - 1}" if hi is None else f"{lo}–{hi}" if lo != hi else f"{lo}")
+            + " tok" for lo, hi in zip(lows, highs)]
 
 
 def length_split(hist: dict[str, list[float]], edges: list[int]) -> list[tuple[float, float | None]]:
@@ -335,10 +337,25 @@ def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def _length_rows(ok: list[dict], key: str, edges: list[int] | None) -> list[dict]:
+    """A cell's ``key`` histograms split at ``edges``: per bin, share and reward, mean ± sd over seeds."""
+    split = [length_split(r[key], edges) for r in ok if r.get(key)] if edges is not None else []
+    if not split:
+        return []
+    out = []
+    for b, name in enumerate(length_bins(edges)):
+        share, share_sd = _mean_sd([s[b][0] for s in split])
+        reward, reward_sd = _mean_sd([s[b][1] for s in split if s[b][1] is not None])
+        out.append({"bin": name, "share": share, "share_sd": share_sd, "reward": reward, "reward_sd": reward_sd,
+                    "runs": len(split)})
+    return out
+
+
 def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_levels: list[float] = (),
-              edges: list[int] | None = None) -> list[dict]:
+              edges: list[int] | None = None, eval_edges: list[int] | None = None) -> list[dict]:
     """Each cell over its seeds: mean and sd of every number, time and samples to every level (over
-    the seeds that reached it), the staleness histogram, and with ``edges`` the reward by length."""
+    the seeds that reached it), the staleness histogram, and with ``edges`` (``eval_edges``) the
+    batch (held-out) reward by response length."""
     out = []
     for cell in cells:
         ok = [r for r in runs if r["cell"] == cell.name and r["status"] == "ok"]
@@ -356,13 +373,9 @@ def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_lev
             for lag, n in r.get("staleness_tokens", {}).items():
                 hist[lag] = hist.get(lag, 0) + n
         row["staleness_tokens"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
-        split = [length_split(r["length_hist"], edges) for r in ok if r.get("length_hist")] if edges is not None else []
-        if split:
-            row["length_split"] = []
-            for b, name in enumerate(length_bins(edges)):
-                share, share_sd = _mean_sd([s[b][0] for s in split])
-                reward, reward_sd = _mean_sd([s[b][1] for s in split if s[b][1] is not None])
-                row["length_split"].append({"bin": name, "share": share, "share_sd": share_sd, "reward": reward,
-                                            "reward_sd": reward_sd, "runs": len(split)})
+        for key, at in (("length", edges), ("eval_length", eval_edges)):
+            split = _length_rows(ok, f"{key}_hist", at)
+            if split:
+                row[f"{key}_split"] = split
         out.append(row)
     return out

@@ -107,19 +107,29 @@ def samples_table(cells: list[dict], levels: list[float], eval_levels: list[floa
     return "\n".join(lines) + "\n"
 
 
-def length_table(cells: list[dict], edges: list[int]) -> str:
-    """The batch reward split by response length (``numbers.length_split``), every cell at the same edges."""
-    bins = next(c["length_split"] for c in cells if c.get("length_split"))
-    head = ["cell"] + [f"{b['bin']} tok: {what}" for b in bins for what in ("share", "reward")]
-    lines = [f"Reward by response length: every trained sample of the window by its response tokens, in bins at the "
-             f"terciles of all cells' samples pooled (edges {', '.join(map(str, edges)) or 'none'}; an edge that ties "
-             "another or the longest response is left out), so every cell is split at the same lengths. *share*: the cell's samples in the bin; *reward*: their mean "
-             "batch reward; means ± sd over seeds. A cell whose reward rises only through a larger share of short "
-             "answers gains by what it delivers first, not by its schedule.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def length_table(cells: list[dict], edges: list[int], held_out: bool = False) -> str:
+    """The batch reward (``held_out``: the held-out reward at the window's end) split by response
+    length (``numbers.length_split``), every cell at the same edges."""
+    key = "eval_length_split" if held_out else "length_split"
+    bins = next(c[key] for c in cells if c.get(key))
+    head = ["cell"] + [f"{b['bin']}: {what}" for b in bins for what in ("share", "reward")]
+    edges_text = (f"in bins at the terciles of all cells' samples pooled (edges {', '.join(map(str, edges)) or 'none'}; "
+                  "an edge that ties another or the longest response is left out), so every cell is split at the same "
+                  "lengths")
+    if held_out:
+        intro = (f"Held-out reward by response length: each run's last checkpoint's answers to the held-out problems "
+                 f"by their response tokens, {edges_text}. *share*: the cell's answers in the bin; *reward*: the share "
+                 "of them right; means ± sd over seeds. No scheduler chooses these answers: a difference here is "
+                 "the policy's.")
+    else:
+        intro = (f"Reward by response length: every trained sample of the window by its response tokens, {edges_text}. "
+                 "*share*: the cell's samples in the bin; *reward*: their mean batch reward; means ± sd over seeds. A "
+                 "cell whose batch reward rises only through a larger share of short answers gains by what it "
+                 "delivers first, not by its schedule.")
+    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         cols = [c["label"]]
-        for b in c.get("length_split") or [{}] * len(bins):
+        for b in c.get(key) or [{}] * len(bins):
             cols += [_pm(b, "share", ".0f", 100, " %"), _pm(b, "reward", ".3f")]
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from april_async.config import ConfigError, toml_value
 from april_async.experiments.grid import Cell, ExperimentError, Settings
-from april_async.experiments.numbers import run_numbers
+from april_async.experiments.numbers import length_hist, run_numbers
 from april_async.runtime import free_port, spawn
 
 
@@ -173,7 +173,7 @@ def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path, held_ou
     try:
         run.update(run_numbers(run_dir, cfg))
         if held_out is not None and status == "ok":
-            run["eval_curve"] = eval_checkpoints(run_dir, cfg, held_out)
+            run["eval_curve"], run["eval_length_hist"] = eval_checkpoints(run_dir, cfg, held_out)
     except (OSError, ValueError, KeyError) as e:
         if status == "ok":
             run["status"] = f"failed (no results: {e})"
@@ -260,19 +260,27 @@ def held_out_problems(init: Path, cfg: Settings) -> list:
     return stream(ws.model_copy(update={"eval_problems": cfg.eval_problems}))
 
 
-def evaluate_policy(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> float:
+def evaluate_checkpoint(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> tuple[float, dict]:
+    """The held-out reward of ``checkpoint``, and its answers by response tokens (``numbers.length_hist``)."""
     from april_async.warmstart.sft import evaluate
 
     result = evaluate(checkpoint, problems, n=len(problems), temperature=cfg.eval_temperature,
-                      max_new_tokens=max_new_tokens)
+                      max_new_tokens=max_new_tokens, per_sample=True)
     if result["reward"] is None:
         raise ValueError(f"the held-out problems have no answers to score {checkpoint}")
-    return float(result["reward"])
+    samples = result["samples"]
+    hist = length_hist([{"sample_response_lens": [n for n, _ in samples], "sample_rewards": [r for _, r in samples]}])
+    return float(result["reward"]), hist
 
 
-def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> list[list[float]]:
+def evaluate_policy(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> float:
+    return evaluate_checkpoint(checkpoint, cfg, problems, max_new_tokens)[0]
+
+
+def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> tuple[list[list[float]], dict]:
     """``[[t, step, held-out reward], ...]`` of ``eval_points`` of the run's checkpoints whose step
-    ended inside the window, spread evenly over it (t from the end of the first learner step)."""
+    ended inside the window, spread evenly over it (t from the end of the first learner step); and
+    the last one's answers by response tokens (``numbers.length_hist``)."""
     from april_async.runfiles import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -292,4 +300,8 @@ def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> list[list[
     picked = sorted({min(range(len(saved)), key=lambda i: abs(saved[i][0] - cfg.duration_s * (k + 1) / cfg.eval_points))
                      for k in range(cfg.eval_points)} | {len(saved) - 1})
     budget = json.loads((run_dir / "config" / "broker.json").read_text())["rollout"]["max_response_tokens"]
-    return [[round(saved[i][0], 2), saved[i][1], evaluate_policy(saved[i][2], cfg, problems, budget)] for i in picked]
+    curve, hist = [], {}
+    for i in picked:
+        reward, hist = evaluate_checkpoint(saved[i][2], cfg, problems, budget)
+        curve.append([round(saved[i][0], 2), saved[i][1], reward])
+    return curve, hist

@@ -58,10 +58,10 @@ def test_length_bins_are_quantiles_of_every_cells_samples_pooled():
     runs = [{"status": "ok", "length_hist": a}, {"status": "ok", "length_hist": b},
             {"status": "failed (exit 1)", "length_hist": {"999": [100, 0.0]}}]
     edges = length_edges(runs)  # 10 10 20 30 40 50: a third at 10, two thirds at 30
-    assert edges == [10, 30] and length_bins(edges) == ["≤ 10", "11–30", "> 30"]
+    assert edges == [10, 30] and length_bins(edges) == ["≤ 10 tok", "11–30 tok", "> 30 tok"]
     assert length_split(a, edges) == [(0.5, 0.5), (0.5, 0.5), (0.0, None)]
     assert length_edges([{"status": "ok", "length_hist": {"8": [5, 1.0]}}]) == []  # every length ties
-    assert length_edges([{"status": "ok"}]) == [] and length_bins([]) == ["all"]
+    assert length_edges([{"status": "ok"}]) == [] and length_bins([]) == ["all lengths"]
 
 
 def test_a_cell_that_delivers_short_answers_first_shows_it_in_the_split():
@@ -96,3 +96,17 @@ def test_a_runs_numbers_carry_its_length_histogram_over_the_window(tmp_path):
     # the steps that end inside the window, after the first (as steps and tokens/s count them)
     assert out["length_hist"] == {"11": [1, 1.0], "12": [1, 1.0], "20": [2, 0.0]}
     assert out["curve"][-1][1] == 6 and samples_to(out["curve"], 0.5, 1) == 0
+
+
+def test_the_held_out_answers_are_split_at_their_own_edges():
+    runs = [{"cell": "sync", "seed": s, "status": "ok", "length_hist": {"30": [4, 2.0]},
+             "eval_length_hist": {"8": [6, 6.0], "16": [2, 0.0]}} for s in (0, 1)] + [
+        {"cell": "april-r2-eta4", "seed": s, "status": "ok", "length_hist": {"30": [4, 2.0]},
+         "eval_length_hist": {"8": [4, 4.0], "16": [4, 1.0]}} for s in (0, 1)]
+    edges, eval_edges = length_edges(runs), length_edges(runs, key="eval_length_hist")
+    assert edges == [] and eval_edges == [8]
+    cells = aggregate([Cell(mode="sync"), Cell(mode="april", r=2.0, eta=4)], runs, [], [], edges, eval_edges)
+    assert [b["bin"] for b in cells[0]["length_split"]] == ["all lengths"]
+    assert [(b["share"], b["reward"]) for b in cells[1]["eval_length_split"]] == [(0.5, 1.0), (0.5, 0.25)]
+    text = length_table(cells, eval_edges, held_out=True)
+    assert text.startswith("Held-out reward by response length") and "| sync | 75 % | 1.000 | 25 % | 0.000 |" in text
