@@ -215,7 +215,8 @@ class Cell(BaseModel):
 
 def check_overrides(name: str, items: list[str]) -> None:
     """Refuse a cell override that is not ``key=value``, that says what one of the cell's knobs
-    says (its name would then hide what runs), or that the experiment sets per run."""
+    says (its name would then hide what runs), that the experiment sets per run, or that only the
+    shared warm start reads."""
     for item in items:
         key, eq, _ = item.partition("=")
         key = key.strip()
@@ -228,6 +229,9 @@ def check_overrides(name: str, items: list[str]) -> None:
         if key in RUN_KEYS:
             raise ExperimentError(f"[experiment] cells: {name}: set {item!r} overrides what the experiment "
                                   f"sets on every run")
+        if key.startswith("warmstart."):
+            raise ExperimentError(f"[experiment] cells: {name}: set {item!r} would change nothing: every cell "
+                                  f"starts from one warm start, made with the experiment's set")
 
 # ---------------------------------------------------------------------- config files
 

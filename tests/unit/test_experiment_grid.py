@@ -63,6 +63,7 @@ def test_a_cells_overrides_apply_to_its_runs_only_after_the_experiments(tmp_path
      "'admission' key"),
     ('{ mode = "sync", set = ["broker.prompts.seed=5"], name = "sync-x" }', "sets on every run"),
     ('{ mode = "sync", set = ["learner.lr"], name = "sync-x" }', "not key=value"),
+    ('{ mode = "sync", set = ["warmstart.max_steps=3"], name = "sync-x" }', "one warm start"),
     ('{ mode = "sync", set = ["learner.lr=1e-4"] }', "needs a name"),
     ('{ mode = "sync", set = ["learner.lr=1e-4"], name = "april-lr" }', "does not begin with its mode 'sync'"),
     ('{ mode = "sync", label = "april, really" }', "does not begin with its mode as shown, 'sync'"),
