@@ -140,6 +140,10 @@ def shown_mode(mode: str, boundary: str, admission: str = "continuous") -> str:
     return mode
 
 
+SHOWN_MODES = ("sync", "april", "async", shown_mode("april", "inflight"), shown_mode("async", "abort", "per_step"))
+"""Every mode as tables show it: a label begins with its own, and not with a longer one it does not run."""
+
+
 def renamed_cell(name: str) -> str:
     """A cell name stored before ``boundary = "continue"`` became ``"inflight"``, as named now."""
     return name.replace("-continue", "-inflight")
@@ -293,11 +297,16 @@ def check_grid(g: CellGrid) -> None:
             g.admission)
         if combos != 1:
             raise ExperimentError(f"{where}: a named cell is one cell, but its lists make {combos}")
-        if g.name.split("-")[0] != g.mode:
+        words = g.name.split("-")
+        if words[0] != g.mode:
             raise ExperimentError(f"{where}: name {g.name!r} does not begin with its mode {g.mode!r}")
+        for word, runs in (("inflight", g.boundary == ["inflight"]), ("perstep", g.admission == ["per_step"])):
+            if word in words[1:] and not runs:
+                raise ExperimentError(f"{where}: name {g.name!r} says {word!r}, which the cell does not run")
     if g.label is not None:
         shown = shown_mode(g.mode, g.boundary[0], g.admission[0])
-        if not g.label.startswith(shown):
+        said = max((m for m in SHOWN_MODES if g.label.startswith(m)), key=len, default=None)
+        if said != shown:
             raise ExperimentError(f"{where}: label {g.label!r} does not begin with its mode as shown, {shown!r}")
 
 
