@@ -11,11 +11,22 @@ not show it (a faster mode may train on staler data), so every cell here is a wh
 run (all five actors, the built-in addchain task) and is judged by when its reward gets there.
 
 The config. ``[experiment]`` names the base ``april up`` file (``base``), the cells (``cells``: a
-list of small grids, each ``{mode, r, eta, boundary, over_bound}`` with lists crossed), the seeds,
+list of small grids, each ``{mode, r, eta, boundary, over_bound, admission}`` with lists crossed,
+plus ``groups_scale``, B as a multiple of the base's), the seeds,
 the training window (``duration_s``), the reward levels (``levels``) and the moving average that
 must reach them (``ma_steps``; ``sync_levels`` adds levels read off the sync cell); ``[smoke]``
 replaces any of those for ``--smoke`` (into ``<out>-smoke``, with its own warm start); ``[sim]`` is
 ``tools/simulate.py``'s settings for ``--sim``. Relative paths are read from the current directory.
+
+Controls. A cell's name (its directory and row) and label are made from its knobs, so they say
+what runs: ``sync-2B`` ("sync 2B") trains on twice the base's groups a step, which keeps as many
+groups in flight as april at r = 2; ``async-r2-eta4-perstep`` ("async + APRIL's admission count")
+is async leasing continuously but starting at most ceil(r·B) groups a version
+(``broker.rollout.async_admission``). A cell may also carry ``set = [...]``, ``april up --set``
+overrides for its runs only; it then needs a ``name`` (one cell, beginning with its mode) and may
+give a ``label`` (beginning with its mode as shown). An override of a key the cell's knobs own
+(mode, r, η, boundary, over_bound, admission, B) or that the tool sets per run (the seed, the run
+directory, the ports) is refused, naming it; every cell's run file is checked before anything runs.
 
 One run (a cell at a seed). Every run starts from one initial policy, made once by the base's warm
 start into ``init`` (default ``<out>/init``; ``warm_start`` in ``april_async/experiments/runs.py``), so runs differ
@@ -33,6 +44,15 @@ What a run reports (from its ``metrics.jsonl``, one line per learner step, and t
 - ``t_<level>``: the first t at which the moving average of the batch reward over the last
   ``ma_steps`` steps is at least ``level`` (no value until ``ma_steps`` steps exist; None if never),
   timed from the stored reward curve, so that ``--report`` can time other levels;
+- ``s_<level>``: the same, in trained samples instead of seconds (responses in the batches the
+  learner trained on, counted from the end of the first step as t is); ``te_<level>`` and
+  ``se_<level>``, time and samples to a held-out level, linear between evaluated checkpoints;
+- ``length_hist``: the window's trained samples by response tokens (``{tokens: [samples, reward
+  sum]}``, from the learner's ``sample_response_lens`` and ``sample_rewards``), which the report
+  splits into bins at the terciles of every cell's samples pooled: per cell, the share of samples
+  and the mean batch reward in each bin, to tell a scheduling gain from short answers delivered
+  first; ``eval_length_hist``, the same of the last evaluated checkpoint's held-out answers (split
+  at their own terciles);
 - ``reward_final``: the mean batch reward of the window's last ``ma_steps`` steps;
 - ``off_policy_frac``: trained tokens from an older policy version (token-weighted over the window);
   ``discarded_frac``: generated tokens dropped by staleness restarts, both from the broker's
@@ -51,8 +71,8 @@ A cell is the mean and sample standard deviation of those over its seeds (``t_<l
 seeds that reached it, with how many did).
 
 Against sync (``april_async/experiments/bootstrap.py``): every cell runs the same seeds, so each
-claim — time to each level (batch and held-out reward), trained tokens/s, the held-out reward at
-the window's end — is a ratio to sync over the seeds both have, with a 95 % paired bootstrap
+claim — time and trained samples to each level (batch and held-out reward), trained tokens/s, the
+held-out reward at the window's end — is a ratio to sync over the seeds both have, with a 95 % paired bootstrap
 interval over those seeds and a verdict (faster / slower than sync, or not distinguishable); in
 the tables, ``results.md`` and ``results.json`` (``against_sync``).
 

@@ -19,6 +19,7 @@ from april_async.tasks.source import PromptSourceConfig
 Mode = Literal["sync", "april", "async"]
 OverBoundPolicy = Literal["restart", "drop"]
 Boundary = Literal["abort", "inflight"]
+AsyncAdmission = Literal["continuous", "per_step"]
 
 DEPRECATED_BOUNDARIES = {"continue": "inflight"}
 """Old names of a ``boundary`` still read (config files, journals and snapshots that hold them),
@@ -104,6 +105,14 @@ class RolloutConfig(BaseModel):
     ``continue``, its former name, is still read (with a warning) and means ``inflight``."""
     async_max_ready_batches: int = Field(2, ge=1)
     """``async`` only: stop starting new groups while this many batches are ready and unpulled."""
+    async_admission: AsyncAdmission = "continuous"
+    """``async`` only: when a new group may start. ``continuous``: whenever fewer than ceil(r·B)
+    groups are leased. ``per_step``: APRIL's count, a control that isolates it: at most ceil(r·B)
+    groups get a lease per policy version (the groups still leased when a version arrives count
+    towards it, as ``april`` carries them into its next rollout step). Unlike ``april``, leasing
+    never pauses between the B-th complete group and the next version, nothing is aborted at a
+    step boundary, and weights are updated in flight, so against ``april`` with
+    ``boundary = "inflight"`` it differs only by that pause (and by ``async_max_ready_batches``)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for every lease."""
 
@@ -118,7 +127,16 @@ class RolloutConfig(BaseModel):
                 raise ValueError(f"mode 'sync' needs staleness_bound = 0, got {self.staleness_bound}")
         if self.boundary != "abort" and self.mode != "april":
             raise ValueError(f"boundary {self.boundary!r} is a choice of mode 'april' only, not {self.mode!r}")
+        if self.async_admission != "continuous" and self.mode != "async":
+            raise ValueError(f"async_admission {self.async_admission!r} is a choice of mode 'async' only, "
+                             f"not {self.mode!r}")
         return self
+
+    @property
+    def counts_steps(self) -> bool:
+        """Whether the groups started per rollout step (per version in ``async``) are counted
+        against ceil(r·B): every mode but ``async`` with ``continuous`` admission."""
+        return self.mode != "async" or self.async_admission == "per_step"
 
     @property
     def max_inflight_groups(self) -> int:

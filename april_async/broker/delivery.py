@@ -213,7 +213,8 @@ class Delivery(Policy):
 
         A report whose ``policy_version`` is not newer than the batch's means no step was taken
         (every group was filtered). In sync/april the next rollout step waits for a newer version,
-        which will not come for this batch, so the step is reopened here.
+        which will not come for this batch, so the step is reopened here; so is async's count of
+        groups a version with ``per_step`` admission.
         """
         if batch_id >= self._next["batch"]:
             self.counters.stale_reports += 1
@@ -225,6 +226,13 @@ class Delivery(Policy):
             self.counters.steps_skipped += 1
             self.awaiting_version = None
             self._open_next_step()
+        elif newest and self.config.mode == "async" and self.config.counts_steps:
+            # async with per_step admission counts groups per version: a batch that made none
+            # would leave the count spent, and two such batches could leave no group to lease.
+            out = self.unacked_batches.get(batch_id)
+            if out is not None and policy_version <= out.policy_version:
+                self.counters.steps_skipped += 1
+                self._open_next_step()
 
     def ack_batches(self, upto_batch_id: int) -> bool:
         """The learner holds every batch up to ``upto_batch_id``: forget them. True if any was.

@@ -13,7 +13,8 @@ methods, no I/O, no clock reads.
 - **admission**: a prompt becomes a group of n queued samples (``admit``); a prompt id seen while
   its group is open is a counted no-op.
 - **leases**: recycled partials strictly before fresh samples; at most ``max_inflight_groups``
-  groups in flight; in sync/april, one rollout step at a time (``lease``). A silent or departed
+  groups in flight; in sync/april, one rollout step at a time, at most ``max_inflight_groups``
+  groups leased in it (``lease``; async with ``per_step`` admission counts them per version too). A silent or departed
   generator's leases come back as partials (``reclaim``, ``peer_gone``).
 - **early termination** (``april``): once B groups are complete, every lease still in flight is
   told to abort (``_maybe_terminate_early``).
@@ -112,7 +113,12 @@ class Policy(Ledger):
 
     def _forget(self, g: Group) -> None:
         super()._forget(g)
-        self.step_groups.discard(g.group_id)
+        if g.state == "retired" or self.config.mode != "async":
+            # A retired group frees its place in the step (else too few groups might complete to
+            # make a batch, and no new version would ever open the next step). Async with
+            # ``per_step`` admission keeps a delivered group counted until the next version: its
+            # leasing never pauses, so a delivered group freeing its place would lift the count.
+            self.step_groups.discard(g.group_id)
 
     def is_stale(self, s: Sample, version: int | None = None) -> bool:
         """True when ``s`` holds a token older than the staleness bound allows at ``version``."""
@@ -161,8 +167,10 @@ class Policy(Ledger):
             return True
         if len(self._n_leased) >= cfg.max_inflight_groups:
             return False
-        if cfg.mode == "async":
-            return len(self._done) < cfg.async_max_ready_batches * cfg.batch_groups
+        if cfg.mode == "async" and len(self._done) >= cfg.async_max_ready_batches * cfg.batch_groups:
+            return False
+        if not cfg.counts_steps:
+            return True
         return gid in self.step_groups or len(self.step_groups) < cfg.max_inflight_groups
 
     def lease(self, generator: str, max_leases: int, now: float) -> list[LeaseGrant]:
@@ -199,7 +207,7 @@ class Policy(Ledger):
         s.attempts += 1
         s.lease_id = lid
         self._move(s, Place.LEASED)
-        if self.config.mode != "async":
+        if self.config.counts_steps:
             self.step_groups.add(s.group_id)
         self.counters.leases_issued += 1
         g = self.groups[s.group_id]
@@ -511,6 +519,8 @@ class Policy(Ledger):
         if self.awaiting_version is not None and version > self.awaiting_version:
             self.awaiting_version = None
             self._open_next_step()
+        elif self.config.mode == "async" and self.config.counts_steps:  # per_step admission: a version is a step
+            self._open_next_step()
         effects: list[AbortLease] = []
         for sid in self._stale_candidates():
             s = self.samples.get(sid)
@@ -528,7 +538,8 @@ class Policy(Ledger):
         return effects
 
     def _open_next_step(self) -> None:
-        """sync/april: the next rollout step starts with the groups still leased. Updated in place:
+        """sync/april (and async with ``per_step`` admission, at every version): the next rollout
+        step starts with the groups still leased. Updated in place:
         a new set of thousands of groups took 0.5–9 ms to allocate in the simulator (fresh memory
         from the OS), the in-place update tens of µs."""
         groups, leased = self.step_groups, self._n_leased

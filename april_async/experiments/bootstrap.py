@@ -1,8 +1,8 @@
 """Each cell against sync, paired over seeds: a ratio, its 95 % bootstrap interval and a verdict.
 
 Every cell runs the same seeds (the same prompt streams), so a cell and sync are compared seed by
-seed. For a claim (time to a reward level, trained tokens/s, the held-out reward at the window's
-end) the ratio is mean(cell) / mean(sync) over the seeds where both have a number; the interval
+seed. For a claim (time and trained samples to a reward level, trained tokens/s, the held-out
+reward at the window's end) the ratio is mean(cell) / mean(sync) over the seeds where both have a number; the interval
 resamples those seeds with replacement, the cell's and sync's number of a seed together (a paired
 bootstrap), and takes the 2.5th and 97.5th percentiles of the resampled ratios. The verdict says
 which side of 1 the whole interval lies on, and "not distinguishable" when it straddles 1.
@@ -76,10 +76,13 @@ Claim = tuple[str, str, str, tuple[str, str]]
 
 def claims(levels: list[float], eval_levels: list[float], with_eval: bool) -> list[Claim]:
     """The claims compared with sync: (run key, what it says, which way is better, verdict words)."""
+    fewer = ("fewer samples", "more samples")
     out = [(f"t_{lv:g}", f"time to batch reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower")) for lv in levels]
+    out += [(f"s_{lv:g}", f"samples to batch reward {lv:g}", LOWER_IS_BETTER, fewer) for lv in levels]
     out.append(("tokens_per_s", "trained tokens/s", HIGHER_IS_BETTER, ("faster", "slower")))
     out += [(f"te_{lv:g}", f"time to held-out reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower"))
             for lv in eval_levels]
+    out += [(f"se_{lv:g}", f"samples to held-out reward {lv:g}", LOWER_IS_BETTER, fewer) for lv in eval_levels]
     if with_eval:
         out.append(("eval_final", "held-out reward at the end", HIGHER_IS_BETTER, ("higher", "lower")))
     return out

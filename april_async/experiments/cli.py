@@ -17,11 +17,13 @@ from pathlib import Path
 from april_async.experiments.bootstrap import against_sync
 from april_async.experiments.grid import (Cell, ExperimentError, Settings, SweepConfig, experiment_cells,
                                           load_experiment, load_sweep, renamed_cell, sweep_cells)
-from april_async.experiments.numbers import (Row, aggregate, engine_numbers, resolve_eval_levels, resolve_levels,
-                                             run_numbers, time_to, time_to_eval)
+from april_async.experiments.numbers import (Row, aggregate, engine_numbers, length_edges, resolve_eval_levels,
+                                             resolve_levels, run_numbers, samples_to, samples_to_eval, time_to,
+                                             time_to_eval)
 from april_async.experiments.plot import plot_eval, plot_experiment, plot_sweep
-from april_async.experiments.report import eval_table, paired_table, sim_table, tables, write_docs, write_results
-from april_async.experiments.runs import (check_initial_policy, evaluate_policy, finished_dir, fresh_ports,
+from april_async.experiments.report import (eval_table, length_table, paired_table, samples_table, sim_table, tables,
+                                            write_docs, write_results)
+from april_async.experiments.runs import (check_cells, check_initial_policy, evaluate_policy, finished_dir, fresh_ports,
                                           held_out_problems, resumable, run_dir_of, run_one, run_up, toml_value,
                                           up_argv, up_command, validate_base_budget, warm_start)
 from april_async.experiments.sim import run_sim, run_sim_cell
@@ -65,6 +67,8 @@ def _experiment(args, docs_page: Path) -> int:
     cfg, sim = load_experiment(args.config, args.smoke)
     out = args.out or cfg.out
     cells = experiment_cells(cfg)
+    if not args.sim and not args.report:
+        check_cells(cfg, cells)
     if args.dry_run:
         init = cfg.init or out / "init"
         for cell in cells:
@@ -99,18 +103,27 @@ def _experiment(args, docs_page: Path) -> int:
     for run in runs:  # from the curves, so that --report can time other levels without a run
         for lv in levels:
             run[f"t_{lv:g}"] = time_to(run["curve"], lv, cfg.ma_steps) if run.get("curve") else None
+            run[f"s_{lv:g}"] = samples_to(run["curve"], lv, cfg.ma_steps) if run.get("curve") else None
     eval_levels, eval_notes = resolve_eval_levels(cfg, runs, eval_initial)
     for run in runs:
         curve = run.get("eval_curve")
         run["eval_final"] = curve[-1][2] if curve else None
         for lv in eval_levels:
             run[f"te_{lv:g}"] = time_to_eval(curve, lv) if curve else None
-    aggregated = aggregate(cells, runs, levels, eval_levels)
+            run[f"se_{lv:g}"] = samples_to_eval(curve, run.get("curve"), lv) if curve else None
+    edges, eval_edges = length_edges(runs), length_edges(runs, key="eval_length_hist")
+    aggregated = aggregate(cells, runs, levels, eval_levels, edges, eval_edges)
     sim_file = out / "sim.json"
     sim_rows = json.loads(sim_file.read_text())["cells"] if sim_file.is_file() else None
     text = tables(cfg, aggregated, sim_rows, notes)
     if eval_levels:
         text += "\n" + eval_table(cfg, aggregated, eval_levels, eval_notes, eval_initial)
+    if levels or eval_levels:
+        text += "\n" + samples_table(aggregated, levels, eval_levels)
+    if any(c.get("length_split") for c in aggregated):
+        text += "\n" + length_table(aggregated, edges)
+    if any(c.get("eval_length_split") for c in aggregated):
+        text += "\n" + length_table(aggregated, eval_edges, held_out=True)
     paired = against_sync([c.name for c in cells], runs, levels, eval_levels)
     if paired:
         text += "\n" + paired_table(paired, {c.name: c.label for c in cells}, len(cfg.seeds))
@@ -119,7 +132,9 @@ def _experiment(args, docs_page: Path) -> int:
         figures.append(plot_eval(cfg, aggregated, runs, out))
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
             "initial_policy": initial_policy, "eval_initial": eval_initial}
-    results.write_text(json.dumps({**meta, "cells": aggregated, "against_sync": paired, "runs": runs}, indent=2))
+    results.write_text(json.dumps({**meta, "cells": aggregated, "against_sync": paired, "length_edges": edges,
+                                   "eval_length_edges": eval_edges,
+                                   "runs": runs}, indent=2))
     (out / "results.md").write_text(text)
     print(text)
     if args.docs:

@@ -1,7 +1,8 @@
 """The grids of cells that ``tools/experiment.py`` and ``tools/sweep.py`` run: their config files
 (``[experiment]``/``[smoke]``, ``[sweep]``, and ``[sim]`` for both), read and checked, and the cells
-they name. A cell is a setting of the broker's knobs (mode, r, η, boundary, over_bound); its name
-is its directory and its row."""
+they name. A cell is a setting of the broker's knobs (mode, r, η, boundary, over_bound, async
+admission, groups per step) plus, for a control, overrides of its own; its name is its directory
+and its row, and says what runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from april_async.broker.config import Boundary, boundary_name
+from april_async.broker.config import AsyncAdmission, Boundary, boundary_name
 from april_async.config import ConfigError, read_config_file, validate
 from april_async.sim.config import SimSettings
 
@@ -38,8 +39,24 @@ class CellGrid(BaseModel):
     ``continue``, the old name of ``inflight``, is read as it."""
     over_bound: list[Literal["restart", "drop"]] = ["restart"]
     """What happens to a sample that would break η (``broker.rollout.over_bound``)."""
+    admission: list[AsyncAdmission] = ["continuous"]
+    """async only: when a new group may start (``broker.rollout.async_admission``): ``continuous``,
+    or ``per_step``, APRIL's count of ceil(r·B) groups a version without its pause (a control)."""
+    groups_scale: int = Field(1, ge=1, le=16)
+    """Groups per learner step, as a multiple of the base's B (``broker.rollout.batch_groups``):
+    2 makes "sync 2B", sync that keeps as many groups in flight as april at r = 2."""
+    set: list[str] = []
+    """``april up --set`` overrides for this cell's runs only (after the experiment's ``set``). A
+    cell with any needs a ``name``; they may not say what the cell's own keys say (mode, r, η,
+    boundary, over_bound, admission, groups_scale), nor what the experiment sets per run."""
+    name: str | None = Field(None, pattern=r"^[a-z][A-Za-z0-9.\-]*$")
+    """The cell's directory and row, instead of the name its knobs make; it begins with the mode
+    (``sync-…``), so that a control is never shown under another mode's name. One cell only."""
+    label: str | None = None
+    """How tables and figures show it (default: its ``name``); it begins with the mode as shown."""
 
-    _scalars = field_validator("r", "eta", "boundary", "over_bound", mode="before")(lambda cls, v: _listed(v))
+    _scalars = field_validator("r", "eta", "boundary", "over_bound", "admission", mode="before")(
+        lambda cls, v: _listed(v))
     _renamed = field_validator("boundary", mode="before")(lambda cls, v: [boundary_name(b) for b in _listed(v)])
 
 class Settings(BaseModel):
@@ -112,15 +129,34 @@ class SweepConfig(BaseModel):
     timeout_s: float = Field(1800.0, gt=0)
     """An engine-backed cell still running after this long is stopped and marked failed."""
 
-def shown_mode(mode: str, boundary: str) -> str:
+def shown_mode(mode: str, boundary: str, admission: str = "continuous") -> str:
     """A mode as tables and figures name it: ``april`` with the ``inflight`` boundary aborts and
-    recycles nothing, so it is not shown as APRIL alone."""
-    return "april + in-flight updates" if mode == "april" and boundary == "inflight" else mode
+    recycles nothing, so it is not shown as APRIL alone; ``async`` with ``per_step`` admission is
+    async with APRIL's count of groups a step."""
+    if mode == "april" and boundary == "inflight":
+        return "april + in-flight updates"
+    if mode == "async" and admission == "per_step":
+        return "async + APRIL's admission count"
+    return mode
+
+
+SHOWN_MODES = ("sync", "april", "async", shown_mode("april", "inflight"), shown_mode("async", "abort", "per_step"))
+"""Every mode as tables show it: a label begins with its own, and not with a longer one it does not run."""
 
 
 def renamed_cell(name: str) -> str:
     """A cell name stored before ``boundary = "continue"`` became ``"inflight"``, as named now."""
     return name.replace("-continue", "-inflight")
+
+
+KNOB_KEYS = {"mode": "mode", "over_provision": "r", "staleness_bound": "eta", "boundary": "boundary",
+             "over_bound": "over_bound", "async_admission": "admission", "batch_groups": "groups_scale"}
+"""``broker.rollout`` keys a cell's knobs own, and the knob that says each."""
+
+RUN_KEYS = ("broker.prompts.seed", "run.dir", "learner.checkpoint", "run.duration_s", "run.broker_port",
+            "run.broadcaster_port", "run.store_port", "learner.save_every", "learner.keep_checkpoints")
+"""Keys the experiment sets on every run itself (``runs.up_argv``): the seed pairs the cells, the rest
+place and time the run."""
 
 
 class Cell(BaseModel):
@@ -131,33 +167,75 @@ class Cell(BaseModel):
     eta: int = 0
     boundary: str = "abort"
     over_bound: str = "restart"
+    admission: str = "continuous"
+    groups_scale: int = 1
+    overrides: tuple[str, ...] = ()
+    """The cell's own ``april up --set`` items."""
+    given_name: str | None = None
+    given_label: str | None = None
 
     _renamed = field_validator("boundary", mode="before")(lambda cls, v: boundary_name(v))
 
     @property
     def name(self) -> str:
-        if self.mode == "sync":
-            return "sync"
-        name = f"{self.mode}-r{self.r:g}-eta{self.eta}"
+        if self.given_name:
+            return self.given_name
+        name = "sync" if self.mode == "sync" else f"{self.mode}-r{self.r:g}-eta{self.eta}"
         if self.boundary != "abort":
             name += f"-{self.boundary}"
         if self.over_bound != "restart":
             name += f"-{self.over_bound}"
+        if self.admission != "continuous":
+            name += f"-{self.admission.replace('_', '')}"
+        if self.groups_scale != 1:
+            name += f"-{self.groups_scale}B"
         return name
 
     @property
     def label(self) -> str:
+        if self.given_label or self.given_name:
+            return self.given_label or self.given_name
+        scale = f" {self.groups_scale}B" if self.groups_scale != 1 else ""
         if self.mode == "sync":
-            return "sync"
+            return f"sync{scale}"
         extra = f", {self.over_bound}" if self.over_bound != "restart" else ""
-        return f"{shown_mode(self.mode, self.boundary)} r={self.r:g} η={self.eta}{extra}"
+        return f"{shown_mode(self.mode, self.boundary, self.admission)}{scale} r={self.r:g} η={self.eta}{extra}"
 
-    def sets(self) -> dict[str, Any]:
-        rollout = {"mode": self.mode, "over_provision": self.r, "staleness_bound": self.eta,
-                   "over_bound": self.over_bound}
+    def sets(self, base_groups: int | None = None) -> dict[str, Any]:
+        """The broker keys the cell's knobs set; ``base_groups``: the base's B, which
+        ``groups_scale`` multiplies (needed only when it is not 1)."""
+        rollout: dict[str, Any] = {"mode": self.mode, "over_provision": self.r, "staleness_bound": self.eta,
+                                   "over_bound": self.over_bound}
         if self.mode == "april":
             rollout["boundary"] = self.boundary
+        if self.mode == "async":
+            rollout["async_admission"] = self.admission
+        if self.groups_scale != 1:
+            if base_groups is None:
+                raise ExperimentError(f"cell {self.name}: groups_scale needs the base's batch_groups")
+            rollout["batch_groups"] = self.groups_scale * base_groups
         return {f"broker.rollout.{k}": v for k, v in rollout.items()}
+
+
+def check_overrides(name: str, items: list[str]) -> None:
+    """Refuse a cell override that is not ``key=value``, that says what one of the cell's knobs
+    says (its name would then hide what runs), that the experiment sets per run, or that only the
+    shared warm start reads."""
+    for item in items:
+        key, eq, _ = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ExperimentError(f"[experiment] cells: {name}: set item {item!r} is not key=value")
+        rollout_key = key.removeprefix("broker.rollout.")
+        if key.startswith("broker.rollout.") and rollout_key in KNOB_KEYS:
+            raise ExperimentError(f"[experiment] cells: {name}: set {item!r} overrides what the cell's "
+                                  f"{KNOB_KEYS[rollout_key]!r} key says; say it with that key")
+        if key in RUN_KEYS:
+            raise ExperimentError(f"[experiment] cells: {name}: set {item!r} overrides what the experiment "
+                                  f"sets on every run")
+        if key.startswith("warmstart."):
+            raise ExperimentError(f"[experiment] cells: {name}: set {item!r} would change nothing: every cell "
+                                  f"starts from one warm start, made with the experiment's set")
 
 # ---------------------------------------------------------------------- config files
 
@@ -192,13 +270,44 @@ def load_experiment(path: Path, smoke: bool) -> tuple[Settings, SimSettings]:
     if not cfg.base.is_file():
         raise ExperimentError(f"[experiment] base: the config file {str(cfg.base)!r} does not exist")
     for g in cfg.cells:
+        check_grid(g)
         for r in g.r:
             if not 1.0 <= r <= 16.0:
                 raise ExperimentError(f"[experiment] cells: r = {r:g} is outside 1..16 (over_provision)")
         for eta in g.eta:
             if eta < 0:
                 raise ExperimentError(f"[experiment] cells: η = {eta} is negative")
+    cells_of(cfg.cells)  # names: each once
     return cfg, sim
+
+
+def check_grid(g: CellGrid) -> None:
+    """A grid's own checks: knobs of its mode only; a name, one cell, for overrides; a name and
+    label that begin with the mode they run."""
+    where = f"[experiment] cells: {g.name or g.mode}"
+    if g.mode != "async" and g.admission != ["continuous"]:
+        raise ExperimentError(f"{where}: admission {g.admission} is a knob of mode 'async' only")
+    if g.mode != "april" and g.boundary != ["abort"]:
+        raise ExperimentError(f"{where}: boundary {g.boundary} is a knob of mode 'april' only")
+    if g.set and g.name is None:
+        raise ExperimentError(f"{where}: a cell with set = {g.set} needs a name that says what runs")
+    check_overrides(g.name or g.mode, g.set)
+    if g.name is not None:
+        combos = 1 if g.mode == "sync" else len(g.r) * len(g.eta) * len(g.boundary) * len(g.over_bound) * len(
+            g.admission)
+        if combos != 1:
+            raise ExperimentError(f"{where}: a named cell is one cell, but its lists make {combos}")
+        words = g.name.split("-")
+        if words[0] != g.mode:
+            raise ExperimentError(f"{where}: name {g.name!r} does not begin with its mode {g.mode!r}")
+        for word, runs in (("inflight", g.boundary == ["inflight"]), ("perstep", g.admission == ["per_step"])):
+            if word in words[1:] and not runs:
+                raise ExperimentError(f"{where}: name {g.name!r} says {word!r}, which the cell does not run")
+    if g.label is not None:
+        shown = shown_mode(g.mode, g.boundary[0], g.admission[0])
+        said = max((m for m in SHOWN_MODES if g.label.startswith(m)), key=len, default=None)
+        if said != shown:
+            raise ExperimentError(f"{where}: label {g.label!r} does not begin with its mode as shown, {shown!r}")
 
 
 def load_sweep(path: Path) -> tuple[SweepConfig, SimSettings]:
@@ -228,12 +337,17 @@ def cells_of(grids: list[CellGrid], max_cells: int | None = None) -> list[Cell]:
     first ``max_cells`` of them when that is set."""
     out: dict[str, Cell] = {}
     for g in grids:
+        own = {"groups_scale": g.groups_scale, "overrides": tuple(g.set), "given_name": g.name,
+               "given_label": g.label}
         if g.mode == "sync":
-            combos = [Cell(mode="sync")]
+            combos = [Cell(mode="sync", **own)]
         else:
-            combos = [Cell(mode=g.mode, r=r, eta=eta, boundary=b if g.mode == "april" else "abort", over_bound=ob)
-                      for r in g.r for eta in g.eta for b in g.boundary for ob in g.over_bound]
+            combos = [Cell(mode=g.mode, r=r, eta=eta, boundary=b if g.mode == "april" else "abort", over_bound=ob,
+                           admission=a if g.mode == "async" else "continuous", **own)
+                      for r in g.r for eta in g.eta for b in g.boundary for ob in g.over_bound for a in g.admission]
         for c in combos:
+            if c.name in out and out[c.name] != c:
+                raise ExperimentError(f"[experiment] cells: two different cells are named {c.name!r}")
             out.setdefault(c.name, c)
     cells = list(out.values())
     return cells[:max_cells] if max_cells else cells

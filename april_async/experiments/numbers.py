@@ -1,6 +1,7 @@
 """What a run left in its directory, as numbers: an experiment's run over its training window
 (``run_numbers``; the module docstring of ``tools/experiment.py`` defines each), a sweep's cell
-(``engine_numbers``); reward levels and the times to reach them; a cell's mean and spread over seeds."""
+(``engine_numbers``); reward levels and the times and trained samples to reach them; the reward
+split by response length; a cell's mean and spread over seeds."""
 
 from __future__ import annotations
 
@@ -113,6 +114,9 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
         out.setdefault("discarded_frac", c["tokens_discarded"] / max(1, c["tokens_generated"]))
         out.setdefault("retired_frac", c.get("tokens_retired", 0) / max(1, c["tokens_generated"]))
     out["curve"] = [[round(ti, 2), s, round(rw, 4)] for ti, s, rw in zip(t, samples, rewards)]
+    hist = length_hist(win)
+    if hist:
+        out["length_hist"] = hist
     return out
 
 
@@ -205,6 +209,29 @@ def time_to_eval(curve: list, level: float) -> float | None:
     return curve[-1][0] if curve and curve[-1][2] >= level - 1e-9 else None
 
 
+def samples_to(curve: list, level: float, k: int) -> float | None:
+    """As ``time_to``, in trained samples instead of seconds: the samples of the steps after the
+    first (the curve's ``[t, samples, reward]``, counted from its first point, as t is)."""
+    if not curve:
+        return None
+    s0 = curve[0][1]
+    return time_to([[p[1] - s0, p[-1]] for p in curve], level, k)
+
+
+def samples_at(curve: list, t: float) -> float:
+    """Samples trained since the curve's first point by time ``t`` (the last step that ended by then)."""
+    s0 = curve[0][1]
+    return max((p[1] for p in curve if p[0] <= t + 1e-6), default=s0) - s0
+
+
+def samples_to_eval(eval_curve: list, curve: list, level: float) -> float | None:
+    """As ``time_to_eval``, in trained samples: each checkpoint placed at the samples trained by
+    its time, linear between checkpoints."""
+    if not eval_curve or not curve:
+        return None
+    return time_to_eval([[samples_at(curve, t), step, rw] for t, step, rw in eval_curve], level)
+
+
 def resolve_levels(cfg: Settings, runs: list[dict]) -> tuple[list[float], list[str]]:
     """``levels`` plus those ``sync_levels`` makes of the sync runs, sorted; and a note for each of those."""
     levels, notes = list(cfg.levels), []
@@ -235,6 +262,68 @@ def resolve_eval_levels(cfg: Settings, runs: list[dict], initial: float | None) 
     return sorted(set(levels)), notes
 
 
+# ---------------------------------------------------------------------- reward by response length
+
+
+def length_hist(rows: list[dict]) -> dict[str, list[float]]:
+    """``{response tokens: [samples, reward sum]}`` over the samples of ``rows`` (the learner's
+    ``sample_response_lens`` and ``sample_rewards``; steps without them add nothing)."""
+    hist: dict[int, list[float]] = {}
+    for r in rows:
+        for n, rw in zip(r.get("sample_response_lens", ()), r.get("sample_rewards", ()), strict=True):
+            h = hist.setdefault(int(n), [0, 0.0])
+            h[0] += 1
+            h[1] += float(rw)
+    return {str(n): [c, round(rw, 6)] for n, (c, rw) in sorted(hist.items())}
+
+
+def length_edges(runs: list[dict], bins: int = 3, key: str = "length_hist") -> list[int]:
+    """The upper edges (response tokens, inclusive) of all but the last length bin: the
+    ``bins``-quantiles of the samples in ``key`` (``length_hist``: the trained ones;
+    ``eval_length_hist``: the last checkpoint's held-out answers) of every finished run of every
+    cell, pooled, so that each cell is split at the same lengths. Fewer edges where lengths tie;
+    none without lengths."""
+    pooled: dict[int, int] = {}
+    for r in runs:
+        if r.get("status") == "ok":
+            for n, (c, _) in (r.get(key) or {}).items():
+                pooled[int(n)] = pooled.get(int(n), 0) + int(c)
+    total = sum(pooled.values())
+    if not total:
+        return []
+    lengths = sorted(pooled)
+    edges, acc, i = [], 0, 1
+    for n in lengths:
+        acc += pooled[n]
+        while i < bins and acc >= total * i / bins:
+            if n < lengths[-1] and (not edges or edges[-1] != n):
+                edges.append(n)
+            i += 1
+    return edges
+
+
+def length_bins(edges: list[int]) -> list[str]:
+    """The bins ``length_edges`` makes, in words: ``≤ 40 tok``, ``41–72 tok``, ``> 72 tok``."""
+    if not edges:
+        return ["all lengths"]
+    lows = [None, *(e + 1 for e in edges)]
+    highs = [*edges, None]
+    return [(f"≤ {hi}" if lo is None else f"> {lo - 1}" if hi is None else f"{lo}–{hi}" if lo != hi else f"{lo}")
+            + " tok" for lo, hi in zip(lows, highs)]
+
+
+def length_split(hist: dict[str, list[float]], edges: list[int]) -> list[tuple[float, float | None]]:
+    """Per bin: the share of the run's samples in it and their mean reward (None when it has none)."""
+    counts = [0] * (len(edges) + 1)
+    sums = [0.0] * (len(edges) + 1)
+    for n, (c, rw) in hist.items():
+        b = next((i for i, e in enumerate(edges) if int(n) <= e), len(edges))
+        counts[b] += int(c)
+        sums[b] += float(rw)
+    total = max(1, sum(counts))
+    return [(c / total, (sm / c) if c else None) for c, sm in zip(counts, sums)]
+
+
 # ---------------------------------------------------------------------- cells: mean ± spread over seeds
 
 AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "reward_final", "off_policy_frac", "discarded_frac",
@@ -248,7 +337,25 @@ def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_levels: list[float] = ()) -> list[dict]:
+def _length_rows(ok: list[dict], key: str, edges: list[int] | None) -> list[dict]:
+    """A cell's ``key`` histograms split at ``edges``: per bin, share and reward, mean ± sd over seeds."""
+    split = [length_split(r[key], edges) for r in ok if r.get(key)] if edges is not None else []
+    if not split:
+        return []
+    out = []
+    for b, name in enumerate(length_bins(edges)):
+        share, share_sd = _mean_sd([s[b][0] for s in split])
+        reward, reward_sd = _mean_sd([s[b][1] for s in split if s[b][1] is not None])
+        out.append({"bin": name, "share": share, "share_sd": share_sd, "reward": reward, "reward_sd": reward_sd,
+                    "runs": len(split)})
+    return out
+
+
+def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_levels: list[float] = (),
+              edges: list[int] | None = None, eval_edges: list[int] | None = None) -> list[dict]:
+    """Each cell over its seeds: mean and sd of every number, time and samples to every level (over
+    the seeds that reached it), the staleness histogram, and with ``edges`` (``eval_edges``) the
+    batch (held-out) reward by response length."""
     out = []
     for cell in cells:
         ok = [r for r in runs if r["cell"] == cell.name and r["status"] == "ok"]
@@ -256,7 +363,8 @@ def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_lev
                                "runs": len([r for r in runs if r["cell"] == cell.name]), "runs_ok": len(ok)}
         for key in AGGREGATED:
             row[key], row[f"{key}_sd"] = _mean_sd([r[key] for r in ok if r.get(key) is not None])
-        for key in [f"t_{lv:g}" for lv in levels] + [f"te_{lv:g}" for lv in eval_levels]:
+        for key in [f"{p}_{lv:g}" for p in ("t", "s") for lv in levels] + [
+                f"{p}_{lv:g}" for p in ("te", "se") for lv in eval_levels]:
             reached = [r[key] for r in ok if r.get(key) is not None]
             row[key], row[f"{key}_sd"] = _mean_sd(reached)
             row[f"{key}_reached"] = len(reached)
@@ -265,5 +373,9 @@ def aggregate(cells: list[Cell], runs: list[dict], levels: list[float], eval_lev
             for lag, n in r.get("staleness_tokens", {}).items():
                 hist[lag] = hist.get(lag, 0) + n
         row["staleness_tokens"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+        for key, at in (("length", edges), ("eval_length", eval_edges)):
+            split = _length_rows(ok, f"{key}_hist", at)
+            if split:
+                row[f"{key}_split"] = split
         out.append(row)
     return out

@@ -147,8 +147,12 @@ def plot_experiment(cfg: Settings, cells: list[dict], runs: list[dict], out: Pat
     lines: dict[str, list[dict]] = {}  # cells that differ only in η: one line each
     for c in cells:
         if c["mode"] != "sync":
+            if c.get("given_name") or c.get("groups_scale", 1) != 1:  # a control: a line of its own
+                lines.setdefault(c["label"], []).append(c)
+                continue
             extra = f" {c['over_bound']}" if c["over_bound"] != "abort" else ""
-            lines.setdefault(f"{shown_mode(c['mode'], c['boundary'])} r={c['r']:g}{extra}", []).append(c)
+            shown = shown_mode(c["mode"], c["boundary"], c.get("admission", "continuous"))
+            lines.setdefault(f"{shown} r={c['r']:g}{extra}", []).append(c)
     if any(len({c["eta"] for c in group}) > 1 for group in lines.values()):
         fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
         sync = next((c for c in cells if c["cell"] == "sync"), None)

@@ -20,9 +20,9 @@ def _pm(row: dict, key: str, fmt: str, scale: float = 1.0, unit: str = "") -> st
     return (f"{v * scale:{fmt}} ± {sd * scale:{fmt}}" if sd else f"{v * scale:{fmt}}") + unit
 
 
-def _time_cell(c: dict, key: str, sync: dict | None) -> str:
+def _time_cell(c: dict, key: str, sync: dict | None, fmt: str = ".0f") -> str:
     """A time-to-level cell: mean ± sd, how many seeds reached it when not all, and the ratio to sync."""
-    text = _pm(c, key, ".0f")
+    text = _pm(c, key, fmt)
     if c[f"{key}_reached"] < c["runs_ok"]:
         text += f" ({c[f'{key}_reached']}/{c['runs_ok']})"
     if sync and c is not sync and c.get(key) is not None and sync.get(key):
@@ -84,6 +84,53 @@ def eval_table(cfg: Settings, cells: list[dict], levels: list[float], notes: lis
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         cols = [c["label"], _pm(c, "eval_final", ".3f")] + [_time_cell(c, f"te_{lv:g}", sync) for lv in levels]
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def samples_table(cells: list[dict], levels: list[float], eval_levels: list[float]) -> str:
+    """Trained samples to each level, batch and held-out, beside the times of the tables above."""
+    sync = next((c for c in cells if c["cell"] == "sync"), None)
+    head = ["cell"] + [f"samples to batch {lv:g}" for lv in levels] + [f"samples to held-out {lv:g}"
+                                                                        for lv in eval_levels]
+    lines = ["Reward against samples: *samples to L* counts the trained samples (responses in the batches the "
+             "learner trained on, every sample of a group) from the end of the first learner step until the reward "
+             "reaches L, as *t to L* counts seconds (batch: the same moving average; held-out: linear between "
+             "checkpoints, each placed at the samples trained by its time); mean ± sd over the seeds that reached "
+             "it; in brackets, relative to sync. A mode that is faster per second but not per sample wins by "
+             "throughput, not by what it trains on.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        cols = [c["label"]] + [_time_cell(c, f"s_{lv:g}", sync, ",.0f") for lv in levels] + [
+            _time_cell(c, f"se_{lv:g}", sync, ",.0f") for lv in eval_levels]
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def length_table(cells: list[dict], edges: list[int], held_out: bool = False) -> str:
+    """The batch reward (``held_out``: the held-out reward at the window's end) split by response
+    length (``numbers.length_split``), every cell at the same edges."""
+    key = "eval_length_split" if held_out else "length_split"
+    bins = next(c[key] for c in cells if c.get(key))
+    head = ["cell"] + [f"{b['bin']}: {what}" for b in bins for what in ("share", "reward")]
+    edges_text = (f"in bins at the terciles of all cells' samples pooled (edges {', '.join(map(str, edges)) or 'none'}; "
+                  "an edge that ties another or the longest response is left out), so every cell is split at the same "
+                  "lengths")
+    if held_out:
+        intro = (f"Held-out reward by response length: each run's last checkpoint's answers to the held-out problems "
+                 f"by their response tokens, {edges_text}. *share*: the cell's answers in the bin; *reward*: the share "
+                 "of them right; means ± sd over seeds. No scheduler chooses these answers: a difference here is "
+                 "the policy's.")
+    else:
+        intro = (f"Reward by response length: every trained sample of the window by its response tokens, {edges_text}. "
+                 "*share*: the cell's samples in the bin; *reward*: their mean batch reward; means ± sd over seeds. A "
+                 "cell whose batch reward rises only through a larger share of short answers gains by what it "
+                 "delivers first, not by its schedule.")
+    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        cols = [c["label"]]
+        for b in c.get(key) or [{}] * len(bins):
+            cols += [_pm(b, "share", ".0f", 100, " %"), _pm(b, "reward", ".3f")]
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from april_async.config import ConfigError, toml_value
 from april_async.experiments.grid import Cell, ExperimentError, Settings
-from april_async.experiments.numbers import run_numbers
+from april_async.experiments.numbers import length_hist, run_numbers
 from april_async.runtime import free_port, spawn
 
 
@@ -31,14 +31,39 @@ def fresh_ports() -> dict[str, int]:
     return {"run.broker_port": free_port(), "run.broadcaster_port": free_port(), "run.store_port": free_port()}
 
 
+_BASE_GROUPS: dict[tuple[str, tuple[str, ...]], int] = {}
+
+
+def base_groups(cfg: Settings) -> int:
+    """B of the base run file with the experiment's sets (``broker.rollout.batch_groups``), read once."""
+    key = (str(cfg.base), tuple(cfg.set))
+    if key not in _BASE_GROUPS:
+        _BASE_GROUPS[key] = base_run_file(cfg.base, list(cfg.set), "[experiment] base").broker.rollout.batch_groups
+    return _BASE_GROUPS[key]
+
+
+def cell_sets(cfg: Settings, cell: Cell) -> list[str]:
+    """What a cell adds to the experiment's sets: its knobs, then its own overrides."""
+    groups = base_groups(cfg) if cell.groups_scale != 1 else None
+    return [*(f"{k}={toml_value(v)}" for k, v in cell.sets(groups).items()), *cell.overrides]
+
+
+def check_cells(cfg: Settings, cells: list[Cell]) -> None:
+    """Every cell's run file (the base, the experiment's sets, the cell's), checked whole before
+    anything runs: a control's override that ``april up`` would refuse fails here, naming the cell."""
+    for cell in cells:
+        if cell.overrides or cell.groups_scale != 1:
+            base_run_file(cfg.base, [*cfg.set, *cell_sets(cfg, cell)], f"[experiment] cell {cell.name}: base")
+
+
 def up_argv(cfg: Settings, cell: Cell, seed: int, run_dir: Path, init: Path) -> list[str]:
-    """An experiment's run: the experiment's sets, then the cell's knobs, seed and window."""
-    sets = {**cell.sets(), "broker.prompts.seed": seed, "run.dir": run_dir, "learner.checkpoint": init,
+    """An experiment's run: the experiment's sets, the cell's knobs and overrides, then its seed and window."""
+    sets = {"broker.prompts.seed": seed, "run.dir": run_dir, "learner.checkpoint": init,
             "run.duration_s": cfg.duration_s + cfg.timeout_s,  # a cap only: the window stops the run
             **fresh_ports()}
     if cfg.eval_every_steps:
         sets.update({"learner.save_every": cfg.eval_every_steps, "learner.keep_checkpoints": 100_000})
-    return up_command(cfg.base, [*cfg.set, *(f"{k}={toml_value(v)}" for k, v in sets.items())])
+    return up_command(cfg.base, [*cfg.set, *cell_sets(cfg, cell), *(f"{k}={toml_value(v)}" for k, v in sets.items())])
 
 
 def run_dir_of(out: Path, cell: str, seed: int) -> Path:
@@ -143,15 +168,21 @@ def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path, held_ou
     t0 = time.monotonic()
     status = run_up(up_argv(cfg, cell, seed, run_dir, init), run_dir, cfg.timeout_s, window_s=cfg.duration_s,
                     who=f"experiment: {cell.name} seed {seed}")
-    run = {"cell": cell.name, "seed": seed, "status": status, "elapsed_s": round(time.monotonic() - t0, 1)}
+    run = {"cell": cell.name, "seed": seed, "status": status, "elapsed_s": round(time.monotonic() - t0, 1),
+           **cell_record(cell)}
     try:
         run.update(run_numbers(run_dir, cfg))
         if held_out is not None and status == "ok":
-            run["eval_curve"] = eval_checkpoints(run_dir, cfg, held_out)
+            run["eval_curve"], run["eval_length_hist"] = eval_checkpoints(run_dir, cfg, held_out)
     except (OSError, ValueError, KeyError) as e:
         if status == "ok":
             run["status"] = f"failed (no results: {e})"
     return run
+
+
+def cell_record(cell: Cell) -> dict:
+    """What a run records of its cell beyond the name, for ``--resume`` to tell a changed control."""
+    return {"groups_scale": cell.groups_scale, "overrides": list(cell.overrides)}
 
 
 # ---------------------------------------------------------------------- the initial policy, --resume
@@ -178,7 +209,8 @@ RUN_SETTINGS = ("base", "init", "set", "duration_s", "eval_every_steps", "eval_p
 
 def resumable(out: Path, meta: dict, cells: list[Cell], seeds: list[int]) -> dict[tuple[str, int], dict]:
     """``--resume``: the runs of ``<out>/results.json`` that finished (status ok, run directory still
-    there) and belong to this experiment's grid, by (cell, seed). Results made with other settings,
+    there) and belong to this experiment's grid, by (cell, seed), made with the cell's overrides and
+    groups per step as they are now. Results made with other settings,
     another initial policy or another held-out baseline are refused, not mixed in."""
     results = out / "results.json"
     if not results.is_file():
@@ -202,9 +234,12 @@ def resumable(out: Path, meta: dict, cells: list[Cell], seeds: list[int]) -> dic
     one_answer = 1.0 / max(1, now_settings["eval_problems"]) + 1e-9  # one greedy answer may flip
     if (was is None) != (now is None) or (was is not None and abs(was - now) > one_answer):
         raise refuse("eval_initial", was, now)
-    grid = {(c.name, s) for c in cells for s in seeds}
+    grid = {(c.name, s): cell_record(c) for c in cells for s in seeds}
+    # A run from before cells recorded these had neither (no overrides, B of the base).
     return {(r["cell"], r["seed"]): r for r in stored.get("runs", [])
-            if (r["cell"], r["seed"]) in grid and finished_dir(out, r)}
+            if (r["cell"], r["seed"]) in grid and finished_dir(out, r)
+            and {"groups_scale": r.get("groups_scale", 1), "overrides": r.get("overrides", [])}
+            == grid[r["cell"], r["seed"]]}
 
 
 def validate_base_budget(cfg: Settings) -> int:
@@ -225,19 +260,27 @@ def held_out_problems(init: Path, cfg: Settings) -> list:
     return stream(ws.model_copy(update={"eval_problems": cfg.eval_problems}))
 
 
-def evaluate_policy(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> float:
+def evaluate_checkpoint(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> tuple[float, dict]:
+    """The held-out reward of ``checkpoint``, and its answers by response tokens (``numbers.length_hist``)."""
     from april_async.warmstart.sft import evaluate
 
     result = evaluate(checkpoint, problems, n=len(problems), temperature=cfg.eval_temperature,
-                      max_new_tokens=max_new_tokens)
+                      max_new_tokens=max_new_tokens, per_sample=True)
     if result["reward"] is None:
         raise ValueError(f"the held-out problems have no answers to score {checkpoint}")
-    return float(result["reward"])
+    samples = result["samples"]
+    hist = length_hist([{"sample_response_lens": [n for n, _ in samples], "sample_rewards": [r for _, r in samples]}])
+    return float(result["reward"]), hist
 
 
-def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> list[list[float]]:
+def evaluate_policy(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> float:
+    return evaluate_checkpoint(checkpoint, cfg, problems, max_new_tokens)[0]
+
+
+def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> tuple[list[list[float]], dict]:
     """``[[t, step, held-out reward], ...]`` of ``eval_points`` of the run's checkpoints whose step
-    ended inside the window, spread evenly over it (t from the end of the first learner step)."""
+    ended inside the window, spread evenly over it (t from the end of the first learner step); and
+    the last one's answers by response tokens (``numbers.length_hist``)."""
     from april_async.runfiles import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -257,4 +300,8 @@ def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> list[list[
     picked = sorted({min(range(len(saved)), key=lambda i: abs(saved[i][0] - cfg.duration_s * (k + 1) / cfg.eval_points))
                      for k in range(cfg.eval_points)} | {len(saved) - 1})
     budget = json.loads((run_dir / "config" / "broker.json").read_text())["rollout"]["max_response_tokens"]
-    return [[round(saved[i][0], 2), saved[i][1], evaluate_policy(saved[i][2], cfg, problems, budget)] for i in picked]
+    curve, hist = [], {}
+    for i in picked:
+        reward, hist = evaluate_checkpoint(saved[i][2], cfg, problems, budget)
+        curve.append([round(saved[i][0], 2), saved[i][1], reward])
+    return curve, hist

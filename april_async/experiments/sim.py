@@ -18,7 +18,8 @@ def run_sim(cfg: Settings, sim: SimSettings, cells: list[Cell]) -> list[dict]:
         try:
             rollout = settings.rollout(cell.mode, cell.r, cell.eta)
             rollout = type(rollout).model_validate({**rollout.model_dump(), "boundary": cell.boundary,
-                                                     "over_bound": cell.over_bound})
+                                                     "over_bound": cell.over_bound, "async_admission": cell.admission,
+                                                     "batch_groups": rollout.batch_groups * cell.groups_scale})
             return Simulation(rollout, settings).run()
         except (SimError, WorkloadError, ValueError) as e:
             raise ExperimentError(f"[sim] {cell.name}: {e}") from None
@@ -39,9 +40,12 @@ def run_sim(cfg: Settings, sim: SimSettings, cells: list[Cell]) -> list[dict]:
                      "retired_frac": res.counters["tokens_retired"] / max(1, res.counters["tokens_generated"]),
                      "idle_fraction": res.idle_fraction, "sim_seconds": res.sim_seconds, "ledger_ok": res.ledger_ok,
                      "staleness_tokens": {str(k): int(v) for k, v in res.counters["staleness_tokens"].items()}})
+        if cell.overrides:  # the simulator has the broker's knobs only
+            rows[-1]["not_simulated"] = list(cell.overrides)
         print(f"experiment: sim {cell.name:<28} {res.tokens_per_s:12,.0f} tok/s  off-policy "
               f"{res.off_policy_fraction:6.1%}  discarded {res.discarded_fraction:6.1%}  "
-              f"({time.monotonic() - t0:.0f} s)", flush=True)
+              f"({time.monotonic() - t0:.0f} s)" + (f"  (not simulated: its set {list(cell.overrides)})"
+                                                    if cell.overrides else ""), flush=True)
     return rows
 
 

@@ -243,7 +243,11 @@ class LearnerActor:
             groups = [g for i, g in enumerate(groups) if i not in zero]
         row = {"batch_id": batch.batch_id, "groups": len(batch.groups), "dropped_groups": len(dropped),
                "reward_mean": float(np.mean(all_rewards)) if all_rewards else 0.0,
-               "solved_frac": float(np.mean([r > 0 for r in all_rewards])) if all_rewards else 0.0}
+               "solved_frac": float(np.mean([r > 0 for r in all_rewards])) if all_rewards else 0.0,
+               # every sample of the batch, as reward_mean counts them: its response tokens and reward
+               # (what tools/experiment.py splits the reward by response length with)
+               "sample_response_lens": [s.response_len for g in batch.groups for s in g.samples],
+               "sample_rewards": [float(r) for r in all_rewards]}
         if not groups:
             self._skip(batch, dropped, "zero_variance", "every group has equal rewards")
             return

@@ -252,20 +252,21 @@ def _pack(rows: list[list[tuple[list[int], int]]], seq_len: int):
 
 
 def evaluate(checkpoint_dir: Path | str, problems: Iterable[Problem], n: int = 128, temperature: float = 1.0, *,
-             max_new_tokens: int = 256, seed: int = 0) -> dict:
+             max_new_tokens: int = 256, seed: int = 0, per_sample: bool = False) -> dict:
     """Sample one response to each of the first ``n`` problems with the checkpoint (its own
     tokenizer) and score it with the math-answer reward (``meta["answer"]``)."""
     model = CausalLM.from_pretrained(Path(checkpoint_dir))
     tok = load_tokenizer(checkpoint_dir)
     return evaluate_model(model, tok, list(itertools.islice(problems, n)), temperature=temperature,
-                          max_new_tokens=max_new_tokens, seed=seed)
+                          max_new_tokens=max_new_tokens, seed=seed, per_sample=per_sample)
 
 
 @torch.no_grad()
 def evaluate_model(model: CausalLM, tok, problems: list[Problem], *, temperature: float, max_new_tokens: int,
-                   seed: int = 0, slots: int = 64) -> dict:
+                   seed: int = 0, slots: int = 64, per_sample: bool = False) -> dict:
     """Reward (None when no problem has an answer), mean response tokens, and the share cut at
-    ``max_new_tokens``, over one sample per problem."""
+    ``max_new_tokens``, over one sample per problem; with ``per_sample``, also ``samples``: the
+    response tokens and reward of each problem that has an answer."""
     from april_async.engines.base import EngineRequest  # the embedded engine samples exactly as a run does
     from april_async.engines.torch_engine import TorchEngine
 
@@ -287,10 +288,14 @@ def evaluate_model(model: CausalLM, tok, problems: list[Problem], *, temperature
             if out.finish:
                 finish[out.lease_id] = out.finish
     model.train(was_training)
-    rewards = [math_score(tok.decode(responses[i]), p.meta["answer"]) for i, p in enumerate(problems)
-               if "answer" in p.meta]
+    scored = [(len(responses[i]), math_score(tok.decode(responses[i]), p.meta["answer"]))
+              for i, p in enumerate(problems) if "answer" in p.meta]
+    rewards = [r for _, r in scored]
     lengths = [len(r) for r in responses.values()]
-    return {"reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
-            "mean_response_len": round(sum(lengths) / max(1, len(lengths)), 1),
-            "truncated": round(sum(f == "length" for f in finish.values()) / max(1, len(finish)), 4),
-            "n": len(problems)}
+    out = {"reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
+           "mean_response_len": round(sum(lengths) / max(1, len(lengths)), 1),
+           "truncated": round(sum(f == "length" for f in finish.values()) / max(1, len(finish)), 4),
+           "n": len(problems)}
+    if per_sample:
+        out["samples"] = [[n, float(r)] for n, r in scored]
+    return out

@@ -67,6 +67,7 @@ def configs(modes: tuple[str, ...]):
     max_response_tokens=st.integers(2, 6),
     max_attempts=st.sampled_from([1, 2, 3, 64]),
     boundary=st.sampled_from(["abort", "inflight"]),
+    async_admission=st.sampled_from(["continuous", "per_step"]),
     )
 
 
@@ -75,6 +76,8 @@ def make_config(raw: dict) -> RolloutConfig:
         raw = {**raw, "over_provision": 1.0, "staleness_bound": 0}
     if raw["mode"] != "april":
         raw = {**raw, "boundary": "abort"}
+    if raw["mode"] != "async":
+        raw = {**raw, "async_admission": "continuous"}
     return RolloutConfig(lease_timeout_s=10.0, score_timeout_s=10.0, **raw)
 
 
@@ -595,6 +598,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             groups = {self.core.samples[x.sample_id].group_id for x in self.core.leases.values()}
             require(3, len(groups) <= G, f"{len(groups)} groups leased, bound ceil(r*B)={G}")
             require(3, len(self.core.leases) <= G * self.cfg.group_size, f"{len(self.core.leases)} leases")
+            require(3, len(self.core.step_groups) <= G, f"{len(self.core.step_groups)} groups leased in one step, "
+                                                        f"bound ceil(r*B)={G}")
 
         @invariant()
         def invariants_hold(self):

@@ -112,6 +112,67 @@ def test_async_keeps_generating_and_bounds_inflight_groups():
     assert len(more) == 2 and core.leased_groups() == 3
 
 
+def test_async_with_per_step_admission_starts_at_most_ceil_rB_groups_a_version_without_pausing():
+    core = make(mode="async", over_provision=1.5, batch_groups=2, staleness_bound=4, async_admission="per_step")
+    admit(core, 10)
+    grants = core.lease("gen", 100, 0.0)
+    assert core.leased_groups() == 3 and len(grants) == 6
+    by_group = {}
+    for g in grants:
+        by_group.setdefault(g.group_id, []).append(g)
+    g0, g1, g2 = (by_group[k] for k in sorted(by_group))
+    for g in g0 + g1:
+        assert finish(core, g) == []  # B groups complete: nothing aborted, no boundary
+    # Continuous async would start two more groups now; APRIL's count allows 3 in this version.
+    assert core.lease("gen", 100, 1.0) == [] and core.leased_groups() == 1
+    score_all(core)
+    assert len(core.pull_batch(1.0).groups) == 2
+    assert core.lease("gen", 100, 1.5) == []  # no new version yet: the count holds
+    assert core.publish_version(1, 2.0) == []  # a version is a step; the leased group counts in it
+    assert core.step_groups == {g2[0].group_id}
+    more = core.lease("gen", 100, 2.0)
+    assert len(more) == 4 and core.leased_groups() == 3
+    assert len(core.step_groups) == 3
+    assert core.counters.early_terminations == 0 and core.counters.aborts_sent == 0
+
+
+def test_a_batch_the_learner_skipped_reopens_the_per_step_count_of_async():
+    core = make(mode="async", over_provision=1.0, batch_groups=2, staleness_bound=4, async_admission="per_step")
+    admit(core, 6)
+    for g in core.lease("gen", 100, 0.0):
+        finish(core, g)
+    score_all(core)
+    batch = core.pull_batch(1.0)
+    assert core.lease("gen", 100, 1.0) == []  # ceil(r·B) = 2 groups leased in version 0
+    core.report_batch(batch.batch_id, 0, [g.group_id for g in batch.groups], "zero_variance")
+    assert core.counters.steps_skipped == 1
+    assert len(core.lease("gen", 100, 1.0)) == 4  # no step taken: the count starts again
+
+
+def test_continuous_async_admission_counts_no_steps():
+    core = make(mode="async", over_provision=1.5, batch_groups=2)
+    assert core.config.async_admission == "continuous" and not core.config.counts_steps
+    admit(core, 4)
+    core.lease("gen", 100, 0.0)
+    assert core.step_groups == set()
+
+
+@pytest.mark.parametrize("mode", ["sync", "april"])
+def test_per_step_admission_is_refused_outside_async(mode):
+    extra = {"over_provision": 1.0, "staleness_bound": 0} if mode == "sync" else {}
+    with pytest.raises(ValidationError, match=f"'per_step' is a choice of mode 'async' only, not '{mode}'"):
+        RolloutConfig(mode=mode, async_admission="per_step", **extra)
+
+
+def test_a_snapshot_keeps_the_per_step_count_of_async():
+    core = make(mode="async", over_provision=1.5, batch_groups=2, async_admission="per_step")
+    admit(core, 6)
+    core.lease("gen", 100, 0.0)
+    back = BrokerCore.from_bytes(core.to_bytes())
+    assert back.config.async_admission == "per_step" and back.step_groups == core.step_groups
+    assert back.lease("gen", 100, 1.0) == []
+
+
 def test_staleness_restart_drops_tokens_counts_them_and_regenerates():
     core = make(staleness_bound=1, over_bound="restart")
     admit(core, 1)

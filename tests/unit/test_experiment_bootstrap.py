@@ -61,8 +61,10 @@ def test_every_claim_of_every_cell_against_sync_and_its_table():
     runs.append({"cell": "april-r2-eta4", "seed": 3, "status": "failed (exit 1)"})
     rows = against_sync(["sync", "april-r2-eta4"], runs, [0.6], [0.7])
     got = {r["key"]: r for r in rows}
-    assert [r["claim"] for r in rows] == ["time to batch reward 0.6", "trained tokens/s", "time to held-out reward 0.7",
+    assert [r["claim"] for r in rows] == ["time to batch reward 0.6", "samples to batch reward 0.6", "trained tokens/s",
+                                          "time to held-out reward 0.7", "samples to held-out reward 0.7",
                                           "held-out reward at the end"]
+    assert got["s_0.6"]["pairs"] == 0  # these runs have no samples to it: no pair, no interval
     assert got["t_0.6"]["verdict"] == "faster than sync" and got["t_0.6"]["pairs"] == 3
     assert got["tokens_per_s"]["verdict"] == "not distinguishable"  # equal on every seed: [1, 1]
     assert got["te_0.7"]["pairs"] == 0 and got["te_0.7"]["ratio"] is None

@@ -50,9 +50,11 @@ def test_a_golden_journal_recovers_exactly_what_its_code_recovered(name, tmp_pat
     }
     assert got == {k: want[k] for k in got}
     # Byte for byte, less ``resumed_at`` (where a lease resumed a sample: recorded since 2026-11-26,
-    # after these goldens; replaying their lease records fills it in). A snapshot re-encoded
-    # without it is the one their code wrote.
+    # after these goldens; replaying their lease records fills it in) and the config's
+    # ``async_admission`` (a field since 2026-11-26, at its default here). A snapshot re-encoded
+    # without them is the one their code wrote.
     plain = msgspec.msgpack.decode(core.to_bytes())
+    assert plain["config"].pop("async_admission") == "continuous"
     assert hashlib.sha256(msgspec.msgpack.encode(_without_resumes(plain))).hexdigest() == want["sha256"]
     for sample in core.samples.values():
         assert list(sample.resumed_at) == sorted(set(sample.resumed_at)) and all(k > 0 for k in sample.resumed_at)

@@ -100,6 +100,8 @@ def test_a_step_trains_bumps_the_version_publishes_and_reports(policy, tmp_path)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 1 and row["reward_mean"] == 0.5 and row["partials_recycled"] == 3
     assert row["groups_filtered"] == 1 and 0 < row["ess"] <= 1
+    # every sample's response length and reward, in batch order (the reward split by length)
+    assert row["sample_response_lens"] == [2, 3, 4, 2] and row["sample_rewards"] == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_dynamic_sampling_drops_equal_reward_groups_and_skips_an_empty_step(policy, tmp_path):

@@ -52,6 +52,10 @@ def test_warm_start_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     assert record["config"]["hidden_size"] == 32 and record["stats"]["steps"] == 40
     result = evaluate(tmp_path / "init", held_out_problems(cfg), n=5, temperature=1.0, max_new_tokens=8)
     assert result["n"] == 5 and 0.0 <= result["reward"] <= 1.0 and 1 <= result["mean_response_len"] <= 8
+    assert "samples" not in result and "samples" not in stats["evals"][-1]  # the warm start's log stays short
+    each = evaluate(tmp_path / "init", held_out_problems(cfg), n=5, temperature=0.0, max_new_tokens=8,
+                    per_sample=True)["samples"]  # every answer's response tokens and reward
+    assert len(each) == 5 and all(1 <= n <= 8 and r in (0.0, 1.0) for n, r in each)
     assert torch.get_num_threads() >= 1
 
 
