@@ -82,10 +82,26 @@ def test_endpoints_are_checked_when_the_config_is_read(endpoint, ok):
             resolve(BrokerServiceConfig, overrides=[f'bind="{endpoint}"'], section="broker")
 
 
+def test_an_address_in_use_stops_the_broker_with_one_line_naming_it():
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        out = subprocess.run([sys.executable, "-m", "april_async.cli", "broker", "--set", f'bind="tcp://127.0.0.1:{port}"'],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert out.returncode == 2 and f"cannot bind tcp://127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "listening there" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 @pytest.mark.parametrize("args, words", [
     (["scorer", "--set", "link.broker=\"tcp://nohost\""], "link.broker"),
     (["generator", "--set", "torch.checkpoint=\"/nonexistent\""], "/nonexistent"),
-    (["broker", "--set", "journal_dir=\"/proc/april-nope\""], "/proc/april-nope"),
+    (["broker", "--set", "journal_dir=\"/proc/april-nope\"", "--set", "bind=\"tcp://127.0.0.1:0\""], "/proc/april-nope"),
 ])
 def test_unusable_settings_stop_an_actor_with_one_line_naming_them(args, words):
     out = subprocess.run([sys.executable, "-m", "april_async.cli", *args], capture_output=True, text=True, timeout=60)
