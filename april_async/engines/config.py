@@ -26,6 +26,13 @@ class TorchEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights, activations and KV cache; ``auto`` is bfloat16 on CUDA, float32 on the CPU.
     Sampling always works on float32 logits."""
+    on_swap: Literal["keep", "recompute"] = "keep"
+    """What a weight update does to the requests running through it (an in-flight update: ``async``,
+    ``april`` with ``boundary = "inflight"``). ``keep``: PipelineRL's in-flight update: the cache
+    keeps the keys and values the old weights wrote, so the tokens after the swap are mixed
+    (counted, and droppable by the learner's ``mixed_tokens``). ``recompute``: AReaL's: every
+    running request's prompt, resumed and generated tokens are prefilled again with the new weights
+    at the swap (one prefill per running request, per update), so no token is mixed."""
 
 
 class ScriptedEngineConfig(BaseModel):

@@ -106,9 +106,15 @@ def test_the_run_file_fills_in_what_the_run_decides_for_its_actors(tmp_path, no_
     assert files.learner.checkpoint == files.generator.torch.checkpoint == init
     assert files.scorer.tokenizer == files.broker.prompts.tokenizer == init
     assert files.learner.temperature == 0.7 and files.learner.max_steps == 9
+    assert files.learner.on_swap == "keep"
     assert files.learner.name == "n1-learner-0"
     assert files.init_warm_start == files.warmstart
     assert [files.generator_of(i, 2).name for i in range(2)] == ["n1-gen-0", "n1-gen-1"]
+    recompute = RunFile.load(load_document(None, ["generator.torch.on_swap='recompute'"]))
+    assert recompute.learner.on_swap == recompute.generator.torch.on_swap == "recompute"
+    with pytest.raises(ConfigError, match="torch.on_swap = 'recompute' is the torch engine's"):
+        RunFile.load(load_document(None, ["generator.torch.on_swap='recompute'", "generator.engine='sglang'",
+                                          "generator.sglang.servers=['http://h:1', 'http://h:2']"]))
     named = RunFile.load(load_document(None, ["learner.checkpoint='/ckpt'",
                                               "generator.torch.checkpoint='/gen'"]))
     assert named.init_warm_start is None and named.scorer.tokenizer == "/ckpt"
