@@ -22,8 +22,8 @@ on the host, so nothing else waits for the GPU; a prefill reads nothing back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
 import torch
 
