@@ -96,6 +96,11 @@ class Engine:
     caps: ClassVar[EngineCaps] = EngineCaps(weights="none")
     device: torch.device | None = None
     """Where an ``in_process`` engine keeps its weights (a version is received there); None otherwise."""
+    on_swap: Literal["keep", "recompute"] = "keep"
+    """What a weight update does to the requests running through it: ``keep`` their cache (the
+    tokens after it are mixed, computed by the new weights over keys the old ones wrote), or
+    ``recompute`` it with the new weights (no token is mixed). Set per instance by an engine that
+    can recompute (the torch engine's ``on_swap``)."""
 
     def submit(self, request: EngineRequest) -> None:
         raise NotImplementedError

@@ -29,6 +29,13 @@ class TorchEngineConfig(BaseModel):
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Decode steps as CUDA graphs, captured per batch and key-span bucket and replayed (prefill stays
     eager): ``auto`` is on for a CUDA device and off on the CPU; ``on`` needs a CUDA device."""
+    on_swap: Literal["keep", "recompute"] = "keep"
+    """What a weight update does to the requests running through it (an in-flight update: ``async``,
+    ``april`` with ``boundary = "inflight"``). ``keep``: PipelineRL's in-flight update: the cache
+    keeps the keys and values the old weights wrote, so the tokens after the swap are mixed
+    (counted, and droppable by the learner's ``mixed_tokens``). ``recompute``: AReaL's: every
+    running request's prompt, resumed and generated tokens are prefilled again with the new weights
+    at the swap (one prefill per running request, per update), so no token is mixed."""
 
     @model_validator(mode="after")
     def _graphs_need_cuda(self) -> TorchEngineConfig:

@@ -5,7 +5,9 @@ step samples one token for every active request from the logits of its previous 
 runs one batched forward of those new tokens. Every token is tagged with the policy version of
 the weights that produced its logits (not the version loaded when it was sampled: the logits of
 a step's tokens were computed by the previous step's forward), and ``load_weights`` swaps weights
-between steps.
+between steps. At a swap the running requests either keep the cache the old weights wrote
+(``on_swap = "keep"``: PipelineRL's in-flight update, its later tokens mixed) or are prefilled again
+with the new weights (``"recompute"``: AReaL's, every later token purely the new version's).
 
 Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled token (plain
 ``log_softmax`` for greedy decoding), i.e. of the tempered distribution before top-k/top-p
@@ -23,7 +25,7 @@ stays eager. Both steps keep the same contract: the same rows, tokens, tags and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +49,7 @@ class _Slot:
     generator: torch.Generator | None
     logits_version: int  # the version of the weights that computed ``next_logits``
     pending: int = -1  # the token sampled this step, fed to the next forward
+    tokens: list[int] = field(default_factory=list)  # every token sampled under this request
 
 
 class TorchEngine(Engine):
@@ -54,11 +57,12 @@ class TorchEngine(Engine):
     caps = EngineCaps(weights="in_process")
 
     def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0,
-                 cuda_graphs: Literal["auto", "on", "off"] = "auto",
+                 cuda_graphs: Literal["auto", "on", "off"] = "auto", on_swap: Literal["keep", "recompute"] = "keep",
                  _step: Literal["eager", "static"] | None = None):
-        """``cuda_graphs`` as ``TorchEngineConfig.cuda_graphs``. ``_step`` (tests): ``static`` runs the
+        """``cuda_graphs`` and ``on_swap`` as ``TorchEngineConfig``'s. ``_step`` (tests): ``static`` runs the
         static-buffer step without capturing it, on any device; ``eager`` the eager step."""
         self.model = model.eval()
+        self.on_swap = on_swap
         self.slots = slots
         self.policy_version = policy_version
         param = next(model.parameters())
@@ -83,7 +87,8 @@ class TorchEngine(Engine):
         name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
         model = CausalLM.from_pretrained(Path(cfg.checkpoint), dtype=dtype).to(device)
-        return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len, cuda_graphs=cfg.cuda_graphs)
+        return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len, cuda_graphs=cfg.cuda_graphs,
+                   on_swap=cfg.on_swap)
 
     def active(self) -> int:
         return len(self._active)
@@ -135,6 +140,7 @@ class TorchEngine(Engine):
             r = slot.request
             slot.generated += 1
             slot.pending = token
+            slot.tokens.append(token)
             out = EngineOutput(r.lease_id, [token], [logprob], [slot.logits_version])
             if token in r.stop_token_ids or token in self.eos_ids:
                 out.finish = "stop"
@@ -184,14 +190,17 @@ class TorchEngine(Engine):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Swap weights between decode steps. A token carries the version of the weights that
-        computed its logits: the first token each running request samples after the swap comes
-        from logits of the old weights and carries the old version; the tokens after it carry
-        ``version``, though their keys and values of earlier positions stay in the cache as the old
-        weights wrote them (no re-prefill: PipelineRL's in-flight update). ``state_dict``
+        computed its logits. With ``on_swap = "keep"`` the first token each running request samples
+        after the swap comes from logits of the old weights and carries the old version; the tokens
+        after it carry ``version``, though their keys and values of earlier positions stay in the
+        cache as the old weights wrote them (no re-prefill: PipelineRL's in-flight update). With
+        ``"recompute"`` every running request is prefilled again at once (``_recompute``), so its
+        next token and all after it are ``version``'s alone (AReaL's in-flight update). ``state_dict``
         may hold some of the model's tensors (an update in buckets), but a name the model does not
         have is a ``ValueError``: weights of another architecture, which loading would drop unseen; so
         is a tensor of another shape, before anything is loaded. The weights are copied into the
-        model's own tensors, where the captured decode graphs read them."""
+        model's own tensors, where the captured decode graphs read them. In buckets, ``recompute``
+        prefills at every call: the last bucket's is the one that counts."""
         unknown = sorted(set(state_dict) - self._tensor_names)
         if unknown:
             raise ValueError(f"weights version {version} names {len(unknown)} tensor(s) the engine's model does "
@@ -205,6 +214,26 @@ class TorchEngine(Engine):
         if self._static is not None:
             self._static.check_addresses()
         self.policy_version = version
+        if self.on_swap == "recompute":
+            self._recompute()
+
+    @torch.no_grad()
+    def _recompute(self) -> None:
+        """Prefill every active row again with the weights now loaded: its prompt, resumed tokens and
+        every token sampled so far (all in the cache between steps), overwriting the keys and values
+        older weights wrote, and take its next logits from this forward."""
+        for idx, slot in sorted(self._active.items()):
+            tokens = slot.request.prompt + slot.request.resume + slot.tokens
+            assert len(tokens) == slot.length, (slot.request.lease_id, len(tokens), slot.length)
+            ids = to_device(self.device, [tokens], torch.int64)
+            pos = torch.arange(len(tokens), device=self.device)[None]
+            rows = torch.full((1,), idx, device=self.device)
+            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(rows, pos, span=len(tokens)))
+            if self._static is not None:  # the static step samples from its own row of logits
+                self._static.logits[idx] = logits[0, -1].float()
+            else:
+                slot.next_logits = logits[0, -1].float()
+            slot.logits_version = self.policy_version
 
 
 def graphs_on(setting: str, device: torch.device) -> bool:

@@ -26,7 +26,9 @@ holds when it starts; a version loaded while it decodes (an in-flight update: ``
 ``april`` with ``boundary = "inflight"``) computes the logits of its later tokens while the cache
 still holds the keys and values the older weights wrote. Those tokens, the lease's tokens of a
 newer version than its first token's, are neither policy's: the generator counts them
-(``mixed_tokens`` in its ``busy`` lines, beside ``tokens``, every token it generated).
+(``mixed_tokens`` in its ``busy`` lines, beside ``tokens``, every token it generated). An engine
+that prefills its running requests again at every swap (``engine.on_swap = "recompute"``, AReaL's
+way) makes none, and none are counted.
 """
 
 from __future__ import annotations
@@ -292,7 +294,8 @@ class GeneratorActor:
         if w is None:
             return
         self.tokens_generated += len(out.tokens)
-        self.mixed_tokens += w.mixed(out.versions)
+        if self.engine.on_swap == "keep":  # a recomputing engine's tokens are each one version's alone
+            self.mixed_tokens += w.mixed(out.versions)
         w.tokens += out.tokens
         w.logprobs += out.logprobs
         w.versions += out.versions

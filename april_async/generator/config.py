@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from april_async.config import Endpoint, LinkConfig, LogConfig
 from april_async.engines.config import ScriptedEngineConfig, SGLangEngineConfig, TorchEngineConfig
@@ -52,3 +52,12 @@ class GeneratorConfig(BaseModel):
     """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
     split over several messages."""
     log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _recompute_needs_the_torch_engine(self) -> GeneratorConfig:
+        if self.torch.on_swap != "keep" and self.engine != "torch":
+            raise ValueError(
+                f"torch.on_swap = {self.torch.on_swap!r} is the torch engine's; the {self.engine} engine "
+                f"cannot prefill running requests again at a swap (on SGLang, [broadcaster.sglang] "
+                f"pause = \"abort\" ends them at each update and resumes them on the new weights)")
+        return self

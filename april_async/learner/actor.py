@@ -65,23 +65,28 @@ IDLE_COMMAND_S = 5.0
 """Rank 0 waiting for a batch tells the other ranks so this often (they wait in a collective)."""
 
 
-def mixed_mask(versions: np.ndarray, resumed_at: list[int]) -> np.ndarray:
+def mixed_mask(versions: np.ndarray, resumed_at: list[int], *, on_swap: str = "keep") -> np.ndarray:
     """Which of a response's tokens are mixed: computed after an in-flight weight update over a KV
     cache older weights wrote. A lease prefills the prompt and the tokens before it with the weights
     it starts on, and its first token comes from those (an engine tags a token with the version of
     the weights that computed its logits); a token of that lease of a newer version is mixed. The
-    leases start at 0 and at each of ``resumed_at`` (the broker's record of where it resumed the sample)."""
+    leases start at 0 and at each of ``resumed_at`` (the broker's record of where it resumed the sample).
+    Generators that prefill their running requests again at every swap (``on_swap = "recompute"``)
+    rewrite the whole cache with each version: none of their tokens is mixed."""
     mixed = np.zeros(len(versions), dtype=bool)
+    if on_swap == "recompute":
+        return mixed
     starts = sorted({0, *(k for k in resumed_at if 0 < k < len(versions))})
     for a, b in zip(starts, [*starts[1:], len(versions)]):
         mixed[a:b] = versions[a:b] > versions[a]
     return mixed
 
 
-def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int, *, mixed_weight: float | None = None
-               ) -> tuple[list[Row], list[float], list[int]]:
+def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int, *,
+               mixed_weight: float | None = None, on_swap: str = "keep") -> tuple[list[Row], list[float], list[int]]:
     """One ``Row`` per sample of ``groups`` (advantage not yet set), its reward and its group's index.
-    With ``mixed_weight``, its mixed tokens (``mixed_mask``) weigh that much in the loss."""
+    With ``mixed_weight``, its mixed tokens (``mixed_mask``, given the generators' ``on_swap``) weigh
+    that much in the loss."""
     rows, rewards, gidx = [], [], []
     for gi, g in enumerate(groups):
         prompt = batch.prompt_tokens[g.prompt_offset:g.prompt_offset + g.prompt_len]
@@ -89,7 +94,7 @@ def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int,
             sl = slice(s.response_offset, s.response_offset + s.response_len)
             versions = np.repeat([sp.version for sp in s.versions], [sp.count for sp in s.versions])
             seq = np.concatenate([prompt, batch.response_tokens[sl]]).astype(np.int64)
-            mixed = mixed_mask(versions, s.resumed_at)
+            mixed = mixed_mask(versions, s.resumed_at, on_swap=on_swap)
             weight = None
             if mixed_weight is not None and mixed.any():
                 weight = np.where(mixed, np.float32(mixed_weight), np.float32(1.0)).astype(np.float32)
@@ -254,7 +259,8 @@ class LearnerActor:
 
         # batch -> rows with advantages -> each rank's share -> the same step on every rank
         mixed_weight = {"keep": None, "drop": 0.0, "weight": self.cfg.mixed_weight}[self.cfg.mixed_tokens]
-        rows, rewards, gidx = batch_rows(batch, groups, V, mixed_weight=mixed_weight)
+        rows, rewards, gidx = batch_rows(batch, groups, V, mixed_weight=mixed_weight,
+                                         on_swap=self.cfg.on_swap)
         adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(gidx),
                                scale=self.cfg.advantage_scale)
         for r, a in zip(rows, adv.tolist(), strict=True):

@@ -60,6 +60,10 @@ class LearnerConfig(BaseModel):
     policy's. ``keep`` trains on them as on any token of their version; ``drop`` leaves them out of
     the loss; ``weight`` multiplies their loss by ``mixed_weight``. Which tokens they are the learner
     reads from each sample's version spans and ``resumed_at`` (``mixed_mask``)."""
+    on_swap: Literal["keep", "recompute"] = "keep"
+    """What the generators' engine does to a running request at a weight swap (``generator.torch.on_swap``,
+    which ``april up`` copies here): ``keep`` its cache (its later tokens are mixed, above), or
+    ``recompute`` it with the new weights (none of its tokens is mixed)."""
     mixed_weight: float = Field(0.5, ge=0.0, le=1.0)
     """``mixed_tokens = "weight"``: the weight of a mixed token in the loss (and in its metrics' token sums)."""
     advantage_scale: bool = True

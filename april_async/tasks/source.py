@@ -5,7 +5,8 @@ Kinds:
 - ``synthetic``: token-id prompts for the runtime tests (no tokenizer, no meaningful reward:
   the scripted engine and the ``parity`` reward);
 - ``addchain``: the built-in synthetic task (``tasks/addchain.py``), endless: its training stream,
-  or with ``split = "held_out"`` its held-out partition, which no training stream draws from;
+  or with ``split = "held_out"`` its held-out partition, which no training stream draws from; with
+  ``chains = "long"``, its family of chains up to 100 additions (responses up to 1,400 tokens);
 - ``jsonl`` / ``parquet``: a dataset file (``tasks/datasets.py``), read once at start, taken in a
   shuffled order per epoch.
 
@@ -66,6 +67,10 @@ class PromptSourceConfig(BaseModel):
     split: Literal["train", "held_out"] = "train"
     """``addchain`` only: its training streams (every seed), or ``held_out``: its held-out partition,
     problems no training stream yields (``tasks/addchain.py``), for evaluation."""
+    chains: Literal["short", "long"] = "short"
+    """``addchain`` only: ``short`` chains (up to 15 additions, responses up to 209 tokens) or
+    ``long`` ones (up to 100, responses up to 1,400 tokens, median 41), each with its own streams
+    and held-out partition."""
     shuffle: bool = True
     """Take a dataset in a new random order each epoch (else in file order)."""
     epochs: int | None = Field(1, ge=1)
@@ -81,6 +86,8 @@ class PromptSourceConfig(BaseModel):
             raise ValueError("system_prompt is only used with chat (chat = false here)")
         if self.split != "train" and self.kind != "addchain":
             raise ValueError(f"split {self.split!r} is a choice of kind 'addchain' only, not {self.kind!r}")
+        if self.chains != "short" and self.kind != "addchain":
+            raise ValueError(f"chains {self.chains!r} is a choice of kind 'addchain' only, not {self.kind!r}")
         if "{prompt}" not in self.template:
             raise ValueError(f"template {self.template!r} does not contain '{{prompt}}'")
         return self
@@ -129,7 +136,7 @@ class PromptSource:
                            prompt_ids=ids)
         if cfg.kind == "addchain":
             make = addchain.held_out_problem if cfg.split == "held_out" else addchain.make_problem
-            p = make(cfg.seed, index)
+            p = make(cfg.seed, index, cfg.chains)
             return p if cfg.task is None else replace(p, task=cfg.task)
         epoch, pos = divmod(index, len(self._data))
         if self._order is None or self._order[0] != epoch:

@@ -205,8 +205,9 @@ class RunFile(BaseModel):
     The policy the run starts from is ``learner.checkpoint``, else ``<run.dir>/init`` (the warm
     start's): the learner's checkpoint, the generators' ``torch.checkpoint`` where they name none,
     and the tokenizer of the broker's prompts and of the scorer where they name none. The learner
-    samples at the broker's temperature, forms ``ranks`` from ``learner:N`` (they must agree with
-    its own ``ranks``), and stops at ``run.max_steps``.
+    samples at the broker's temperature, tells mixed tokens by the generators' ``torch.on_swap``,
+    forms ``ranks`` from ``learner:N`` (they must agree with its own ``ranks``), and stops at
+    ``run.max_steps``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -270,7 +271,8 @@ class RunFile(BaseModel):
                        "tokenizer": _given(scorer, "tokenizer", policy)})
         _fill(learner, {"name": run.named("learner-0"), **link, "checkpoint": policy,
                         "run_dir": str(run.run_dir), "broadcaster": run.broadcaster_endpoint,
-                        "temperature": _given(broker, "rollout.sampling.temperature", 1.0)})
+                        "temperature": _given(broker, "rollout.sampling.temperature", 1.0),
+                        "on_swap": _given(generator, "torch.on_swap", "keep")})
         ranks = counts.get("learner")
         if ranks is not None:
             given = _given(learner, "ranks")

@@ -177,9 +177,10 @@ def held_out_problems(cfg: WarmStartConfig) -> list[Problem]:
     if cfg.prompts.kind != "addchain":
         src = PromptSource(cfg.prompts.model_copy(update=update))
         return [src.next() for _ in range(cfg.eval_problems)]
-    if cfg.eval_problems > addchain.HELD_OUT_SIZE:
+    size = addchain.held_out_size(cfg.prompts.chains)
+    if cfg.eval_problems > size:
         raise ValueError(f"eval_problems = {cfg.eval_problems}: the addchain task's held-out partition has "
-                         f"{addchain.HELD_OUT_SIZE} problems")
+                         f"{size} problems (chains = {cfg.prompts.chains!r})")
     src = PromptSource(cfg.prompts.model_copy(update={**update, "split": "held_out"}))
     out, seen = [], set()
     while len(out) < cfg.eval_problems:  # the stream repeats problems; the evaluation set does not

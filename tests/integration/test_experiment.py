@@ -88,7 +88,7 @@ def test_the_simulated_projection_prints_the_grid(tmp_path):
     rows = json.loads((tmp_path / "out" / "sim.json").read_text())["cells"]
     assert [r["cell"] for r in rows] == ["sync", "april-r2-eta4", "april-r2-eta4-inflight", "april-r2-eta1-drop",
                                          "april-r1.5-eta4", "april-r3-eta4", "april-r3-eta4-inflight", "async-r2-eta4",
-                                         "sync-2B", "async-r2-eta4-perstep"]
+                                         "sync-2B", "async-r2-eta4-perstep", "april-r2-eta4-inflight-recompute"]
     assert all(r["ledger_ok"] and r["tokens_per_s"] > 0 for r in rows)
     assert rows[0]["train_s"] > 0  # calibrated from sim_train_share
     assert "| sync |" in res.stdout

@@ -70,6 +70,35 @@ def test_an_in_flight_load_makes_the_torch_engines_later_tokens_of_a_lease_mixed
     assert w.versions == [0, 0, 0, 1, 1, 1] and mixed == 3
 
 
+@pytest.mark.parametrize("on_swap, versions, mixed", [("keep", [0, 0, 0, 1, 1, 1], 3),
+                                                      ("recompute", [0, 0, 1, 1, 1, 1], 0)])
+def test_the_generator_counts_mixed_tokens_only_where_the_engine_keeps_its_cache(on_swap, versions, mixed):
+    """With ``on_swap = "recompute"`` the engine prefills the lease again at the load: the token it
+    samples next is version 1's already, and no token is counted mixed."""
+    from april_async.config import LinkConfig
+    from april_async.engines.base import EngineRequest
+    from april_async.engines.torch_engine import TorchEngine
+    from april_async.generator.actor import GeneratorActor
+    from april_async.generator.config import GeneratorConfig
+    from april_async.model.decoder import CausalLM, ModelConfig
+
+    torch = pytest.importorskip("torch")
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, rope_theta=10000.0)
+    torch.manual_seed(0)
+    engine = TorchEngine(CausalLM(cfg).eval(), slots=1, max_seq_len=32, on_swap=on_swap)
+    actor = GeneratorActor(GeneratorConfig(link=LinkConfig(keys=None)), engine, lambda on_connect: None)
+    engine.submit(EngineRequest(lease_id=1, sample_id=1, prompt=[1, 2, 3], resume=[], max_new_tokens=10))
+    actor.work[1] = w = LeaseWork(1, 1, 0)  # still running after the six steps: nothing is sent
+    for k in range(6):
+        if k == 2:
+            torch.manual_seed(1)
+            engine.load_weights(CausalLM(cfg).state_dict(), version=1)
+        for out in engine.step():
+            actor._progress(out)
+    assert w.versions == versions and (actor.tokens_generated, actor.mixed_tokens) == (6, mixed)
+
+
 def test_the_experiment_reads_the_generators_mixed_tokens(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()

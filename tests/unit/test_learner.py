@@ -349,6 +349,7 @@ def test_mixed_tokens_are_those_of_a_lease_newer_than_its_first_token():
     assert mixed_mask(v, [2]).tolist() == [False, False, False, False, True]  # resumed (prefilled) at version 1
     assert mixed_mask(v, [2, 4]).tolist() == [False] * 5  # april as published: every lease within one version
     assert mixed_mask(np.array([3, 3, 3]), [0, 7]).tolist() == [False] * 3  # offsets outside are ignored
+    assert mixed_mask(v, [], on_swap="recompute").tolist() == [False] * 5  # every swap prefilled again
 
 
 def _crossing_batch(before: int, after: int, *, resumed: bool = False, keep_only_before: bool = False):
@@ -385,6 +386,9 @@ def test_mixed_tokens_drop_or_weight_sets_their_weight_in_the_loss():
     resumed = _crossing_batch(2, 3, resumed=True)  # prefilled again at version 1: nothing mixed
     assert pack(batch_rows(resumed, list(resumed.groups), 2, mixed_weight=0.0)[0]).mask[0].tolist() == \
         keep.mask[0].tolist()
+    recomputed = batch_rows(batch, list(batch.groups), 2, mixed_weight=0.0, on_swap="recompute")[0]
+    assert pack(recomputed).mask[0].tolist() == keep.mask[0].tolist()  # prefilled again at the swap
+    assert sum(r.mixed for r in recomputed) == 0
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo"])

@@ -53,6 +53,26 @@ def no_cluster_env(monkeypatch):
 # ---------------------------------------------------------------------- the plan
 
 
+def test_the_long_chains_preset_holds_its_longest_answer_everywhere(no_cluster_env):
+    """launch/addchain_long.toml: the broker and the warm start draw the long family, and the budget,
+    the generators' sequences, the warm start's rows and the model's positions all hold its longest
+    answer (1,400 tokens) after its longest prompt."""
+    from pathlib import Path
+
+    from april_async.model.tokenizer import CharTokenizer
+    from april_async.tasks import addchain
+    from april_async.up import RunFile
+
+    files = RunFile.load(load_document(Path(__file__).resolve().parents[2] / "launch/addchain_long.toml", []))
+    assert files.broker.prompts.chains == files.warmstart.prompts.chains == "long"
+    prompt = len(CharTokenizer().encode_prompt(f"99+9x{addchain.LONG_MAX_STEPS}\n", chat=False))
+    longest = len(addchain.worked_answer(99, 9, addchain.LONG_MAX_STEPS)) + 1  # with end-of-sequence
+    assert longest == 1400 and files.broker.rollout.max_response_tokens >= max(1024, longest)
+    assert files.generator.torch.max_seq_len >= prompt + files.broker.rollout.max_response_tokens
+    assert files.warmstart.seq_len >= prompt + longest and files.warmstart.max_response_tokens >= longest
+    assert files.warmstart.max_position_embeddings >= files.generator.torch.max_seq_len
+
+
 def test_learner_n_plans_one_group_of_ranks_with_a_torchrun_environment(tmp_path, no_cluster_env):
     doc = load_document(None, [f"run.dir='{tmp_path}'", "run.node=n0", "run.learner_port=29700"])
     run, children, configs = plan(doc, "broker,learner:3")
@@ -106,9 +126,15 @@ def test_the_run_file_fills_in_what_the_run_decides_for_its_actors(tmp_path, no_
     assert files.learner.checkpoint == files.generator.torch.checkpoint == init
     assert files.scorer.tokenizer == files.broker.prompts.tokenizer == init
     assert files.learner.temperature == 0.7 and files.learner.max_steps == 9
+    assert files.learner.on_swap == "keep"
     assert files.learner.name == "n1-learner-0"
     assert files.init_warm_start == files.warmstart
     assert [files.generator_of(i, 2).name for i in range(2)] == ["n1-gen-0", "n1-gen-1"]
+    recompute = RunFile.load(load_document(None, ["generator.torch.on_swap='recompute'"]))
+    assert recompute.learner.on_swap == recompute.generator.torch.on_swap == "recompute"
+    with pytest.raises(ConfigError, match="torch.on_swap = 'recompute' is the torch engine's"):
+        RunFile.load(load_document(None, ["generator.torch.on_swap='recompute'", "generator.engine='sglang'",
+                                          "generator.sglang.servers=['http://h:1', 'http://h:2']"]))
     named = RunFile.load(load_document(None, ["learner.checkpoint='/ckpt'",
                                               "generator.torch.checkpoint='/gen'"]))
     assert named.init_warm_start is None and named.scorer.tokenizer == "/ckpt"

@@ -82,6 +82,64 @@ def test_the_held_out_set_is_disjoint_from_every_training_stream():
         assert not any(addchain.is_held_out(*k) for k in train)
 
 
+def test_long_chains_are_a_pure_function_of_seed_and_index_apart_from_the_short_streams():
+    assert addchain.make_problem(3, 17, "long") == addchain.make_problem(3, 17, "long")
+    assert addchain.make_problem(3, 17, "long") != addchain.make_problem(4, 17, "long")
+    tail = list(itertools.islice(addchain.problems(seed=3, start=10, chains="long"), 5))
+    assert tail == [addchain.make_problem(3, i, "long") for i in range(10, 15)]
+    ids = {p.prompt_id for p in itertools.islice(addchain.problems(3, chains="long"), 500)}
+    assert len(ids) == 500 and not ids & {p.prompt_id for p in itertools.islice(addchain.problems(3), 500)}
+    src = PromptSource(PromptSourceConfig(kind="addchain", seed=3, chains="long"), start=10)
+    assert [src.next() for _ in range(5)] == tail  # the broker's source, resumed at 10
+
+
+def test_long_chains_run_past_1024_tokens_with_a_heavy_tail_as_the_docstring_says():
+    stated = re.search(r'chains="long"\)``\): \*\*median (\d+), p90 (\d+), p99 (\d+), max (\d+)\*\* \(mean (\d+)\)',
+                       addchain.__doc__)
+    stats = addchain.length_stats(chains="long")
+    assert [stats[k] for k in ("median", "p90", "p99", "max")] == [int(g) for g in stated.groups()[:4]]
+    assert round(stats["mean"]) == int(stated.group(5))
+    assert stats["p99"] >= 1024 and stats["p99"] >= 25 * stats["median"] and stats["mean"] <= 200
+    assert max(len(addchain.worked_answer(start, add, addchain.LONG_MAX_STEPS)) + 1
+               for start in (1, 99) for add in (2, 9)) == 1400  # what a budget of 1,536 tokens must hold
+    tok = CharTokenizer()
+    for p in itertools.islice(addchain.problems(seed=1, chains="long"), 300):  # correct worked answers
+        x = p.meta["start"]
+        *lines, last = p.reference.split("\n")
+        assert len(lines) == p.meta["steps"] <= addchain.LONG_MAX_STEPS
+        for left, line in zip(range(p.meta["steps"], 0, -1), lines, strict=True):
+            assert LINE.fullmatch(line).groups() == (str(left), str(x), str(p.meta["add"]), str(x + p.meta["add"]))
+            x += p.meta["add"]
+        assert last == f"#### {x}" and p.meta["answer"] == str(x) and x < 1000 and score(p.reference, str(x)) == 1.0
+        tok.encode(p.prompt + p.reference)
+
+
+def test_long_chains_hold_out_their_own_partition_disjoint_from_every_training_stream():
+    from april_async.warmstart.config import WarmStartConfig
+    from april_async.warmstart.sft import held_out_problems
+
+    every = [(start, add, steps) for start in range(addchain.START_RANGE[0], addchain.START_RANGE[1] + 1)
+             for add in range(addchain.ADD_RANGE[0], addchain.ADD_RANGE[1] + 1)
+             for steps in range(1, addchain.LONG_MAX_STEPS + 1)]
+    held = sum(addchain.is_held_out(*p) for p in every)
+    assert len(every) == 79_200 and held == addchain.held_out_size("long") == 13_262
+    assert abs(held / len(every) - 1 / addchain.HELD_OUT_BUCKETS) < 0.01
+    ws = WarmStartConfig(prompts=PromptSourceConfig(kind="addchain", seed=1000, chains="long"), eval_problems=1024)
+    evaluation = held_out_problems(ws)
+    keys = {_key(p) for p in evaluation}
+    assert len(keys) == 1024 and all(addchain.is_held_out(*k) for k in keys)
+    assert max(k[2] for k in keys) > addchain.MAX_STEPS  # drawn from the long family, not the short one
+    with pytest.raises(ValueError, match="held-out partition has 13262 problems"):
+        held_out_problems(ws.model_copy(update={"eval_problems": 13_263}))
+    for seed in (0, 1, 1000):  # either family's training streams: the same hash holds out the same problems
+        for chains in ("short", "long"):
+            src = PromptSource(PromptSourceConfig(kind="addchain", seed=seed, chains=chains))
+            train = {_key(src.next()) for _ in range(10_000)}
+            assert not train & keys and not any(addchain.is_held_out(*k) for k in train), (seed, chains)
+    with pytest.raises(ValidationError, match="chains 'long' is a choice of kind 'addchain' only"):
+        PromptSourceConfig(kind="synthetic", chains="long")
+
+
 def test_no_training_stream_can_be_pointed_at_the_held_out_partition():
     from pydantic import ValidationError
 

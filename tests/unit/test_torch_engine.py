@@ -152,6 +152,55 @@ def test_a_request_submitted_after_a_swap_is_all_the_new_version():
     assert [engine.step()[0].versions[0] for _ in range(3)] == [2, 2, 2]
 
 
+def test_recompute_on_swap_prefills_every_running_request_again_with_the_new_weights():
+    """AReaL's in-flight update: at the swap each running request (one fresh, one resumed, of other
+    lengths) is prefilled again, so its next logits are a fresh prefill's under the new weights,
+    its next token is the new version's, and it decodes on exactly as a request started anew on
+    the new weights with what it had would."""
+    new = model(1)
+    engine = TorchEngine(model(0), slots=3, max_seq_len=64, on_swap="recompute")
+    engine.submit(req(1, PROMPTS[1], 8, temperature=0.0))
+    engine.submit(req(2, PROMPTS[3], 8, resume=[3, 4], temperature=0.0))
+    before = {1: [], 2: []}
+    for _ in range(3):
+        for out in engine.step():
+            before[out.lease_id] += out.tokens
+    engine.load_weights(new.state_dict(), version=5)
+    for lid, prefix in ((1, PROMPTS[1]), (2, PROMPTS[3] + [3, 4])):
+        slot = engine._active[engine._by_lease[lid]]
+        with torch.no_grad():
+            fresh, _ = new(torch.tensor([prefix + before[lid]]))
+        assert slot.logits_version == 5
+        assert torch.allclose(slot.next_logits, fresh[0, -1].float(), atol=1e-5)
+    after = {1: ([], [], []), 2: ([], [], [])}
+    while engine.active():
+        for out in engine.step():
+            for mine, theirs in zip(after[out.lease_id], (out.tokens, out.logprobs, out.versions)):
+                mine += theirs
+    assert all(set(versions) == {5} for _, _, versions in after.values())
+    expect = run(TorchEngine(new, slots=2, max_seq_len=64),
+                 {0: [req(1, PROMPTS[1] + before[1], 5, temperature=0.0),
+                      req(2, PROMPTS[3] + [3, 4] + before[2], 5, temperature=0.0)]})
+    for lid in (1, 2):
+        assert after[lid][0] == expect[lid][0]
+        assert after[lid][1] == pytest.approx(expect[lid][1], abs=1e-4)
+
+
+def test_with_recompute_the_first_token_after_a_swap_carries_the_new_version():
+    engine = TorchEngine(model(0), slots=1, max_seq_len=64, on_swap="recompute")
+    engine.submit(req(1, PROMPTS[1], 6, temperature=0.0))
+    before = [engine.step()[0] for _ in range(3)]
+    engine.load_weights(model(1).state_dict(), version=5)
+    after = [engine.step()[0] for _ in range(3)]
+    assert [o.versions[0] for o in before + after] == [0, 0, 0, 5, 5, 5]
+
+
+def test_on_swap_is_keep_by_default_and_refuses_a_mode_it_does_not_know():
+    assert TorchEngineConfig().on_swap == "keep"
+    with pytest.raises(ValidationError, match="on_swap"):
+        TorchEngineConfig(on_swap="flush")
+
+
 def test_weights_naming_a_tensor_the_model_lacks_are_refused_not_dropped():
     engine = TorchEngine(model(0), slots=1, max_seq_len=64)
     state = {**model(1).state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.ones(4)}
