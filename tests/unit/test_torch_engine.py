@@ -152,13 +152,15 @@ def test_a_request_submitted_after_a_swap_is_all_the_new_version():
     assert [engine.step()[0].versions[0] for _ in range(3)] == [2, 2, 2]
 
 
-def test_recompute_on_swap_prefills_every_running_request_again_with_the_new_weights():
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_recompute_on_swap_prefills_every_running_request_again_with_the_new_weights(step):
     """AReaL's in-flight update: at the swap each running request (one fresh, one resumed, of other
     lengths) is prefilled again, so its next logits are a fresh prefill's under the new weights,
     its next token is the new version's, and it decodes on exactly as a request started anew on
-    the new weights with what it had would."""
+    the new weights with what it had would. On both decode steps (the static-buffer one, run
+    uncaptured here, keeps each row's logits in its own buffer)."""
     new = model(1)
-    engine = TorchEngine(model(0), slots=3, max_seq_len=64, on_swap="recompute")
+    engine = TorchEngine(model(0), slots=3, max_seq_len=64, on_swap="recompute", _step=step)
     engine.submit(req(1, PROMPTS[1], 8, temperature=0.0))
     engine.submit(req(2, PROMPTS[3], 8, resume=[3, 4], temperature=0.0))
     before = {1: [], 2: []}
@@ -171,7 +173,8 @@ def test_recompute_on_swap_prefills_every_running_request_again_with_the_new_wei
         with torch.no_grad():
             fresh, _ = new(torch.tensor([prefix + before[lid]]))
         assert slot.logits_version == 5
-        assert torch.allclose(slot.next_logits, fresh[0, -1].float(), atol=1e-5)
+        held = slot.next_logits if step == "eager" else engine._static.logits[engine._by_lease[lid]]
+        assert torch.allclose(held, fresh[0, -1].float(), atol=1e-5)
     after = {1: ([], [], []), 2: ([], [], [])}
     while engine.active():
         for out in engine.step():
