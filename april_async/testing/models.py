@@ -29,3 +29,22 @@ def learner_logprobs(model: CausalLM, batch, sample, prompt) -> torch.Tensor:
         logits, _ = model(seq)
     lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], -1)
     return lp.gather(1, torch.tensor(resp.tolist())[:, None])[:, 0]
+
+
+def syncs_per_step(engine, steps: int = 5) -> list[int]:
+    """How many times each of ``steps`` decode steps of a CUDA ``engine`` waited for the GPU (torch's
+    sync debug mode, one warning per synchronising call): the engine's contract is one, the read
+    of the sampled ids. Warm the engine up first: first-use allocations may synchronise."""
+    import warnings
+
+    counts = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+    return counts

@@ -4,7 +4,9 @@ their parent), with the checkout as the children's directory, and waiting on wha
 from __future__ import annotations
 
 import functools
+import importlib.util
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 spawn = functools.partial(runtime.spawn, cwd=ROOT)
 """``runtime.spawn`` from the checkout."""
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module (the tools are scripts, not a package), registered in
+    ``sys.modules`` under ``<name>_tool`` first: its dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 
@@ -43,4 +55,4 @@ def wait_for(what: str, cond: Callable[[], object], timeout: float, proc: subpro
         time.sleep(interval_s)
 
 
-__all__ = ["FREE_PORTS", "ROOT", "ChildFailed", "free_port", "spawn", "stop", "wait_for"]
+__all__ = ["FREE_PORTS", "ROOT", "ChildFailed", "free_port", "load_tool", "spawn", "stop", "wait_for"]

@@ -285,6 +285,16 @@ def _zap_domain(allowed: str) -> str:
     return f"{ZAP_DOMAIN}-{hashlib.sha256(allowed.encode()).hexdigest()[:16]}"
 
 
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind ``sock`` to ``endpoint`` (a port of 0: a free one) and return the address bound. A failure
+    is ZeroMQ's ``ZMQError``, for the caller to name in its own terms."""
+    if endpoint.endswith(":0"):
+        sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+    else:
+        sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 def serve(sock: zmq.Socket, ctx: zmq.Context, keys: Path | None, bind: str, *, allow_open: bool) -> bool:
     """Make ``sock`` (before it binds ``bind``) a CURVE server when there are keys; refuse an open
     non-loopback bind. True when the socket is secured. Every call reads ``authorized/`` afresh,

@@ -77,15 +77,11 @@ class Hub:
         self.secure = curve.serve(self.sock, self.ctx, link.keys, bind, allow_open=link.allow_open)
         self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         try:
-            if bind.endswith(":0"):
-                self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-            else:
-                self.sock.bind(bind)
+            self.endpoint = curve.bind(self.sock, bind)
         except zmq.ZMQError as e:
             self.sock.close()
             hint = " (another actor, or another run's, is listening there)" if e.errno == zmq.EADDRINUSE else ""
             raise OSError(e.errno, f"{name}: cannot bind {bind}: {e.strerror}{hint}") from None
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.log = get_logger(actor=name, component="hub")
         self.refusals = curve.RefusalLog(self.log, self.clock)
         self.key_roles = curve.load_roles(link.keys) if self.secure else None

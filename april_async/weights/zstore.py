@@ -276,14 +276,10 @@ class StoreService:
         self.secure = curve.serve(self.sock, self.ctx, keys, bind, allow_open=allow_open)
         self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         try:
-            if bind.endswith(":0"):
-                self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-            else:
-                self.sock.bind(bind)
+            self.endpoint = curve.bind(self.sock, bind)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise StoreError(f"cannot bind the rendezvous store on {bind}: {e}", "bind") from None
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name=f"rendezvous-store {self.endpoint}", daemon=True)
         self._thread.start()
 

@@ -3,7 +3,6 @@ runs of a tiny policy), its simulated projection, its report and docs block, and
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 
 from april_async.experiments.grid import Cell, ExperimentError, experiment_cells, load_experiment
 from april_async.experiments.runs import resumable
+from april_async.testing.procs import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -24,14 +24,6 @@ FIGURES = ("reward_vs_time.png", "reward_vs_samples.png", "time_to_reward.png", 
 def experiment(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/experiment.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("experiment_tool", ROOT / "tools/experiment.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.slow
@@ -95,7 +87,7 @@ def test_the_simulated_projection_prints_the_grid(tmp_path):
 
 
 def test_report_redraws_from_results_and_writes_the_docs_block(tmp_path, monkeypatch):
-    tool = _load_tool()
+    tool = load_tool("experiment")
     page = tmp_path / "experiments.md"
     page.write_text("# Experiments\n\nintro\n\n<!-- experiment:t:begin -->\nold\n<!-- experiment:t:end -->\n\nafter\n")
     monkeypatch.setattr(tool, "DOCS_PAGE", page)
@@ -130,7 +122,7 @@ def test_report_redraws_from_results_and_writes_the_docs_block(tmp_path, monkeyp
 def test_held_out_levels_are_read_off_sync_and_timed_between_checkpoints(tmp_path):
     """The held-out reward's levels: the initial policy plus fractions of sync's climb; each is
     timed linearly between evaluated checkpoints, and reported against sync."""
-    tool = _load_tool()
+    tool = load_tool("experiment")
     out = tmp_path / "out"
     out.mkdir()
     curves = {"sync": [[0.0, 0, 0.5], [30.0, 20, 0.6], [60.0, 40, 0.7]],
@@ -166,7 +158,7 @@ def test_held_out_levels_are_read_off_sync_and_timed_between_checkpoints(tmp_pat
 def test_bad_experiment_configs_are_one_line_errors(tmp_path, capsys, text, named):
     cfg = tmp_path / "exp.toml"
     cfg.write_text(text.format(base=ROOT / "launch/addchain.toml", tmp=tmp_path))
-    assert _load_tool().main([str(cfg), "--out", str(tmp_path / "out")]) == 2
+    assert load_tool("experiment").main([str(cfg), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert named in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
@@ -208,7 +200,7 @@ def test_every_preset_loads_and_plans_one_april_up_per_cell_and_seed(preset, cap
     validates, its base with it, and names a command for every cell at every seed."""
     from april_async.up import load_document, plan
 
-    tool = _load_tool()
+    tool = load_tool("experiment")
     cfg, _ = load_experiment(preset, False)
     plan(load_document(cfg.base, cfg.set), None)  # the base with the preset's sets: every section valid
     assert tool.main([str(preset), "--dry-run"]) == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from april_async.testing.cluster import TINY_POLICY_TOML
+from april_async.testing.procs import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -97,14 +97,6 @@ def test_a_simulated_sweep_writes_its_table_and_figures(tmp_path):
     assert not (out / "rewards.png").exists()
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("sweep_tool", ROOT / "tools/sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("text,named", [
     ('[sweep]\nbase = "{base}"\nmodes = ["sync", "turbo"]\n', "turbo"),
     ('[sweep]\nbase = "{base}"\neta = [1, -1]\n', "eta: -1 is negative"),
@@ -119,14 +111,14 @@ def _load_tool():
 def test_bad_sweep_configs_are_one_line_errors(tmp_path, capsys, text, named):
     cfg = tmp_path / "sweep.toml"
     cfg.write_text(text.format(base=ROOT / "launch/addchain.toml", tmp=tmp_path))
-    assert _load_tool().main([str(cfg), "--sim", "--out", str(tmp_path / "out")]) == 2
+    assert load_tool("sweep").main([str(cfg), "--sim", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert named in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_sweep_file_is_a_one_line_error(tmp_path, capsys):
-    assert _load_tool().main([str(tmp_path / "nope.toml")]) == 2
+    assert load_tool("sweep").main([str(tmp_path / "nope.toml")]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope.toml' does not exist" in err and len(err.splitlines()) == 1
 

@@ -5,7 +5,6 @@ weights loaded in place, and padding rows that change nothing. The gpu-marked te
 CUDA graphs and compare them with the eager step."""
 
 import math
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -17,7 +16,7 @@ from april_async.engines.config import TorchEngineConfig
 from april_async.engines.decode_graphs import StaticDecode, addresses, bucket_of, buckets
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
-from april_async.testing.models import checkpoint
+from april_async.testing.models import checkpoint, syncs_per_step
 
 CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, eos_token_id=100)
@@ -402,14 +401,5 @@ def test_graphs_on_cuda_load_weights_in_place_and_synchronise_once_a_step():
     for r in (req(3, prompt(3, 4), 20, seed=1, top_k=9), req(4, prompt(4, 4), 20, temperature=0.0)):
         engine.submit(r)
     engine.step()  # warm-up: first-use allocations may synchronise
-    syncs = []
-    for _ in range(5):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+    syncs = syncs_per_step(engine)
     assert all(n == 1 for n in syncs), syncs

@@ -7,10 +7,8 @@ vector decodes to its expected value with the typed codec and with a plain Messa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -18,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from april_async.testing.procs import load_tool
 from april_async.wire import codec
 from april_async.wire.errors import WireError
 from april_async.wire.messages import MESSAGE_TYPES
@@ -28,15 +27,7 @@ PROTO = ROOT / "proto"
 SPEC = PROTO / "SPEC.md"
 
 
-def _load_gen_proto():
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "tools" / "gen_proto.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gen_proto", module)  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gen_proto = _load_gen_proto()
+gen_proto = load_tool("gen_proto")
 VECTOR_NAMES = sorted(p.stem for p in (PROTO / "vectors").glob("*.msgpack"))
 
 

@@ -1,21 +1,10 @@
 """tools/time_split.py: a run's learner time split into waiting for rollouts, training and hand-off."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("time_split_tool", ROOT / "tools/time_split.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from april_async.testing.procs import load_tool
 
 
 def _row(wait, train, step, reward=0.5, lens=(40.0, 900)):
@@ -24,7 +13,7 @@ def _row(wait, train, step, reward=0.5, lens=(40.0, 900)):
 
 
 def test_the_split_leaves_out_start_up_and_adds_up_to_one(tmp_path, capsys):
-    tool = _tool()
+    tool = load_tool("time_split")
     rows = [_row(30.0, 1.0, 1.2, 0.1), _row(8.0, 1.5, 2.0, 0.2), _row(7.0, 2.0, 2.5, 0.4, (60.0, 1400))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"half a line')
     split = tool.time_split(tool.read_metrics(tmp_path))

@@ -3,7 +3,6 @@ behaviour log-probs equal the learner's recomputation, weights swap between step
 reads back from the device once, and the engine runs on the device and dtype its config names."""
 
 import re
-import warnings
 from contextlib import contextmanager
 
 import pytest
@@ -14,7 +13,7 @@ from april_async.engines.base import EngineRequest, RequestRefused
 from april_async.engines.config import TorchEngineConfig
 from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
-from april_async.testing.models import checkpoint
+from april_async.testing.models import checkpoint, syncs_per_step
 
 CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
@@ -339,14 +338,5 @@ def test_cuda_in_bfloat16_decodes_with_one_synchronisation_per_step(tmp_path):
         engine.submit(r)
     engine.step()  # warm-up: first-use allocations may synchronise
     torch.cuda.synchronize()
-    syncs = []
-    for _ in range(5):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+    syncs = syncs_per_step(engine)
     assert all(n == 1 for n in syncs), syncs
