@@ -206,6 +206,16 @@ class FifoSet:
         """The oldest id (the set must not be empty)."""
         return self._order[self._live_head()]
 
+    def oldest_of(self, keys) -> int | None:
+        """Of ``keys``, the member added first (None when none is a member): O(len(keys)), for a
+        few candidates picked by something other than their place in the order."""
+        members, best, best_stamp = self._members, None, None
+        for key in keys:
+            stamp = members.get(key)
+            if stamp is not None and (best_stamp is None or stamp < best_stamp):
+                best, best_stamp = key, stamp
+        return best
+
     def __iter__(self):
         """The ids, oldest first. Dead entries in the middle are skipped as met: a queue whose
         middle is taken (scoring, ready groups) should be read a few ids at a time (``islice``)."""

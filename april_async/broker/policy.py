@@ -176,8 +176,9 @@ class Policy(Ledger):
     def lease(self, generator: str, max_leases: int, now: float) -> list[LeaseGrant]:
         """Up to ``max_leases`` leases for ``generator``: recycled partials strictly first.
 
-        While any partial waits, no fresh sample is leased: if the oldest partial may not start
-        now (the in-flight bound), nothing is leased.
+        While any partial waits, no fresh sample is leased. If the oldest partial may not start
+        now (the in-flight bound), the oldest one that may is leased (``_admissible_partial``);
+        if none may, nothing is leased.
         """
         grants: list[LeaseGrant] = []
         while len(grants) < max_leases and self._leasing_open():
@@ -186,9 +187,30 @@ class Policy(Ledger):
                 break
             s = self.samples[queue.first()]
             if not self._group_admissible(s.group_id):
-                break
+                sid = self._admissible_partial() if queue is self._recycle else None
+                if sid is None:
+                    break
+                s = self.samples[sid]
             grants.append(self._grant(s, generator, now))
         return grants
+
+    def _admissible_partial(self) -> int | None:
+        """The oldest waiting partial whose group may start now, when the oldest of all may not.
+
+        A group with no lease at a step boundary leaves the rollout step (``_open_next_step``), and
+        its partials stay at the front of the queue; while the new step is full they may not
+        start. The step's own groups' partials behind them may, and must: when every group of a
+        full step has come back partial (its generator killed), none of them would otherwise ever
+        be leased, no group would complete, no version come, and the run would stall (seen in a
+        chaos run: four groups of a full step partial behind an older group's). Only the groups
+        that may start are looked at (those leased, and those of the step): a few, not the queue.
+        """
+        gids = set(self._n_leased)
+        if self.config.counts_steps:
+            gids |= self.step_groups
+        candidates = [sid for gid in gids if self._group_admissible(gid)
+                      for sid in self.groups[gid].sample_ids]
+        return self._recycle.oldest_of(candidates)
 
     def _lease_queue(self) -> FifoSet:
         """Where the next lease comes from: recycled partials while any wait, else fresh samples."""

@@ -668,3 +668,25 @@ def test_an_acknowledged_batch_is_let_go_one_group_per_accepted_chunk():
     finish(core, grants[1])
     assert not core._letting_go
     assert [list(s.tokens) for g in batch.groups for s in g.samples] == [[7, 7]] * 4
+
+
+def test_a_full_step_with_a_partial_group_leases_it_though_an_older_partial_waits_outside():
+    """A chaos run stalled here: its rollout step full of groups whose generator was killed (partial,
+    none leased), and at the front of the queue the partial of a group that had left the step at
+    the boundary (it held no lease then). That one may not start while the step is full; the
+    step's own partials may, oldest first, and no fresh sample while any partial waits. The step is
+    set as such a boundary leaves it (``_open_next_step`` keeps the groups leased then)."""
+    core = make(batch_groups=1, group_size=1, over_provision=2.0)  # two groups a step
+    outside, first, second, _ = admit(core, 4)
+    grants = core.lease("gen-a", 5, 0.0)
+    assert [core.samples[g.sample_id].group_id for g in grants] == [outside, first]  # the step is full
+    for g in grants:
+        core.chunk(g.lease_id, 0, [4], [-1.0], [[0, 1]], 0.5)
+    core.peer_gone("gen-a", 1.0)  # both back as partials, `outside` first in the queue
+    core.step_groups.clear()
+    core.step_groups.update({first, second})  # the boundary: `outside` held no lease, `second` did
+    got = core.lease("gen-b", 5, 2.0)
+    assert [core.samples[g.sample_id].group_id for g in got] == [first]
+    assert got[0].resume == [4]
+    assert core.samples[core._recycle.first()].group_id == outside  # it waits for room in a step
+    assert not any(x.place is Place.LEASED for x in core.samples.values() if x.group_id != first)
