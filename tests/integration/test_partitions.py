@@ -30,7 +30,10 @@ pytestmark = [pytest.mark.partition, pytest.mark.slow]
 
 WHY_NOT = unavailable()
 CATCH_UP_S = 30.0
-RATE_TOLERANCE = 0.2
+RATE_TOLERANCE = 0.25
+"""How far the learner's rate after a cut may fall below its rate before: the same case with no
+regression gave 0.78 to 0.92 of it on this 2-core machine (2026-11-26, four runs); the fault it
+guards against made the rate 15 times slower for good."""
 MORE_STEPS = 20  # the step target: this many steps after the run is measured
 
 
