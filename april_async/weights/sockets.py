@@ -21,10 +21,9 @@ _PROC_NET = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 ESTABLISHED = "01"  # the state column of /proc/net/tcp
 
 
-def tcp_sockets() -> dict[int, tuple[int, int]]:
-    """This process's connected TCP sockets: inode -> (local port, remote port). Listening ones
-    are left out: gloo keeps a listener per group, and a listener shut down under it makes gloo's
-    ``accept`` fail an ``enforce``, which ends the whole process (``std::terminate``)."""
+def socket_inodes() -> set[int]:
+    """The inodes of this process's sockets (its descriptors that read ``socket:[N]``); none where
+    ``/proc/self/fd`` cannot be read."""
     mine = set()
     try:
         for fd in os.listdir("/proc/self/fd"):
@@ -35,6 +34,16 @@ def tcp_sockets() -> dict[int, tuple[int, int]]:
             if target.startswith("socket:["):
                 mine.add(int(target[8:-1]))
     except OSError:
+        return set()
+    return mine
+
+
+def tcp_sockets() -> dict[int, tuple[int, int]]:
+    """This process's connected TCP sockets: inode -> (local port, remote port). Listening ones
+    are left out: gloo keeps a listener per group, and a listener shut down under it makes gloo's
+    ``accept`` fail an ``enforce``, which ends the whole process (``std::terminate``)."""
+    mine = socket_inodes()
+    if not mine:
         return {}
     out = {}
     for path in _PROC_NET:

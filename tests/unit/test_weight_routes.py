@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from april_async.weights.group import GroupError, WeightGroup, _bounded
 from april_async.weights.routes import RouteError, check_local, interface_of, route_address
+from april_async.weights.sockets import socket_inodes
 from april_async.wire.messages import GroupSpec
 
 
@@ -35,16 +36,7 @@ def _listening_addresses(port: int) -> set[str]:
     (``/proc/net/tcp``, state 0A, matched to this process's socket inodes). Probing another address
     with ``connect`` cannot tell: another process may listen there on the same number, and a
     connect to an ephemeral port nobody holds can meet itself (TCP simultaneous open)."""
-    import os
-
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+    inodes = {str(i) for i in socket_inodes()}
     found = set()
     with open("/proc/net/tcp") as table:
         next(table)
