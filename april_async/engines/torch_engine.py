@@ -72,7 +72,7 @@ class TorchEngine(Engine):
         # The model's end-of-sequence tokens (config.json's id or each of its list) always end a
         # response (as SGLang's ``ignore_eos=False``).
         self.eos_ids = frozenset(model.config.eos_ids)
-        self._tensor_names = frozenset(model.state_dict())
+        self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # what a load may name
         self._active: dict[int, _Slot] = {}  # slot index -> state
         self._by_lease: dict[int, int] = {}
         graphs = graphs_on(cuda_graphs, self.device)
@@ -107,18 +107,12 @@ class TorchEngine(Engine):
         if len(self._active) >= self.slots:
             raise RuntimeError(f"torch engine: all {self.slots} slots are busy (lease {request.lease_id})")
         free = len(self._active)  # active requests always hold rows 0..n-1 (see _release)
-        ids = to_device(self.device, [tokens], torch.int64)
-        pos = torch.arange(len(tokens), device=self.device)[None]
-        slots = torch.full((1,), free, device=self.device)
-        logits, _ = self.model(ids, positions=pos, cache=self.cache.view(slots, pos, span=len(tokens)))
         gen = None
         if request.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(request.seed)
-        next_logits = logits[0, -1].float()
-        if self._static is not None:
-            self._static.logits[free] = next_logits
-            next_logits = None
-        self._active[free] = _Slot(request, len(tokens), 0, next_logits, gen, self.policy_version)
+        slot = _Slot(request, len(tokens), 0, None, gen, self.policy_version)
+        self._prefill(free, slot, tokens)
+        self._active[free] = slot
         self._by_lease[request.lease_id] = free
 
     @torch.no_grad()
@@ -201,15 +195,14 @@ class TorchEngine(Engine):
         is a tensor of another shape, before anything is loaded. The weights are copied into the
         model's own tensors, where the captured decode graphs read them. In buckets, ``recompute``
         prefills at every call: the last bucket's is the one that counts."""
-        unknown = sorted(set(state_dict) - self._tensor_names)
+        unknown = sorted(set(state_dict) - self._shapes.keys())
         if unknown:
             raise ValueError(f"weights version {version} names {len(unknown)} tensor(s) the engine's model does "
                              f"not have, e.g. {unknown[0]!r}: the learner trains another architecture")
-        own = self.model.state_dict()
         for name, tensor in state_dict.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
+            if tuple(tensor.shape) != self._shapes[name]:
                 raise ValueError(f"weights version {version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the engine's model {tuple(own[name].shape)}")
+                                 f"the engine's model {self._shapes[name]}")
         self.model.load_state_dict(state_dict, strict=False)
         if self._static is not None:
             self._static.check_addresses()
@@ -225,15 +218,21 @@ class TorchEngine(Engine):
         for idx, slot in sorted(self._active.items()):
             tokens = slot.request.prompt + slot.request.resume + slot.tokens
             assert len(tokens) == slot.length, (slot.request.lease_id, len(tokens), slot.length)
-            ids = to_device(self.device, [tokens], torch.int64)
-            pos = torch.arange(len(tokens), device=self.device)[None]
-            rows = torch.full((1,), idx, device=self.device)
-            logits, _ = self.model(ids, positions=pos, cache=self.cache.view(rows, pos, span=len(tokens)))
-            if self._static is not None:  # the static step samples from its own row of logits
-                self._static.logits[idx] = logits[0, -1].float()
-            else:
-                slot.next_logits = logits[0, -1].float()
-            slot.logits_version = self.policy_version
+            self._prefill(idx, slot, tokens)
+
+    def _prefill(self, row: int, slot: _Slot, tokens: list[int]) -> None:
+        """One forward of ``tokens`` into cache row ``row`` from position 0; the last position's
+        logits become the row's next (in the static step's buffer when it runs) under the weights
+        now loaded."""
+        ids = to_device(self.device, [tokens], torch.int64)
+        pos = torch.arange(len(tokens), device=self.device)[None]
+        rows = torch.full((1,), row, device=self.device)
+        logits, _ = self.model(ids, positions=pos, cache=self.cache.view(rows, pos, span=len(tokens)))
+        if self._static is not None:  # the static step samples from its own row of logits
+            self._static.logits[row] = logits[0, -1].float()
+        else:
+            slot.next_logits = logits[0, -1].float()
+        slot.logits_version = self.policy_version
 
 
 def graphs_on(setting: str, device: torch.device) -> bool:
