@@ -13,6 +13,7 @@ log-probs agree at equal versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -381,6 +382,27 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "zeros_", "ones_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def _init_skipped():
+    """Leave parameters uninitialised while a model is built on the meta device for a checkpoint
+    that supplies every value. Initialising a meta tensor runs torch's Python reference kernels,
+    whose first use imports ``torch._dynamo`` (and sympy): ~1 s of CPU at every generator's and
+    stand-in server's start, for values that are thrown away. Only ``from_pretrained`` uses this,
+    at an actor's start, before its threads run."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 class CausalLM(nn.Module):
     """``forward(input_ids, positions=None, mask=None, past=None) -> (logits, present)``.
 
@@ -453,7 +475,7 @@ class CausalLM(nn.Module):
             tensors = load_file(str(weights_path))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{weights_path}: cannot be read ({e})") from None
-        with torch.device("meta"):
+        with torch.device("meta"), _init_skipped():
             model = cls(cfg)
         expected = dict(model.state_dict())
         if cfg.tie_word_embeddings:

@@ -119,3 +119,26 @@ def test_a_decode_steps_least_bytes_are_every_weight_once_and_each_rows_cache(ti
         weights -= (100 - 3) * 16 * 2
     kv = 3 * 10 * 2 * 2 * 2 * 4 * 2  # rows x context x layers x (k, v) x kv heads x head dim x bytes
     assert decode_step_bytes(model, batch=3, context=10) == weights + kv
+
+
+def test_loading_a_checkpoint_leaves_torch_init_alone_and_does_not_import_dynamo(tmp_path):
+    """``from_pretrained`` builds on the meta device with initialisation skipped (initialising meta
+    tensors imports ``torch._dynamo``: ~1 s of CPU at every actor's start). Checked in a fresh
+    interpreter, where nothing else imported it; and ``torch.nn.init`` works again afterwards."""
+    import subprocess
+    import sys
+
+    hf_model("qwen2").save_pretrained(tmp_path / "ck", safe_serialization=True)
+    code = ("import sys, torch\n"
+            "from april_async.model.decoder import CausalLM\n"
+            f"m = CausalLM.from_pretrained({str(tmp_path / 'ck')!r})\n"
+            "assert 'torch._dynamo' not in sys.modules, 'from_pretrained imported torch._dynamo'\n"
+            "w = torch.empty(4, 4)\n"
+            "torch.nn.init.constant_(w, 3.0)\n"
+            "assert bool((w == 3.0).all()), 'torch.nn.init.constant_ is still a no-op'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = CausalLM.from_pretrained(tmp_path / "ck")  # every tensor from the file, none left as it was built
+    theirs = hf_model("qwen2").state_dict()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(value, theirs[name]), name
