@@ -71,6 +71,11 @@ class RunConfig(BaseModel):
     same). Needed when ``bind`` is not a loopback address."""
     threads: int = Field(1, ge=1)
     """Torch threads per actor process (six processes share the machine)."""
+    learner_threads: int | None = Field(None, ge=1)
+    """Torch threads of each learner rank, where it should differ from ``threads`` (None: ``threads``).
+    In ``sync`` and ``april`` with ``boundary = "abort"`` the generators are idle while the learner
+    steps, so its step can have every core; in the modes that decode through the step (``async``,
+    ``boundary = "inflight"``) more threads there take cores from the generators."""
     broker_allocator: str = "auto"
     """The broker's memory allocator. ``auto``: jemalloc (``LD_PRELOAD``) where ``libjemalloc.so.2``
     is installed (Debian/Ubuntu: ``apt install libjemalloc2``), else the C library's; ``system``:

@@ -63,6 +63,8 @@ def plan_run(files: RunFile) -> tuple[RunConfig, list[Child], dict[str, dict]]:
             for r in range(ranks):  # one group; each rank has the same config in its own file
                 env = {"RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(run.learner_port)}
+                if run.learner_threads is not None:
+                    env["OMP_NUM_THREADS"] = str(run.learner_threads)  # over run.threads (the supervisor's)
                 add(kind, lead if r == 0 else f"{lead}-r{r}", files.learner, env=env, group=lead, rank=r)
         else:
             for i in range(count or 1):

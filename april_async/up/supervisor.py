@@ -99,7 +99,7 @@ class Supervisor:
                 self.say(f"broker allocator: {allocator_description(c.env)}")
 
     def _spawn(self, c: Child) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.run.threads), PYTHONUNBUFFERED="1", **c.env)
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.run.threads), "PYTHONUNBUFFERED": "1", **c.env}  # the child's own last
         with open(c.log, "ab") as log:  # the child holds its own copy
             # PR_SET_PDEATHSIG can only be set in the child: preexec_fn, from the supervisor's one thread.
             c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

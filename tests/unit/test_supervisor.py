@@ -156,6 +156,30 @@ def test_dry_run_prints_every_rank_with_its_environment(tmp_path, capsys, no_clu
 # ---------------------------------------------------------------------- one child
 
 
+def test_learner_threads_reach_the_learners_ranks_alone(tmp_path, no_cluster_env):
+    """``run.learner_threads`` is each learner rank's ``OMP_NUM_THREADS`` (torch's intra-op threads);
+    every other actor keeps ``run.threads``, which the supervisor sets for all."""
+    doc = load_document(None, [f"run.dir='{tmp_path}'", "run.threads=1", "run.learner_threads=2"])
+    run, children, _ = plan(doc, "broker,scorer,learner:2,generator")
+    assert {c.name: c.env.get("OMP_NUM_THREADS") for c in children if c.kind != "broker"} == {
+        "scorer-0": None, "learner-0": "2", "learner-0-r1": "2", "gen-0": None}
+    code = "import os, sys; open(sys.argv[1], 'w').write(os.environ['OMP_NUM_THREADS'])"
+    seen = {}
+    for c in children:
+        if c.kind in ("learner", "scorer"):
+            out = tmp_path / f"{c.name}.threads"
+            seen[c.name] = out
+            c.argv = [sys.executable, "-c", code, str(out)]
+    sup = supervisor(tmp_path, [c for c in children if c.name in seen], threads=1)
+    try:
+        settle(sup, lambda: all(p.is_file() and p.read_text() for p in seen.values()))
+    finally:
+        sup.stop()
+    assert {name: p.read_text() for name, p in seen.items()} == {"scorer-0": "1", "learner-0": "2", "learner-0-r1": "2"}
+    with pytest.raises(ConfigError, match="learner_threads"):
+        plan(load_document(None, [f"run.dir='{tmp_path}'", "run.learner_threads=0"]), "learner")
+
+
 def test_a_killed_child_is_restarted_and_children_json_follows_it(tmp_path):
     victim = child(tmp_path, "scorer-0", "scorer", "import time; time.sleep(60)")
     sup = supervisor(tmp_path, [victim], restart="on-failure", restart_delay_s=0.0)
