@@ -160,7 +160,10 @@ def sim_table(sim: list[dict]) -> str:
              "| cell | tok/s | × sync | off-policy | discarded | retired | idle slots |", "|---|---|---|---|---|---|---|"]
     for s in sim:
         rel = f"{s['tokens_per_s'] / sync['tokens_per_s']:.2f}" if sync else "—"
-        lines.append(f"| {s['label']} | {s['tokens_per_s']:,.0f} | {rel} | {s['off_policy_frac']:.1%} | "
+        label = s["label"]
+        if s.get("not_simulated"):  # the simulator has the broker's knobs only: the row is the cell without its set
+            label += f" (not simulated: {', '.join(f'`{o}`' for o in s['not_simulated'])}; the cell without it)"
+        lines.append(f"| {label} | {s['tokens_per_s']:,.0f} | {rel} | {s['off_policy_frac']:.1%} | "
                      f"{s['discarded_frac']:.1%} | {s.get('retired_frac', 0.0):.1%} | "
                      f"{s['idle_fraction']:.1%} |".replace("%", " %"))
     return "\n".join(lines)
