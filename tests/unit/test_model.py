@@ -123,7 +123,7 @@ def test_a_decode_steps_least_bytes_are_every_weight_once_and_each_rows_cache(ti
 
 def test_loading_a_checkpoint_leaves_torch_init_alone_and_does_not_import_dynamo(tmp_path):
     """``from_pretrained`` builds on the meta device with initialisation skipped (initialising meta
-    tensors imports ``torch._dynamo``: ~1 s of CPU at every actor's start). Checked in a fresh
+    tensors imports ``torch._dynamo``: ~0.7 s of CPU at every actor's start). Checked in a fresh
     interpreter, where nothing else imported it; and ``torch.nn.init`` works again afterwards."""
     import subprocess
     import sys
