@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import NamedTuple
 
 _PROC_NET = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 
 
-ESTABLISHED = "01"  # the state column of /proc/net/tcp
+ESTABLISHED, LISTEN = "01", "0A"  # the state column of /proc/net/tcp
 
 
 def socket_inodes() -> set[int]:
@@ -38,14 +39,23 @@ def socket_inodes() -> set[int]:
     return mine
 
 
-def tcp_sockets() -> dict[int, tuple[int, int]]:
-    """This process's connected TCP sockets: inode -> (local port, remote port). Listening ones
-    are left out: gloo keeps a listener per group, and a listener shut down under it makes gloo's
-    ``accept`` fail an ``enforce``, which ends the whole process (``std::terminate``)."""
+class TcpRow(NamedTuple):
+    """One of this process's sockets as the kernel's table lists it."""
+
+    inode: int
+    state: str  # ESTABLISHED, LISTEN, ...
+    local: str  # the local address as the table writes it: hex, 8 digits for IPv4 (little-endian), 32 for IPv6
+    local_port: int
+    remote_port: int
+
+
+def tcp_table() -> list[TcpRow]:
+    """This process's TCP sockets, IPv4 and IPv6, from ``/proc/self/net/tcp*`` matched to its own
+    socket inodes; empty where those cannot be read."""
     mine = socket_inodes()
     if not mine:
-        return {}
-    out = {}
+        return []
+    rows = []
     for path in _PROC_NET:
         try:
             lines = open(path).read().splitlines()[1:]
@@ -54,9 +64,17 @@ def tcp_sockets() -> dict[int, tuple[int, int]]:
         for line in lines:
             f = line.split()
             inode = int(f[9])
-            if inode in mine and f[3] == ESTABLISHED:
-                out[inode] = (int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16))
-    return out
+            if inode in mine:
+                local, local_port = f[1].rsplit(":", 1)
+                rows.append(TcpRow(inode, f[3], local, int(local_port, 16), int(f[2].rsplit(":", 1)[1], 16)))
+    return rows
+
+
+def tcp_sockets() -> dict[int, tuple[int, int]]:
+    """This process's connected TCP sockets: inode -> (local port, remote port). Listening ones
+    are left out: gloo keeps a listener per group, and a listener shut down under it makes gloo's
+    ``accept`` fail an ``enforce``, which ends the whole process (``std::terminate``)."""
+    return {r.inode: (r.local_port, r.remote_port) for r in tcp_table() if r.state == ESTABLISHED}
 
 
 def sever(inodes: set[int]) -> int:

@@ -2,6 +2,8 @@
 dependency only), and its checkpoint format: real HF config.json + model.safetensors files."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,9 +127,6 @@ def test_loading_a_checkpoint_leaves_torch_init_alone_and_does_not_import_dynamo
     """``from_pretrained`` builds on the meta device with initialisation skipped (initialising meta
     tensors imports ``torch._dynamo``: ~0.7 s of CPU at every actor's start). Checked in a fresh
     interpreter, where nothing else imported it; and ``torch.nn.init`` works again afterwards."""
-    import subprocess
-    import sys
-
     hf_model("qwen2").save_pretrained(tmp_path / "ck", safe_serialization=True)
     code = ("import sys, torch\n"
             "from april_async.model.decoder import CausalLM\n"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from april_async.weights.group import GroupError, WeightGroup, _bounded
 from april_async.weights.routes import RouteError, check_local, interface_of, route_address
-from april_async.weights.sockets import socket_inodes
+from april_async.weights.sockets import LISTEN, tcp_table
 from april_async.wire.messages import GroupSpec
 
 
@@ -33,19 +33,11 @@ def test_an_address_that_is_not_this_hosts_is_refused_with_its_name():
 
 def _listening_addresses(port: int) -> set[str]:
     """The IPv4 addresses this process listens on at ``port``, from the kernel's own table
-    (``/proc/net/tcp``, state 0A, matched to this process's socket inodes). Probing another address
-    with ``connect`` cannot tell: another process may listen there on the same number, and a
-    connect to an ephemeral port nobody holds can meet itself (TCP simultaneous open)."""
-    inodes = {str(i) for i in socket_inodes()}
-    found = set()
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            address, port_hex = fields[1].split(":")
-            if fields[3] == "0A" and int(port_hex, 16) == port and fields[9] in inodes:
-                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
-    return found
+    (``sockets.tcp_table``). Probing another address with ``connect`` cannot tell: another process
+    may listen there on the same number, and a connect to an ephemeral port nobody holds can meet
+    itself (TCP simultaneous open)."""
+    return {socket.inet_ntoa(bytes.fromhex(r.local)[::-1]) for r in tcp_table()
+            if r.state == LISTEN and r.local_port == port and len(r.local) == 8}
 
 
 def test_the_store_listens_on_its_address_alone():
