@@ -125,13 +125,15 @@ def test_a_decode_steps_least_bytes_are_every_weight_once_and_each_rows_cache(ti
 
 def test_loading_a_checkpoint_leaves_torch_init_alone_and_does_not_import_dynamo(tmp_path):
     """``from_pretrained`` builds on the meta device with initialisation skipped (initialising meta
-    tensors imports ``torch._dynamo``: ~0.7 s of CPU at every actor's start). Checked in a fresh
+    tensors imports ``torch._dynamo``, materialising them sympy: ~1.3 s of CPU at every actor's start). Checked in a fresh
     interpreter, where nothing else imported it; and ``torch.nn.init`` works again afterwards."""
     hf_model("qwen2").save_pretrained(tmp_path / "ck", safe_serialization=True)
     code = ("import sys, torch\n"
             "from april_async.model.decoder import CausalLM\n"
             f"m = CausalLM.from_pretrained({str(tmp_path / 'ck')!r})\n"
             "assert 'torch._dynamo' not in sys.modules, 'from_pretrained imported torch._dynamo'\n"
+            "assert 'sympy' not in sys.modules, 'from_pretrained imported sympy (a meta tensor materialised)'\n"
+            "assert all(p.device.type == 'cpu' for p in m.parameters()), 'a parameter is left on the meta device'\n"
             "w = torch.empty(4, 4)\n"
             "torch.nn.init.constant_(w, 3.0)\n"
             "assert bool((w == 3.0).all()), 'torch.nn.init.constant_ is still a no-op'\n")
