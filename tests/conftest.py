@@ -4,10 +4,15 @@ Pick one with HYPOTHESIS_PROFILE=ci. The broker state machine runs up to
 ``max_examples`` × ``stateful_step_count`` steps per test (CI: 400 × 50 per mode).
 
 One torch thread per process, in the test process and in every process it starts (they inherit
-``OMP_NUM_THREADS``), as ``april up`` gives each actor (``run.threads = 1``): the suite runs two
+``OMP_NUM_THREADS``), as ``april up`` gives each actor (``run.threads = 1``): the suite runs three
 workers and their actors on two cores, where a second intra-op thread per process only contends.
 (A 0.1M-parameter decoder's 400 greedy steps took 5.4 s of CPU with two threads, 0.36 s with one.)
 A test or tool that wants more threads sets them itself (``torch.set_num_threads``).
+
+The files with a test marked ``slow`` are collected first, in their order, then the rest:
+``tools/test.sh`` hands whole files to its workers in collection order (``--dist loadfile``), so
+the long ones start first and the many short ones fill in at the end, rather than a long one
+starting last while the other workers have nothing left to do.
 """
 
 import os
@@ -27,3 +32,8 @@ COMMON = dict(
 settings.register_profile("ci", max_examples=400, print_blob=True, **COMMON)
 settings.register_profile("dev", max_examples=60, **COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's tests keep their order

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Usage: bash tools/test.sh [pytest args...]
 # The README's test command: sets up .venv if needed, then runs the whole suite in APRIL_TEST_WORKERS
-# processes (default 3; pytest-xdist, a worker that runs out of tests takes some of the other's).
+# processes (default 3; pytest-xdist), each taking a whole test file at a time (--dist loadfile: a
+# file's module fixtures, a pool of stand-in servers or learner ranks, are made once, not once per
+# worker), the files with slow tests first (tests/conftest.py).
 # Three workers on two cores: most integration tests wait on the processes they start (a learner
 # step, a server's restart), and a third worker keeps the cores busy meanwhile (the whole suite:
-# ~96 % of both cores busy with three, ~80 % with two; README.md, *Tests*).
+# ~93 % of both cores busy with three, ~80 % with two; README.md, *Tests*).
 # Bytecode is cached (__pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE is set: the
 # suite starts ~600 Python processes, and each would otherwise compile the project's modules
 # again, and each worker rewrite every test module's asserts again.
@@ -12,4 +14,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh
 unset PYTHONDONTWRITEBYTECODE
-exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist worksteal "$@"
+exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist loadfile "$@"

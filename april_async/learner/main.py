@@ -14,6 +14,10 @@ def build(cfg: LearnerConfig, distributed: list[bool] | None = None):
     """This process's part of the learner. ``distributed`` receives whether it formed a
     ``torch.distributed`` group as soon as it did, so that ``main`` knows to end past torch's teardown
     even when the actor then fails to start."""
+    if cfg.wandb:  # refused before torch and transformers are imported: at once, not seconds later
+        from april_async.learner.metrics import import_wandb
+
+        import_wandb()
     from april_async.learner.actor import LearnerActor, RankWorker
     from april_async.learner.parallel import join
     from april_async.model.decoder import CheckpointError

@@ -16,6 +16,16 @@ from april_async.runfiles import METRICS
 if TYPE_CHECKING:
     from april_async.learner.config import LearnerConfig
 
+def import_wandb():
+    """The ``wandb`` module, or the ``ValueError`` that says how to install it (``learner.wandb``)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ValueError(f"learner.wandb = true needs the wandb package ({e}): "
+                         f"pip install 'april-async[wandb]'") from None
+    return wandb
+
+
 WANDB_ID = "wandb_run_id"
 """The run directory's W&B run id, kept so that a restarted learner continues the same W&B run."""
 
@@ -113,11 +123,7 @@ class WandbLog:
     def open(cls, cfg: LearnerConfig) -> WandbLog | None:
         """The run for ``cfg`` (the same W&B run as before when ``run_dir`` holds its id); None when
         W&B cannot be reached (warned)."""
-        try:
-            import wandb
-        except ImportError as e:
-            raise ValueError(f"learner.wandb = true needs the wandb package ({e}): "
-                             f"pip install 'april-async[wandb]'") from None
+        wandb = import_wandb()
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         id_file = run_dir / WANDB_ID

@@ -210,13 +210,14 @@ def test_a_missing_package_stops_the_learner_at_start_with_the_pip_line(policy, 
 
 def test_april_learner_without_the_package_exits_2_with_one_line(policy, tmp_path):
     code = ("import sys; sys.modules['wandb'] = None; from april_async.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
+            "code = main(sys.argv[1:]); print('torch imported:', 'torch' in sys.modules); sys.exit(code)")
     out = subprocess.run([sys.executable, "-c", code, "learner", "--set", f'checkpoint="{policy}"',
                           "--set", f'run_dir="{tmp_path / "run"}"', "--set", 'device="cpu"', "--set", "wandb=true"],
                          capture_output=True, text=True, timeout=120)
     (line,) = out.stderr.strip().splitlines()
     assert out.returncode == 2 and line.startswith("april learner: learner.wandb = true needs the wandb package")
     assert line.endswith("pip install 'april-async[wandb]'")
+    assert out.stdout.strip() == "torch imported: False"  # refused at once, before the heavy imports
 
 
 def test_a_bad_login_stops_the_learner_at_start(policy, tmp_path, monkeypatch):
