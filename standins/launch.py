@@ -16,6 +16,12 @@ from april_async.runtime import free_port, spawn
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout, where ``python -m standins.sglang_server`` finds this package."""
 
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+"""One client for the calls tests make to stand-ins outside an engine (``HTTP.get(url, timeout=...)``):
+making an httpx client loads the CA bundle, ~30 ms of CPU, which each ``httpx.get`` would pay
+again (a third of a stand-in test module's own CPU went there). No connection is kept between
+calls, as with a client per call: a call never meets a server killed since on a kept socket."""
+
 
 @dataclass(eq=False)
 class StandIn:
@@ -36,9 +42,9 @@ class StandIn:
         SGLang counts them) and the stand-in's ``/standin/state`` (every request it holds, the pause,
         weight version, a digest of the weights, weight-update groups and session, pending
         ``/standin/abort_next`` aborts, cache flushes)."""
-        loads, = httpx.get(f"{self.url}/v1/loads", timeout=5.0).json()["loads"]
+        loads, = HTTP.get(f"{self.url}/v1/loads", timeout=5.0).json()["loads"]
         return {"running": loads["num_running_reqs"], "waiting": loads["num_waiting_reqs"],
-                **httpx.get(f"{self.url}/standin/state", timeout=5.0).json()}
+                **HTTP.get(f"{self.url}/standin/state", timeout=5.0).json()}
 
 
 def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "standin",
@@ -58,7 +64,7 @@ def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "stan
         if proc.poll() is not None:
             raise RuntimeError(f"the stand-in exited ({proc.returncode}):\n{s.tail()}")
         try:
-            if httpx.get(f"{s.url}/model_info", timeout=1.0).status_code == 200:
+            if HTTP.get(f"{s.url}/model_info", timeout=1.0).status_code == 200:
                 return s
         except httpx.HTTPError:
             pass
@@ -121,7 +127,7 @@ class StandinPool:
     @staticmethod
     def reset(s: StandIn) -> bool:
         try:
-            return httpx.post(f"{s.url}/standin/reset", json={}, timeout=10.0).status_code == 200
+            return HTTP.post(f"{s.url}/standin/reset", json={}, timeout=10.0).status_code == 200
         except httpx.HTTPError:
             return False
 

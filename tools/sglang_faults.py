@@ -58,7 +58,7 @@ from april_async.engines.sglang_engine import SGLangEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.runtime import free_port  # noqa: E402
 from april_async.weights.flat import flatten  # noqa: E402
-from standins.launch import StandIn, start_standin  # noqa: E402
+from standins.launch import HTTP, StandIn, start_standin  # noqa: E402
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -146,7 +146,7 @@ def wait_up(s: StandIn, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{s.url}/model_info", timeout=1).status_code == 200:
+            if HTTP.get(f"{s.url}/model_info", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -156,12 +156,12 @@ def wait_up(s: StandIn, timeout_s: float = 60.0) -> None:
 
 
 def state(s: StandIn) -> dict:
-    return httpx.get(f"{s.url}/standin/state", timeout=5).json()
+    return HTTP.get(f"{s.url}/standin/state", timeout=5).json()
 
 
 def post(s: StandIn, path: str, body: dict) -> None:
     try:
-        httpx.post(f"{s.url}{path}", json=body, timeout=5)
+        HTTP.post(f"{s.url}{path}", json=body, timeout=5)
     except httpx.HTTPError:  # a server killed meanwhile: nothing to turn off
         pass
 

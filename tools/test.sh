@@ -14,4 +14,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh
 unset PYTHONDONTWRITEBYTECODE
-exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

@@ -39,7 +39,7 @@ from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.fake_broker import NoBroker
 from april_async.testing.procs import free_port
-from standins.launch import StandinPool, start_standin
+from standins.launch import HTTP, StandinPool, start_standin
 from april_async.weights.flat import flatten
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -192,8 +192,8 @@ def test_a_pause_that_aborts_everything_is_resumed_with_no_token_lost(ckpts, sta
 
     def pause_once(got):
         if not paused and min(len(o.tokens) for o in got.values()) >= 3:
-            paused.append(httpx.post(f"{server.url}/pause_generation", json={"mode": "abort"}, timeout=10).status_code)
-            threading.Timer(0.3, lambda: httpx.post(f"{server.url}/continue_generation", json={}, timeout=10)).start()
+            paused.append(HTTP.post(f"{server.url}/pause_generation", json={"mode": "abort"}, timeout=10).status_code)
+            threading.Timer(0.3, lambda: HTTP.post(f"{server.url}/continue_generation", json={}, timeout=10)).start()
     try:
         got = drive(engine, [request(i, p, n) for i, p in enumerate(PROMPTS[:3])], each_step=pause_once)
     finally:
@@ -281,7 +281,7 @@ def test_an_abort_the_server_made_with_a_status_code_is_not_resubmitted(ckpts, s
     """``schedule_batch.py`` ``FINISH_ABORT`` with a ``status_code``: 503 (waited too long) and 500
     (out of memory) give a partial for the broker; 400 (input too long) an ``error``."""
     server = standins()
-    assert httpx.post(f"{server.url}/standin/abort_next", json={"count": 1, "status_code": code, "after_tokens": 4,
+    assert HTTP.post(f"{server.url}/standin/abort_next", json={"count": 1, "status_code": code, "after_tokens": 4,
                                                                  "message": f"scheduler says {code}"}).status_code == 200
     engine = make_engine(server.url)
     try:
@@ -299,7 +299,7 @@ def test_per_token_versions_come_from_weight_versions(ckpts, standins):
     server = standins("--sglang-version", "0.5.23", "--step-delay-s", "0.01")
     engine = make_engine(server.url, stream=False)
     n = 150
-    timer = threading.Timer(0.4, lambda: httpx.post(f"{server.url}/update_weight_version",
+    timer = threading.Timer(0.4, lambda: HTTP.post(f"{server.url}/update_weight_version",
                                                     json={"new_version": "3", "abort_all_requests": False}))
     try:
         timer.start()
@@ -403,7 +403,7 @@ def test_a_push_updates_every_server_in_buckets_and_generation_follows(ckpts, st
     try:
         result = fanout.push({"gen-a": [a.url], "gen-b": [b.url]}, 1, specs, buffer, bucket_bytes=64 * 1024)
         assert result == {"gen-a": None, "gen-b": None}
-        assert all(httpx.get(f"{s.url}/model_info").json()["weight_version"] == "1" for s in (a, b))
+        assert all(HTTP.get(f"{s.url}/model_info").json()["weight_version"] == "1" for s in (a, b))
         engine = make_engine(a.url, b.url)
         try:
             assert engine.policy_version == 1
@@ -457,11 +457,11 @@ def test_a_dead_server_fails_its_push_alone_and_the_others_take_the_version(ckpt
         result = fanout.push({"g0": [good.url], "g1": [bad.url]}, 2, specs, buffer, 1 << 20)
         assert result["g0"] is None and result["g1"] is not None and bad.url in result["g1"], result
         assert fanout.urls == (good.url,)  # a group of those that answered
-        assert httpx.get(f"{good.url}/model_info").json()["weight_version"] == "2"
+        assert HTTP.get(f"{good.url}/model_info").json()["weight_version"] == "2"
         formed = fanout.formed
         assert fanout.push({"g0": [good.url], "g1": [bad.url]}, 3, specs, buffer, 1 << 20)["g0"] is None
         assert fanout.formed == formed  # still the same live servers: the group is kept
-        assert httpx.get(f"{good.url}/model_info").json()["weight_version"] == "3"
+        assert HTTP.get(f"{good.url}/model_info").json()["weight_version"] == "3"
     finally:
         fanout.close()
 
@@ -564,7 +564,7 @@ def test_real_sglang_server(ckpts, tmp_path):
         while True:
             assert proc.poll() is None, (tmp_path / "sglang.log").read_text()[-3000:]
             try:
-                if httpx.get(f"{url}/model_info", timeout=2).status_code == 200:
+                if HTTP.get(f"{url}/model_info", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -590,7 +590,7 @@ def generating(url: str, n: int = 400) -> threading.Thread:
     """A long request running on ``url`` (started and counted by ``/v1/loads``: the running count
     must rise past what it was before, or a second call would return before its own request ran)."""
     before = running(url)
-    t = threading.Thread(target=lambda: httpx.post(f"{url}/generate", timeout=120, json={
+    t = threading.Thread(target=lambda: HTTP.post(f"{url}/generate", timeout=120, json={
         "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}), daemon=True)
     t.start()
     deadline = time.monotonic() + 10
@@ -601,11 +601,11 @@ def generating(url: str, n: int = 400) -> threading.Thread:
 
 
 def running(url: str) -> int:
-    return httpx.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"]
+    return HTTP.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"]
 
 
 def flushes(url: str) -> int:
-    return httpx.get(f"{url}/standin/flushes").json()["flushes"]
+    return HTTP.get(f"{url}/standin/flushes").json()["flushes"]
 
 
 def test_a_broadcast_that_fails_after_begin_ends_the_session(ckpts, standins, store, monkeypatch):
@@ -623,22 +623,22 @@ def test_a_broadcast_that_fails_after_begin_ends_the_session(ckpts, standins, st
         monkeypatch.setattr(dist, "broadcast", real)
         # the session was ended: the next push can begin one, and continues the server
         assert fanout.push({"gen": [server.url]}, 2, specs, buffer, 1 << 20) == {"gen": None}
-        assert httpx.get(f"{server.url}/model_info").json()["weight_version"] == "2"
-        assert httpx.get(f"{server.url}/ready").status_code == 200
+        assert HTTP.get(f"{server.url}/model_info").json()["weight_version"] == "2"
+        assert HTTP.get(f"{server.url}/ready").status_code == 200
     finally:
         fanout.close()
 
 
 def test_a_restarted_fanout_ends_a_session_left_open_and_continues_the_server(standins, store):
     server = standins("--weight-update-session")
-    assert httpx.post(f"{server.url}/pause_generation", json={"mode": "retract"}).status_code == 200
-    assert httpx.post(f"{server.url}/begin_weight_update", json={}).status_code == 200  # a broadcaster died here
+    assert HTTP.post(f"{server.url}/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert HTTP.post(f"{server.url}/begin_weight_update", json={}).status_code == 200  # a broadcaster died here
     fanout = fanout_for(store)
     try:
         assert fanout.recover([server.url]) == {server.url: None}
-        assert httpx.get(f"{server.url}/ready").status_code == 200
-        assert httpx.post(f"{server.url}/begin_weight_update", json={}).status_code == 200  # no session was left
-        assert httpx.post(f"{server.url}/end_weight_update", json={}).status_code == 200
+        assert HTTP.get(f"{server.url}/ready").status_code == 200
+        assert HTTP.post(f"{server.url}/begin_weight_update", json={}).status_code == 200  # no session was left
+        assert HTTP.post(f"{server.url}/end_weight_update", json={}).status_code == 200
     finally:
         fanout.close()
 
@@ -712,7 +712,7 @@ def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standi
     started = s.state()
     standin_pool.give_back(s)
     assert standin_pool.take(ckpts / "v0", *flags) is s
-    assert httpx.post(f"{s.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    assert HTTP.post(f"{s.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
     standin_pool.give_back(s)
     assert standin_pool.take(ckpts / "v0", *flags) is s and s.state() == started
     fanout = fanout_for(store)
@@ -725,11 +725,11 @@ def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standi
     assert pushed["weight_version"] == "7" and pushed["weights"] != started["weights"] and not pushed["groups"]
     standin_pool.give_back(s)
     assert standin_pool.take(ckpts / "v0", *flags) is s and s.state() == started
-    held = httpx.post(f"{s.url}/pause_generation", json={"mode": "in_place"})  # a request parked behind a pause
+    held = HTTP.post(f"{s.url}/pause_generation", json={"mode": "in_place"})  # a request parked behind a pause
     assert held.status_code == 200
     def wait_on_the_pause():
         try:
-            httpx.post(f"{s.url}/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+            HTTP.post(f"{s.url}/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
                 "max_new_tokens": 4, "temperature": 0}}, timeout=30)
         except httpx.HTTPError:  # the server is killed under it
             pass
@@ -897,7 +897,7 @@ def test_recovery_runs_off_the_callers_thread_and_leaves_unchecked_versions_alon
     silent.listen(8)  # connections are accepted by the kernel; nothing ever answers them
     url = f"http://127.0.0.1:{silent.getsockname()[1]}"
     odd = standins("--sglang-version", "0.5.99")
-    httpx.post(f"{odd.url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+    HTTP.post(f"{odd.url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
     fanout = fanout_for(store, call_timeout_s=1.0)
     try:
         t0 = time.monotonic()
@@ -909,7 +909,7 @@ def test_recovery_runs_off_the_callers_thread_and_leaves_unchecked_versions_alon
     finally:
         fanout.close()
         silent.close()
-        httpx.post(f"{odd.url}/continue_generation", json={}, timeout=10)
+        HTTP.post(f"{odd.url}/continue_generation", json={}, timeout=10)
 
 
 
@@ -946,11 +946,11 @@ def test_a_hung_scheduler_is_called_down_and_its_requests_move_on_with_their_tok
     def act(got):
         slots_seen.add(engine.slots)
         if not events and min(len(o.tokens) for o in got.values()) >= 3:
-            httpx.post(f"{hung.url}/pause_generation", json={"mode": "retract"}, timeout=10)
-            threading.Timer(1.2, lambda: httpx.post(f"{hung.url}/continue_generation", json={}, timeout=10)).start()
+            HTTP.post(f"{hung.url}/pause_generation", json={"mode": "retract"}, timeout=10)
+            threading.Timer(1.2, lambda: HTTP.post(f"{hung.url}/continue_generation", json={}, timeout=10)).start()
             events.append("paused")
         elif events == ["paused"] and min(len(o.tokens) for o in got.values()) >= 40:
-            httpx.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
+            HTTP.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
             events.append("hung")
             slots_seen.clear()
     try:
@@ -959,11 +959,11 @@ def test_a_hung_scheduler_is_called_down_and_its_requests_move_on_with_their_tok
         took = time.monotonic() - t0
         assert events == ["paused", "hung"] and 4 in slots_seen, "the hung server was never called down"
         assert engine.slots == 4 and engine.moved == 2 and engine.lost == 0
-        httpx.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+        HTTP.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
         wait_for("the server never came back", lambda: engine.slots == 8)
     finally:
         engine.close()
-        httpx.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+        HTTP.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
     assert took < 40  # not stream_idle_s (600 s)
     for i, o in got.items():  # every lease ends whole, each token right: moved, not ended
         assert o.finish == "length" and o.tokens == greedy(ckpts / "v0", PROMPTS[i % 4], n).tokens
@@ -976,12 +976,12 @@ def test_a_hung_scheduler_with_nowhere_to_move_ends_its_requests_as_partials_at_
 
     def act(got):
         if min(len(o.tokens) for o in got.values()) >= 3 and not hung.state()["hung"]:
-            httpx.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
+            HTTP.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
     try:
         got = drive(engine, [request(i, PROMPTS[i], n) for i in range(2)], each_step=act, timeout_s=30)
     finally:
         engine.close()
-        httpx.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+        HTTP.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
     for i, o in got.items():
         assert o.finish == "abort" and 3 <= len(o.tokens) < n
         assert o.tokens == greedy(ckpts / "v0", PROMPTS[i], n).tokens[:len(o.tokens)]
@@ -1008,7 +1008,7 @@ def test_a_server_no_continue_reaches_is_called_down_and_recovered_later(ckpts, 
 
     def push_once(got):
         if not pushed and min(len(o.tokens) for o in got.values()) >= 3:
-            httpx.post(f"{stuck.url}/standin/faults", json={"drop": 1.0, "when": "before",
+            HTTP.post(f"{stuck.url}/standin/faults", json={"drop": 1.0, "when": "before",
                                                                   "paths": ["/continue_generation"]},
                        timeout=10)
             pushed.append(fanout.push({"gen": [stuck.url, other.url]}, 1, specs, buffer, 1 << 20))
@@ -1018,14 +1018,14 @@ def test_a_server_no_continue_reaches_is_called_down_and_recovered_later(ckpts, 
         assert stuck.state()["paused"] and not other.state()["paused"]
         assert engine.slots == 4 and engine.moved >= 1 and engine.lost == 0
         assert engine.policy_version == 1 == engine.newest_version
-        httpx.post(f"{stuck.url}/standin/faults", json={}, timeout=10)
+        HTTP.post(f"{stuck.url}/standin/faults", json={}, timeout=10)
         t0 = time.monotonic()
         while stuck.state()["paused"]:  # what the broadcaster's timer does every recover_interval_s
             assert time.monotonic() - t0 < 10, "never resumed"
             fanout.recover_soon([stuck.url, other.url], again=True).result(10)
         wait_for("the stuck server never came back", lambda: engine.slots == 8)
     finally:
-        httpx.post(f"{stuck.url}/standin/faults", json={}, timeout=10)
+        HTTP.post(f"{stuck.url}/standin/faults", json={}, timeout=10)
         engine.close()
         fanout.close()
     for i, o in got.items():  # no lease ended early: the stuck server's moved on
@@ -1040,7 +1040,7 @@ def test_timed_recovery_asks_every_server_again_and_is_cheap_when_nothing_is_wro
     fanout = fanout_for(store)
     try:
         assert fanout.recover([server.url]) == {server.url: None}
-        httpx.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        HTTP.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
         assert fanout.recover([server.url]) == {}  # once per process: not asked again
         assert server.state()["paused"]
         assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
@@ -1088,7 +1088,7 @@ def test_the_broadcaster_recovers_its_sglang_servers_on_a_timer(standins):
                                                proto_version=PROTO_VERSION), now)
         assert actor.fanout is not None
         actor.fanout.recover_soon([]).result(10)  # the hello's recovery has run
-        httpx.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        HTTP.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
         actor.tick(now + 1.0)  # before the interval: nothing
         actor.fanout.recover_soon([]).result(10)
         assert server.state()["paused"]
@@ -1121,7 +1121,7 @@ def test_tokens_decoded_between_the_buckets_of_an_unpaused_push_are_tagged_old_a
             for o in drive(engine, [request(lease + i, PROMPTS[i % 4], 6) for i in range(8)]).values():
                 got.append(o)
             lease += 8
-            seen_raw.add(httpx.get(f"{server.url}/model_info", timeout=5).json()["weight_version"])
+            seen_raw.add(HTTP.get(f"{server.url}/model_info", timeout=5).json()["weight_version"])
         pushing.join()
         after = drive(engine, [request(10_000, PROMPTS[0], 6)])[10_000]
     finally:
@@ -1148,22 +1148,22 @@ def test_a_server_with_half_new_weights_stays_paused_until_a_push_completes_ther
     try:
         assert fanout.push(gen, 1, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
         # a takes every bucket call but its answer is lost: the push stops after the first bucket
-        httpx.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "after",
+        HTTP.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "after",
                                                      "paths": ["/update_weights_from_distributed"]}, timeout=10)
         result = fanout.push(gen, 2, specs, buffer, 64 * 1024)
         assert result["gen-b"] is not None and "half new" in result["gen-b"], result
         assert b.state()["paused"] and a.state()["paused"]
         # the next push fails before any bucket (a's pause never arrives): b stays paused
-        httpx.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "before", "paths": ["/pause_generation"]},
+        HTTP.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "before", "paths": ["/pause_generation"]},
                    timeout=10)
         result = fanout.push(gen, 3, specs, buffer, 64 * 1024)
         assert result["gen-b"] is not None and b.state()["paused"], result
         fanout.recover([a.url, b.url], again=True)
         assert b.state()["paused"], "recovery continued a server with half-new weights"
-        httpx.post(f"{a.url}/standin/faults", json={}, timeout=10)
+        HTTP.post(f"{a.url}/standin/faults", json={}, timeout=10)
         assert fanout.push(gen, 4, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
     finally:
-        httpx.post(f"{a.url}/standin/faults", json={}, timeout=10)
+        HTTP.post(f"{a.url}/standin/faults", json={}, timeout=10)
         fanout.close()
     for s in (a, b):
         state = s.state()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
+from standins.launch import HTTP
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -339,7 +340,7 @@ def test_pause_abort_waiting_and_continue(server, ckpt):
     streamed = queue.Queue()
 
     def stream_long():
-        with httpx.stream("POST", server.url + "/generate", timeout=30,
+        with HTTP.stream("POST", server.url + "/generate", timeout=30,
                           json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
             evs = []
             for line in r.iter_lines():
@@ -358,9 +359,9 @@ def test_pause_abort_waiting_and_continue(server, ckpt):
     assert h.get("/health").status_code == 503
 
     # While paused a request waits; aborting it answers "Abort in waiting queue".
-    waiting = in_thread(httpx.post, server.url + "/generate", timeout=30,
+    waiting = in_thread(HTTP.post, server.url + "/generate", timeout=30,
                         json={**gen(SHORT, 4, temperature=0.0), "rid": "w1"})
-    later = in_thread(httpx.post, server.url + "/generate", timeout=30,
+    later = in_thread(HTTP.post, server.url + "/generate", timeout=30,
                       json={**gen(SHORT, 5, temperature=0.0), "rid": "w2"})
     time.sleep(0.5)
     assert not waiting.done() and not later.done()
@@ -382,7 +383,7 @@ def test_pause_in_place_keeps_the_request(server, ckpt):
     seen = queue.Queue()
 
     def stream(n):
-        with httpx.stream("POST", server.url + "/generate", timeout=30,
+        with HTTP.stream("POST", server.url + "/generate", timeout=30,
                           json={**gen(LONG, n, temperature=0.0), "stream": True}) as r:
             out = None
             for line in r.iter_lines():
@@ -470,7 +471,7 @@ def test_weight_update_over_gloo(server, ckpt):
         seen = queue.Queue()
 
         def stream():
-            with httpx.stream("POST", server.url + "/generate", timeout=30,
+            with HTTP.stream("POST", server.url + "/generate", timeout=30,
                               json={**gen(LONG, 60, temperature=0.0), "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -530,7 +531,7 @@ def _update_with_a_request_held(s: Standin, ckpt, group: str):
     seen: queue.Queue = queue.Queue()
 
     def stream():
-        with httpx.stream("POST", s.url + "/generate", timeout=30,
+        with HTTP.stream("POST", s.url + "/generate", timeout=30,
                           json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -606,7 +607,7 @@ def stream_in_thread(s: Standin, body: dict):
     seen: queue.Queue = queue.Queue()
 
     def run():
-        with httpx.stream("POST", s.url + "/generate", timeout=30, json={**body, "stream": True}) as r:
+        with HTTP.stream("POST", s.url + "/generate", timeout=30, json={**body, "stream": True}) as r:
             assert r.status_code == 200
             out, done = [], False
             for line in r.iter_lines():

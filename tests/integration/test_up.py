@@ -29,7 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from april_async.testing.runs import (
@@ -44,7 +43,7 @@ from april_async.testing.runs import (
     write_config,
 )
 from april_async.runfiles import read_children
-from standins.launch import start_standin
+from standins.launch import HTTP, start_standin
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRESS = re.compile(r"step +\d+ v\d+ \| reward")
@@ -109,7 +108,7 @@ def test_april_up_runs_the_whole_loop_and_stops_clean(tmp_path, request, engine)
         check_finished_run(run_dir, out, ["gen-0", "gen-1"])
         final = metrics(run_dir)[-1]["version"]
         for s in servers:  # the broadcaster pushed every version to the servers themselves
-            info = httpx.get(f"{s.url}/model_info", timeout=5).json()
+            info = HTTP.get(f"{s.url}/model_info", timeout=5).json()
             assert info["weight_version"] == str(final), (info, s.tail())
     finally:
         if proc.poll() is None:
