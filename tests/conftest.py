@@ -8,14 +8,6 @@ One torch thread per process, in the test process and in every process it starts
 workers and their actors on two cores, where a second intra-op thread per process only contends.
 (A 0.1M-parameter decoder's 400 greedy steps took 5.4 s of CPU with two threads, 0.36 s with one.)
 A test or tool that wants more threads sets them itself (``torch.set_num_threads``).
-
-The files with a test marked ``slow`` (each a whole run of real processes, which keeps both cores
-busy while it lasts) are spread evenly over the first three quarters of the collection, between
-the others: ``tools/test.sh`` hands whole files to its workers in collection order (``--dist
-loadfile --no-loadscope-reorder``), so that about one such run goes on at a time and none starts
-last. (Run together, three of them stretch each other's time, and a run busy for longer uses more
-CPU: the suite took 760 CPU-s with the slow files first, 682 spread by chance; and one that started
-last kept a worker busy for a minute after the others had finished.)
 """
 
 import os
@@ -36,14 +28,3 @@ settings.register_profile("ci", max_examples=400, print_blob=True, **COMMON)
 settings.register_profile("dev", max_examples=60, **COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-
-def pytest_collection_modifyitems(config, items):
-    files: dict = {}
-    for item in items:
-        files.setdefault(item.path, []).append(item)
-    slow = [f for f, its in files.items() if any(it.get_closest_marker("slow") for it in its)]
-    rest = [f for f in files if f not in slow]
-    order = list(rest)
-    for k, f in reversed(list(enumerate(slow))):  # slow file k before rest[k * 3/4 * len(rest) / len(slow)]
-        order.insert(round(k * 0.75 * len(rest) / len(slow)), f)
-    items[:] = [it for f in order for it in files[f]]

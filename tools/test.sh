@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Usage: bash tools/test.sh [pytest args...]
 # The README's test command: sets up .venv if needed, then runs the whole suite in APRIL_TEST_WORKERS
-# processes (default 3; pytest-xdist), each taking a whole test file at a time (--dist loadfile: a
-# file's module fixtures, a pool of stand-in servers or learner ranks, are made once, not once per
-# worker), the files with slow tests first (tests/conftest.py).
+# processes (default 3; pytest-xdist: each starts on its third of the tests, in order, and a worker
+# that runs out takes some of another's).
 # Three workers on two cores: most integration tests wait on the processes they start (a learner
 # step, a server's restart), and a third worker keeps the cores busy meanwhile (the whole suite:
 # ~93 % of both cores busy with three, ~80 % with two; README.md, *Tests*).
@@ -14,4 +13,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh
 unset PYTHONDONTWRITEBYTECODE
-exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist worksteal "$@"
