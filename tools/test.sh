@@ -5,7 +5,7 @@
 # that runs out takes some of another's).
 # Three workers on two cores: most integration tests wait on the processes they start (a learner
 # step, a server's restart), and a third worker keeps the cores busy meanwhile (the whole suite:
-# ~93 % of both cores busy with three, ~80 % with two; README.md, *Tests*).
+# 91-96 % of both cores busy with three, ~80 % with two; README.md, *Tests*).
 # Bytecode is cached (__pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE is set: the
 # suite starts ~600 Python processes, and each would otherwise compile the project's modules
 # again, and each worker rewrite every test module's asserts again.
