@@ -16,6 +16,7 @@ from april_async.runfiles import METRICS
 if TYPE_CHECKING:
     from april_async.learner.config import LearnerConfig
 
+
 def import_wandb():
     """The ``wandb`` module, or the ``ValueError`` that says how to install it (``learner.wandb``)."""
     try:
