@@ -185,7 +185,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     k.set_defaults(func=_keys)
     s = sub.add_parser("simulate", help="run the real broker core against simulated long-tail engines "
                                          "(tools/simulate.py)")
-    if command not in ACTORS + ("up", "keys"):
+    if command == "simulate" or command not in sub.choices:
         from april_async.sim.report import add_arguments
 
         add_arguments(s)

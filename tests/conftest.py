@@ -27,4 +27,3 @@ COMMON = dict(
 settings.register_profile("ci", max_examples=400, print_blob=True, **COMMON)
 settings.register_profile("dev", max_examples=60, **COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-

@@ -143,15 +143,15 @@ class Chaos:
         live = sorted((name, row["pid"]) for name, row in children.items() if row["kind"] == kind and row["pid"])
         return self.rng.choice(live) if live else None
 
-    def between_checkpoints(self, wait_s: float) -> None:
-        """Let a learner kill land after a step that wrote no checkpoint (waiting ``wait_s`` at
+    def between_checkpoints(self) -> None:
+        """Let a learner kill land after a step that wrote no checkpoint (waiting ``--settle-s`` at
         most), so that the restart resumes behind versions already handed out: the case where
         version numbers could be reused and the staleness bound broken. The wait is as long as a
         recovery may take (``--settle-s``), not a fixed 10 s: on a loaded machine a learner just
         restarted, or starved while a killed broker comes back, took its next step only after
         that, and both learner kills of a run then landed on a checkpoint (no roll-forward to
         check)."""
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + self.args.settle_s
         while learner_step(self.run_dir) % self.args.save_every == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -208,7 +208,7 @@ class Chaos:
                 time.sleep(0.2)
             name, pid = target
             if kind == "learner":
-                self.between_checkpoints(self.args.settle_s)
+                self.between_checkpoints()
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it died on its own just now: the supervisor has it
