@@ -293,6 +293,11 @@ class WeightHandoff:
 
     # ------------------------------------------------------------------ shared memory
 
+    @property
+    def free_regions(self) -> int:
+        """Regions the broadcaster no longer reads: the next version may go into one of them."""
+        return sum(not slot.busy for slot in self._slots)
+
     def _use_shm(self) -> bool:
         """Whether this version may go through shared memory (see the module docstring)."""
         if self.mode == "zmq" or self.shm_host is None or self.shm_off is not None:

@@ -100,7 +100,10 @@ def test_versions_go_through_shared_memory_and_members_load_them_verified(weight
         learner.version = 2
         h.send_parts(2, specs, len(data), parts(), len(cuts))
         wait(w, "gen-0 holding version 2", lambda: w.holds("gen-0", 2, state_fingerprint(policy(2))), h)
-        expect = learner.send(3)  # back into version 1's region, once the broadcaster let go of it
+        # back into version 1's region once the broadcaster let go of it (its next heartbeat says
+        # so; sent before that, the version would go as bytes: the learner never waits)
+        wait(w, "the broadcaster letting go of version 1's region", lambda: h.free_regions == 1, h)
+        expect = learner.send(3)
         wait(w, "gen-0 holding version 3", lambda: w.holds("gen-0", 3, expect), h)
         assert h.shm_sends == 3 and h.shm_fallbacks == 0 and h.shm_off is None
         wait(w, "the regions' names unlinked once mapped", lambda: not names("learner-0"), h)
