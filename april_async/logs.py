@@ -5,7 +5,18 @@ from __future__ import annotations
 import logging
 import sys
 
-import structlog
+# structlog.dev imports rich (and pygments with it) when it is installed, for pretty tracebacks:
+# ~80 ms of CPU at every process's start (~400 of them in the test suite). The console never uses
+# it here (format_exc_info below turns exceptions into text first), so rich is kept out of that
+# first import; ``import rich`` works as before afterwards.
+_hide_rich = "rich" not in sys.modules and "structlog" not in sys.modules
+if _hide_rich:
+    sys.modules["rich"] = None  # an import of it now raises ImportError, which structlog.dev expects
+try:
+    import structlog
+finally:
+    if _hide_rich:
+        del sys.modules["rich"]
 
 
 def configure(*, json: bool = False, level: str = "info") -> None:
