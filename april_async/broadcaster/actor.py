@@ -92,7 +92,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
@@ -114,7 +114,6 @@ from april_async.broadcaster.rounds import (
     StartCollective,
     StatusChanged,
 )
-from april_async.broadcaster.sglang import SGLangFanout
 from april_async.logs import get_logger
 from april_async.weights import shm
 from april_async.weights.flat import bucket_digests, check_layout
@@ -123,6 +122,9 @@ from april_async.weights.handoff_recv import PartRefused, PartsReceiver, Whole
 from april_async.wire import messages as m
 from april_async.wire import roles
 from april_async.wire.version import parse
+
+if TYPE_CHECKING:
+    from april_async.broadcaster.sglang import SGLangFanout
 
 
 def resolved_backend(cfg: BroadcasterConfig) -> Literal["gloo", "nccl"]:
@@ -341,6 +343,8 @@ class BroadcasterActor:
                 effects = [Send(e.name, msgspec.structs.replace(e.body, host_id=self.host_id), e.reply)
                            if isinstance(e, Send) and isinstance(e.body, m.Welcome) else e for e in effects]
             if body.servers and self.fanout is None and any(isinstance(e, Open) for e in effects):
+                from april_async.broadcaster.sglang import SGLangFanout  # httpx only once SGLang is in the run
+
                 host, _, port = self.group.store_address.rpartition(":")
                 self.fanout = SGLangFanout(self.cfg.sglang, store=self.group.store, store_host=host,
                                            store_port=int(port), backend=self.backend,
