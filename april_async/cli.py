@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from april_async import __version__
 
@@ -211,5 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def entry() -> NoReturn:
+    """The ``april`` command and ``python -m april_async.cli``: ``main()``, then the process ends
+    (``runtime.exit_process``)."""
+    from april_async.runtime import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

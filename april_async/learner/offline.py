@@ -258,7 +258,8 @@ if __name__ == "__main__":
         _serve()
     else:
         _main(sys.argv[1])
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        from april_async.runtime import exit_past_torch_teardown
+    from april_async.runtime import exit_past_torch_teardown, exit_process
 
+    if os.environ.get("WORLD_SIZE", "1") != "1":
         exit_past_torch_teardown(0)
+    exit_process(0)

@@ -298,5 +298,7 @@ class Weights:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["member"]:
-        sys.exit(member_main(sys.argv[2:]))
+        from april_async.runtime import exit_process
+
+        exit_process(member_main(sys.argv[2:]))
     sys.exit(f"usage: python -m {__spec__.name if __spec__ else __file__} member --name N --endpoint E --out F")
