@@ -27,3 +27,16 @@ COMMON = dict(
 settings.register_profile("ci", max_examples=400, print_blob=True, **COMMON)
 settings.register_profile("dev", max_examples=60, **COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+POOLED = tuple(f"tests/integration/{name}.py::" for name in
+               ("test_learner_ranks", "test_sglang_engine", "test_sglang_standin", "test_roles"))
+"""Modules whose tests share processes started once per module (two learner ranks, stand-in
+servers, a broker and a broadcaster)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The pooled modules run first, the rest in file order. ``tools/test.sh``'s workers each take a
+    third of the tests in this order and steal from the end of another's queue when theirs runs
+    out; a pooled module near a queue's end was split, and each worker that took part of it
+    started the pool again (test_learner_ranks.py: two learner ranks, ~10 s of CPU, for one test)."""
+    items.sort(key=lambda item: not item.nodeid.startswith(POOLED))  # stable: file order otherwise
