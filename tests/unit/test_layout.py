@@ -2,7 +2,10 @@
 
 - Every actor's config model, the supervisor (``april up``), the CLI, the broker and a generator on
   the scripted engine import no torch: they start in a fraction of a second, and a restarted broker
-  serves again before its peers time out. Each is imported in a fresh interpreter.
+  serves again before its peers time out. They are imported one after another in a fresh
+  interpreter, which starts again after any module that brought torch in (``torch_brought_in``):
+  the same verdict as one interpreter per module, since a module that imports torch does so
+  whatever torch-free modules were imported before it.
 - Actors never import each other: code two of them share lives in a neutral package (``engines/``,
   ``weights/``, ``model/``, ``warmstart/``, ``testing/``, ...). ``up/`` imports no actor's runtime (their
   config models only), ``sim/`` nothing from ``generator/``, ``tools/`` nothing from ``tests/`` or the
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,12 +47,40 @@ TORCH_FREE = [
 ]
 
 
+IMPORT_EACH = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        print(json.dumps([name, f"cannot be imported: {e!r}"]), flush=True)
+        break
+    torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    print(json.dumps([name, torch[:3]]), flush=True)
+    if torch:
+        break
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_brought_in() -> dict[str, object]:
+    """For each of ``TORCH_FREE``: the torch modules its import brought in ([] for none), or why it
+    could not be imported. Imported in order in one interpreter; a new one takes over after a module
+    that brought torch in (or failed), so each verdict is the one a fresh interpreter would give."""
+    found: dict[str, object] = {}
+    while len(found) < len(TORCH_FREE):
+        todo = TORCH_FREE[len(found):]
+        out = subprocess.run([sys.executable, "-c", IMPORT_EACH, *todo], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+        assert lines, f"the import check died before {todo[0]}: {out.stderr[-2000:]}"
+        found.update(dict(lines))
+    return found
+
+
 @pytest.mark.parametrize("module", TORCH_FREE)
-def test_module_imports_no_torch(module):
-    code = f"import sys, {module}; bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); " \
-           f"print(bad[:3]); sys.exit(1 if bad else 0)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 0, f"{module} imports torch: {out.stdout.strip()} {out.stderr[-2000:]}"
+def test_module_imports_no_torch(module, torch_brought_in):
+    assert torch_brought_in[module] == [], f"{module} imports torch: {torch_brought_in[module]}"
 
 
 def test_the_logs_keep_rich_out_of_structlogs_import_and_leave_it_importable():
