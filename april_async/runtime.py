@@ -1,7 +1,7 @@
 """What every process shares: a stop flag set by SIGINT/SIGTERM, the error that stops an actor, the
-common run of an actor (``run_actor``), its end (``exit_process``), the tie that makes a child process die with its parent, and the
-one way tools and tests start child processes (``spawn``, a group of them in ``Children``) and pick a
-free port for them (``free_port``)."""
+common run of an actor (``run_actor``) and its process's end (``exit_process``), the tie that makes a
+child process die with its parent, and the one way tools and tests start child processes (``spawn``,
+a group of them in ``Children``) and pick a free port for them (``free_port``)."""
 
 from __future__ import annotations
 
