@@ -27,6 +27,14 @@ def test_bench_journal_prints_each_durability():
     assert all(f"\n{d} " in "\n" + out for d in ("none", "interval", "always")) and "snapshot 16 MiB" in out
 
 
+def test_bench_exit_prints_each_end_and_refuses_bad_rounds():
+    rows = [line.split() for line in run("tools/bench_exit.py", "--quick").splitlines() if line.startswith("none ")]
+    assert len(rows) == 1 and all(float(x) > 0 for x in rows[0][1:4])  # sys.exit, exit_process, os._exit
+    bad = subprocess.run([sys.executable, "tools/bench_exit.py", "--rounds", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--rounds must be at least 1" in bad.stderr
+
+
 def test_bench_engine_prints_tokens_per_second_by_batch():
     out = run("tools/bench_engine.py", "--quick")
     rows = [line.split() for line in out.splitlines() if line[:3] in ("5M ", "30M")]
