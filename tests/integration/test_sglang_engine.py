@@ -282,7 +282,7 @@ def test_an_abort_the_server_made_with_a_status_code_is_not_resubmitted(ckpts, s
     (out of memory) give a partial for the broker; 400 (input too long) an ``error``."""
     server = standins()
     assert HTTP.post(f"{server.url}/standin/abort_next", json={"count": 1, "status_code": code, "after_tokens": 4,
-                                                                 "message": f"scheduler says {code}"}).status_code == 200
+                                                                "message": f"scheduler says {code}"}).status_code == 200
     engine = make_engine(server.url)
     try:
         got = drive(engine, [request(0, PROMPTS[0], 50)], timeout_s=20)[0]
@@ -300,7 +300,7 @@ def test_per_token_versions_come_from_weight_versions(ckpts, standins):
     engine = make_engine(server.url, stream=False)
     n = 150
     timer = threading.Timer(0.4, lambda: HTTP.post(f"{server.url}/update_weight_version",
-                                                    json={"new_version": "3", "abort_all_requests": False}))
+                                                   json={"new_version": "3", "abort_all_requests": False}))
     try:
         timer.start()
         got = drive(engine, [request(0, PROMPTS[1], n)], timeout_s=30)[0]
@@ -1009,8 +1009,8 @@ def test_a_server_no_continue_reaches_is_called_down_and_recovered_later(ckpts, 
     def push_once(got):
         if not pushed and min(len(o.tokens) for o in got.values()) >= 3:
             HTTP.post(f"{stuck.url}/standin/faults", json={"drop": 1.0, "when": "before",
-                                                                  "paths": ["/continue_generation"]},
-                       timeout=10)
+                                                                 "paths": ["/continue_generation"]},
+                      timeout=10)
             pushed.append(fanout.push({"gen": [stuck.url, other.url]}, 1, specs, buffer, 1 << 20))
     try:
         got = drive(engine, [request(i, PROMPTS[i % 4], n) for i in range(4)], each_step=push_once, timeout_s=60)
@@ -1149,13 +1149,13 @@ def test_a_server_with_half_new_weights_stays_paused_until_a_push_completes_ther
         assert fanout.push(gen, 1, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
         # a takes every bucket call but its answer is lost: the push stops after the first bucket
         HTTP.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "after",
-                                                     "paths": ["/update_weights_from_distributed"]}, timeout=10)
+                                                    "paths": ["/update_weights_from_distributed"]}, timeout=10)
         result = fanout.push(gen, 2, specs, buffer, 64 * 1024)
         assert result["gen-b"] is not None and "half new" in result["gen-b"], result
         assert b.state()["paused"] and a.state()["paused"]
         # the next push fails before any bucket (a's pause never arrives): b stays paused
         HTTP.post(f"{a.url}/standin/faults", json={"drop": 1.0, "when": "before", "paths": ["/pause_generation"]},
-                   timeout=10)
+                  timeout=10)
         result = fanout.push(gen, 3, specs, buffer, 64 * 1024)
         assert result["gen-b"] is not None and b.state()["paused"], result
         fanout.recover([a.url, b.url], again=True)

@@ -341,7 +341,7 @@ def test_pause_abort_waiting_and_continue(server, ckpt):
 
     def stream_long():
         with HTTP.stream("POST", server.url + "/generate", timeout=30,
-                          json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
+                         json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
             evs = []
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -360,9 +360,9 @@ def test_pause_abort_waiting_and_continue(server, ckpt):
 
     # While paused a request waits; aborting it answers "Abort in waiting queue".
     waiting = in_thread(HTTP.post, server.url + "/generate", timeout=30,
-                        json={**gen(SHORT, 4, temperature=0.0), "rid": "w1"})
+                       json={**gen(SHORT, 4, temperature=0.0), "rid": "w1"})
     later = in_thread(HTTP.post, server.url + "/generate", timeout=30,
-                      json={**gen(SHORT, 5, temperature=0.0), "rid": "w2"})
+                     json={**gen(SHORT, 5, temperature=0.0), "rid": "w2"})
     time.sleep(0.5)
     assert not waiting.done() and not later.done()
     # They wait before SGLang's scheduler (in its tokenizer manager): for a flush, nothing is in flight.
@@ -384,7 +384,7 @@ def test_pause_in_place_keeps_the_request(server, ckpt):
 
     def stream(n):
         with HTTP.stream("POST", server.url + "/generate", timeout=30,
-                          json={**gen(LONG, n, temperature=0.0), "stream": True}) as r:
+                         json={**gen(LONG, n, temperature=0.0), "stream": True}) as r:
             out = None
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -472,7 +472,7 @@ def test_weight_update_over_gloo(server, ckpt):
 
         def stream():
             with HTTP.stream("POST", server.url + "/generate", timeout=30,
-                              json={**gen(LONG, 60, temperature=0.0), "stream": True}) as r:
+                             json={**gen(LONG, 60, temperature=0.0), "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         seen.put(json.loads(line[6:]))
@@ -532,7 +532,7 @@ def _update_with_a_request_held(s: Standin, ckpt, group: str):
 
     def stream():
         with HTTP.stream("POST", s.url + "/generate", timeout=30,
-                          json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
+                         json={**gen(LONG, LONG_N, temperature=0.0), "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     seen.put(json.loads(line[6:]))
