@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from april_async.runtime import free_port, spawn
+from standins import RUNTIME_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout, where ``python -m standins.sglang_server`` finds this package."""
@@ -75,12 +76,34 @@ def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "stan
 
 
 PoolKey = tuple[Path, tuple[str, ...]]
-"""(checkpoint, flags): which pooled stand-ins are interchangeable."""
+"""(checkpoint, process flags): which pooled stand-ins are interchangeable."""
+
+
+def split_flags(args: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``args`` as (the flags a stand-in process must start with, those of ``RUNTIME_FLAGS``, which
+    ``/standin/configure`` sets on a running one), each in its order."""
+    start: list[str] = []
+    runtime: list[str] = []
+    i = 0
+    while i < len(args):
+        flag = args[i].split("=", 1)[0]
+        if "=" in args[i]:
+            n = 1
+        elif flag in RUNTIME_FLAGS:
+            n = 1 + RUNTIME_FLAGS[flag]
+        else:  # a process flag and its value, if it has one
+            n = 1 if i + 1 >= len(args) or args[i + 1].startswith("--") else 2
+        (runtime if flag in RUNTIME_FLAGS else start).extend(args[i:i + n])
+        i += n
+    return tuple(start), tuple(runtime)
 
 
 class StandinPool:
-    """Stand-in servers kept from one test for the next that asks for the same checkpoint and flags,
-    so that each test does not pay for a process start (importing torch, loading the checkpoint).
+    """Stand-in servers kept from one test for the next that asks for the same checkpoint and
+    process flags, so that each test does not pay for a process start (importing torch, loading the
+    checkpoint). The flags of ``RUNTIME_FLAGS`` (delays, timeouts, the SGLang version it plays) are
+    set on a kept server with ``/standin/configure`` instead: it then behaves as one started with
+    them, and ``/standin/reset`` puts back those it started with.
 
     A server is handed out only while it is provably as it started: alive, and its ``state()`` read
     over HTTP equal to the one it had before first use (nothing running or waiting, not paused, the
@@ -96,16 +119,24 @@ class StandinPool:
         self.started: dict[StandIn, tuple[PoolKey, dict]] = {}  # each live one: its key, its initial state
 
     def take(self, checkpoint: Path, *args: str) -> StandIn:
-        """A stand-in of ``checkpoint`` started with ``args``, in the state it started in."""
-        key = (checkpoint, args)
+        """A stand-in of ``checkpoint`` as if just started with ``args``."""
+        start, runtime = split_flags(args)
+        key = (checkpoint, start)
         idle = self.idle.get(key, [])
-        while idle:
+        s = None
+        while idle and s is None:
             s = idle.pop()
-            if self.as_started(s):
-                return s
-            self.discard(s)
-        s = start_standin(checkpoint, self.log_dir, *args)
-        self.started[s] = (key, s.state())
+            if not self.as_started(s):
+                self.discard(s)
+                s = None
+        if s is None:
+            s = start_standin(checkpoint, self.log_dir, *start)
+            self.started[s] = (key, s.state())
+        if runtime:
+            answer = HTTP.post(f"{s.url}/standin/configure", json={"argv": list(runtime)}, timeout=10.0)
+            if answer.status_code != 200:  # a harness error (a flag it cannot set): say so, keep nothing
+                self.discard(s)
+                raise RuntimeError(f"stand-in {s.url} refused /standin/configure {list(runtime)}: {answer.text}")
         return s
 
     def give_back(self, s: StandIn) -> None:

@@ -36,6 +36,10 @@ Endpoints:
                                           (requests, pause, weights, groups, session, hooks, flushes)
     POST /standin/reset                   TEST HOOK (not SGLang): back to that state as it started,
                                           refused while it holds requests or weight-update groups
+    POST /standin/configure               TEST HOOK (not SGLang): ``{"argv": [...]}``, flags of
+                                          ``RUNTIME_FLAGS``: from now on behave as if started with
+                                          them after its own (until /standin/reset); refused unless
+                                          idle (no request, probe, group, session or pause)
     POST /standin/hang                    TEST HOOK (not SGLang): ``{"hung": bool}`` stops (or
                                           restarts) the scheduler: nothing decodes and the health
                                           probe fails, while /model_info and the other calls the
@@ -118,6 +122,7 @@ from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM
 from april_async.model.tokenizer import checkpoint_eos_ids
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
+from standins import RUNTIME_FLAGS
 
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
@@ -217,8 +222,9 @@ class Req:
 class Core:
     """The engine, its request queue and the server's state; one lock guards all of it."""
 
-    def __init__(self, model: CausalLM, args):
-        self.args = args
+    def __init__(self, model: CausalLM, args, argv: list[str]):
+        self.args = self.startup_args = args
+        self.startup_argv = argv  # what /standin/configure's flags are read after
         self.engine = TorchEngine(model, slots=args.slots, max_seq_len=args.max_seq_len)
         self.vocab = model.config.vocab_size
         self.params = dict(model.state_dict())
@@ -400,11 +406,42 @@ class Core:
                     "weight_version": self.weight_version, "weights": weights.hexdigest(),
                     "groups": sorted(self.groups), "session": self.session,
                     "abort_next": len(self.fail_next), "flushes": self.flushes, "hung": self.hung,
-                    "healthy": self.healthy, "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s))}
+                    "healthy": self.healthy, "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s)),
+                    "settings": self.settings()}
+
+    def settings(self) -> dict:
+        """The current values of the flags ``/standin/configure`` sets."""
+        return {dest: getattr(self.args, dest) for dest in RUNTIME_DESTS}
+
+    def configure(self, body: dict) -> dict:
+        """TEST HOOK (``/standin/configure``), not SGLang: from now on behave as if started with
+        ``body["argv"]`` (flags of ``RUNTIME_FLAGS`` only) after the flags it did start with, so that
+        a test harness can hand one process to tests that ask for different delays, timeouts or
+        SGLang versions. Refused unless the server is idle: nothing running or waiting, no health
+        probe, no weight-update group or session, not paused."""
+        argv = body.get("argv") if isinstance(body, dict) else None
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise bad("configure: 'argv' must be a list of strings")
+        flags = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+        if unknown := sorted(set(flags) - set(RUNTIME_FLAGS)):
+            raise bad(f"configure: {', '.join(unknown)} cannot change while the server runs "
+                      f"(only {', '.join(sorted(RUNTIME_FLAGS))})")
+        try:
+            args = parse_args(self.startup_argv + argv)
+        except ValueError as e:
+            raise bad(f"configure: {e}") from None
+        with self.update_lock, self.cv:
+            if self.running or self.waiting or self.groups or self.health_probes or self.session or self.paused:
+                raise refused(f"configure: the server is not idle ({len(self.running) + len(self.waiting)} "
+                              f"request(s), {self.health_probes} health probe(s), {len(self.groups)} "
+                              f"weight-update group(s), session {self.session}, paused {self.paused})")
+            self.args = args
+        log(f"configured (test hook): {' '.join(argv) or 'as started'}")
+        return {"success": True, "settings": self.settings()}
 
     def reset(self) -> dict:
         """TEST HOOK (``/standin/reset``), not SGLang: back to the state the server started in (its
-        weights, weight version, no pause, no session, no hook pending, no flush counted, healthy,
+        weights, weight version, the flags it started with, no pause, no session, no hook pending, no flush counted, healthy,
         not hung, no faults), for a test harness that hands one server from test to test. Refused
         while it holds a request, a health probe or a weight-update group (a harness then replaces it
         with a fresh server)."""
@@ -413,6 +450,7 @@ class Core:
                 raise refused(f"reset: the server holds {len(self.running) + len(self.waiting)} request(s), "
                               f"{self.health_probes} health probe(s) and {len(self.groups)} weight-update group(s)")
             self.engine.load_weights(self.initial, 0)
+            self.args = self.startup_args
             self.weight_version = self.args.weight_version
             self.paused, self.pause_mode, self.gate, self.session = False, None, None, False
             self.hung, self.healthy = False, True
@@ -965,6 +1003,7 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
     "/standin/state": (GET, "", lambda h, b: h.core.state()),  # a test hook, not SGLang
     "/standin/reset": (POST, "", lambda h, b: h.core.reset()),  # a test hook, not SGLang
+    "/standin/configure": (POST, "", lambda h, b: h.core.configure(b)),  # a test hook, not SGLang
     "/standin/hang": (POST, "", Handler.hang),  # a test hook, not SGLang
     "/standin/faults": (POST, "", Handler.faults),  # a test hook, not SGLang
 }
@@ -1005,8 +1044,16 @@ class Faults:
 FAULTS = Faults()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m standins.sglang_server", description=__doc__.split("\n")[0])
+class RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors are raised (``ValueError``), for ``/standin/configure``."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def parser(cls=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap = cls(prog="python -m standins.sglang_server", description=__doc__.split("\n")[0],
+             allow_abbrev=False)
     ap.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--port", type=int, required=True, help="0: any free port")
     ap.add_argument("--host", default="127.0.0.1")
@@ -1029,11 +1076,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
                     help="sleep after each decode step (tests that need requests to stay running)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+RUNTIME_DESTS = tuple(f.lstrip("-").replace("-", "_") for f in RUNTIME_FLAGS)
+"""``RUNTIME_FLAGS`` as the parsed arguments name them."""
+
+
+def parse_args(argv: list[str], cls=RaisingParser) -> argparse.Namespace:
+    """``argv`` read as the command line is (``RaisingParser``: a ``ValueError`` for a bad one)."""
+    args = parser(cls).parse_args(argv)
     if args.sglang_version is None:
         args.sglang_version = "0.5.23" if args.weight_update_session else "0.5.15.post1"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv, argparse.ArgumentParser)
     torch.set_num_threads(args.threads)
-    core = Core(CausalLM.from_pretrained(Path(args.checkpoint)), args)
+    core = Core(CausalLM.from_pretrained(Path(args.checkpoint)), args, argv)
     Handler.core = core
     server = Server((args.host, args.port), Handler)
     server.daemon_threads = True

@@ -706,12 +706,23 @@ def test_a_server_of_an_unchecked_sglang_version_is_refused_at_join(ckpts, stand
 def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standin_pool, store):
     """``StandinPool``: an unchanged server is handed out again; one left paused, or with another
     weights and weight version (a push), is reset to how it started and handed out again; one that
-    cannot be reset (it holds a request) is killed when given back."""
+    cannot be reset (it holds a request) is killed when given back. Runtime flags (``RUNTIME_FLAGS``)
+    are set on the same process and put back when it is given back."""
     flags = ("--max-seq-len", "512", "--slots", "8")
     s = standin_pool.take(ckpts / "v0", *flags)
     started = s.state()
     standin_pool.give_back(s)
-    assert standin_pool.take(ckpts / "v0", *flags) is s
+    assert standin_pool.take(ckpts / "v0", *flags, "--step-delay-s", "0.02", "--sglang-version", "0.5.23") is s
+    assert s.state()["settings"] == {**started["settings"], "step_delay_s": 0.02, "sglang_version": "0.5.23"}
+    assert HTTP.get(f"{s.url}/server_info").json()["version"] == "0.5.23"
+    standin_pool.give_back(s)
+    assert standin_pool.take(ckpts / "v0", *flags) is s and s.state() == started
+    standin_pool.give_back(s)
+    with pytest.raises(RuntimeError, match="refused /standin/configure"):  # a harness error, said as such
+        standin_pool.take(ckpts / "v0", *flags, "--kv-tokens", "many")
+    assert s.proc.poll() is not None  # not kept: it is no longer known to be as it started
+    s = standin_pool.take(ckpts / "v0", *flags)
+    started = s.state()
     assert HTTP.post(f"{s.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
     standin_pool.give_back(s)
     assert standin_pool.take(ckpts / "v0", *flags) is s and s.state() == started

@@ -913,3 +913,34 @@ def test_faults_drop_control_calls_before_or_after_they_take_effect(server):
     h.post("/continue_generation", json={})
     state = h.get("/standin/state").json()
     assert state["paused"] is False and state["faults"] is False
+
+
+def test_configure_sets_runtime_flags_as_if_started_with_them_until_a_reset(server):
+    """``/standin/configure`` (a test hook): the flags of ``RUNTIME_FLAGS`` read after the ones the
+    server started with, derived defaults included (``--weight-update-session`` makes it 0.5.23 with
+    its session routes and ``/ready``); process flags, bad values and a busy server are refused with
+    the reason; ``/standin/reset`` puts back the flags it started with."""
+    h = server.http
+    started = h.get("/standin/state").json()["settings"]
+    assert started["step_delay_s"] == 0.005 and started["sglang_version"] == "0.5.15.post1"
+    assert h.get("/ready").status_code == 404 and h.post("/begin_weight_update", json={}).status_code == 404
+    try:
+        r = h.post("/standin/configure", json={"argv": ["--weight-update-session", "--step-delay-s", "0"]})
+        assert r.status_code == 200, r.text
+        settings = h.get("/standin/state").json()["settings"]
+        assert settings == {**started, "weight_update_session": True, "sglang_version": "0.5.23",
+                            "step_delay_s": 0.0} == r.json()["settings"]
+        assert h.get("/server_info").json()["version"] == "0.5.23" and h.get("/ready").status_code == 200
+        for argv, named in ((["--slots", "2"], "--slots"), (["--kv-tokens", "z"], "invalid int value: 'z'"),
+                            (["--step-delay", "1"], "--step-delay cannot change"),  # no abbreviation
+                            (["1"], "unrecognized arguments: 1"), ("--step-delay-s 1", "'argv'")):
+            r = h.post("/standin/configure", json={"argv": argv})
+            assert r.status_code == 400 and named in r.text, (argv, r.text)
+        assert h.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        r = h.post("/standin/configure", json={"argv": []})
+        assert r.status_code == 400 and "not idle" in r.text and "paused True" in r.text
+        assert h.post("/continue_generation", json={}).status_code == 200
+        assert h.get("/standin/state").json()["settings"] == settings  # nothing refused took effect
+    finally:
+        assert h.post("/standin/reset", json={}).status_code == 200
+    assert h.get("/standin/state").json()["settings"] == started and h.get("/ready").status_code == 404
