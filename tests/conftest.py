@@ -11,11 +11,20 @@ A test or tool that wants more threads sets them itself (``torch.set_num_threads
 """
 
 import os
+import signal
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late for it
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# A suite started in the background by a non-interactive shell (``bash tools/test.sh &``, a CI step
+# that does so) inherits SIGINT ignored, and so would every process it starts. bash cannot trap a
+# signal that was ignored when it started, so ``launch/cluster.sh`` would never see the Ctrl-C its
+# tests send: they would time out, and the three-namespace run they leave going would use a core
+# for two minutes. Python's own handler here means each child starts with the default instead.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from hypothesis import HealthCheck, settings
 
