@@ -18,7 +18,9 @@ effects say (its messages, collectives, publications and round logs); these hold
 - ``held``: an announce or collective is only ever for the version the planner holds (or, a
   resent announce, the running round's), one collective at a time;
 - ``publish``: per planner, the broker is told each version at most once, in increasing order,
-  only a version handed over, and only once some generator holds it or none needs it.
+  only a version handed over, and only once some generator holds it or none needs it (a benched
+  generator, left out of rounds after a round it missed or several it failed, needs nothing until
+  its bench ends).
 
 ``make_machine`` builds the machine for any planner class; the tests at the bottom run it
 against planners with the two mid-round bugs fixed earlier planted back, and check that each is
@@ -170,6 +172,12 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                             and e.member in self.round.receivers, f"{e} outside a running round's receivers")
                 elif isinstance(e, Log) and e.event in ("round", "round_incomplete"):
                     self.round = None
+                elif isinstance(e, Log) and e.event in ("member_benched", "member_absent"):
+                    # left out of rounds for a while: a member failing rounds in a row (longer each
+                    # time), or one absent from a rendezvous; it needs nothing until then
+                    until = self.now + e.fields["for_s" if e.event == "member_benched" else "benched_s"]
+                    self.benched_until[e.fields["member"]] = max(self.benched_until.get(e.fields["member"], 0.0),
+                                                                 until)
                 elif not isinstance(e, (Open, Reply, Log, StatusChanged)):
                     raise AssertionError(f"unknown effect {e!r}")
 
@@ -485,6 +493,26 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
 
 
 TestRounds = make_machine(RoundPlanner).TestCase
+
+
+def test_a_version_is_published_while_its_only_generator_is_benched_for_failing():
+    """A case the search found once (a fresh clone's run, dev profile): gen-s, the only generator,
+    on SGLang servers whose pushes keep failing, is benched after its third failed round (2 s,
+    then 4 s); the planner then publishes the version, which nobody not benched needs. The model
+    once counted only the benches of members that never answered, and called that a violation."""
+    machine = make_machine()()
+    machine.start(joined={SGLANG_GENERATOR})
+    machine.learner_hands(bad=False, step=1)
+    for _ in range(2):
+        machine.collective_hangs()
+        machine.broadcaster_freezes(dt=5.0, ended_meanwhile=False)
+    machine.collective_hangs()
+    machine.time_passes(dt=2.5)
+    machine.collective_hangs()
+    assert machine.benched_until[SGLANG_GENERATOR] == machine.now + 4.0 and not machine.published
+    machine.time_passes(dt=2.5)  # inside the bench: published, nobody holding it
+    assert machine.published == [1] and machine.gens[SGLANG_GENERATOR].holds == 0
+    machine.teardown()
 
 
 
