@@ -136,7 +136,8 @@ class StandinPool:
             answer = HTTP.post(f"{s.url}/standin/configure", json={"argv": list(runtime)}, timeout=10.0)
             if answer.status_code != 200:  # a harness error (a flag it cannot set): say so, keep nothing
                 self.discard(s)
-                raise RuntimeError(f"stand-in {s.url} refused /standin/configure {list(runtime)}: {answer.text}")
+                raise RuntimeError(f"stand-in {s.url} refused /standin/configure {list(runtime)}: "
+                                   f"{answer.text}")
         return s
 
     def give_back(self, s: StandIn) -> None:

@@ -431,7 +431,8 @@ class Core:
         except ValueError as e:
             raise bad(f"configure: {e}") from None
         with self.update_lock, self.cv:
-            if self.running or self.waiting or self.groups or self.health_probes or self.session or self.paused:
+            busy = self.running or self.waiting or self.groups or self.health_probes
+            if busy or self.session or self.paused:
                 raise refused(f"configure: the server is not idle ({len(self.running) + len(self.waiting)} "
                               f"request(s), {self.health_probes} health probe(s), {len(self.groups)} "
                               f"weight-update group(s), session {self.session}, paused {self.paused})")
@@ -441,10 +442,10 @@ class Core:
 
     def reset(self) -> dict:
         """TEST HOOK (``/standin/reset``), not SGLang: back to the state the server started in (its
-        weights, weight version, the flags it started with, no pause, no session, no hook pending, no flush counted, healthy,
-        not hung, no faults), for a test harness that hands one server from test to test. Refused
-        while it holds a request, a health probe or a weight-update group (a harness then replaces it
-        with a fresh server)."""
+        weights, weight version and flags, no pause, no session, no hook pending, no flush counted,
+        healthy, not hung, no faults), for a test harness that hands one server from test to test.
+        Refused while it holds a request, a health probe or a weight-update group (a harness then
+        replaces it with a fresh server)."""
         with self.update_lock, self.cv:
             if self.running or self.waiting or self.groups or self.health_probes:
                 raise refused(f"reset: the server holds {len(self.running) + len(self.waiting)} request(s), "

@@ -712,7 +712,8 @@ def test_the_pool_hands_on_a_server_only_while_it_is_as_it_started(ckpts, standi
     s = standin_pool.take(ckpts / "v0", *flags)
     started = s.state()
     standin_pool.give_back(s)
-    assert standin_pool.take(ckpts / "v0", *flags, "--step-delay-s", "0.02", "--sglang-version", "0.5.23") is s
+    runtime = ("--step-delay-s", "0.02", "--sglang-version", "0.5.23")
+    assert standin_pool.take(ckpts / "v0", *flags, *runtime) is s
     assert s.state()["settings"] == {**started["settings"], "step_delay_s": 0.02, "sglang_version": "0.5.23"}
     assert HTTP.get(f"{s.url}/server_info").json()["version"] == "0.5.23"
     standin_pool.give_back(s)

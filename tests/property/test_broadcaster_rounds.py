@@ -175,9 +175,9 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                 elif isinstance(e, Log) and e.event in ("member_benched", "member_absent"):
                     # left out of rounds for a while: a member failing rounds in a row (longer each
                     # time), or one absent from a rendezvous; it needs nothing until then
+                    name = e.fields["member"]
                     until = self.now + e.fields["for_s" if e.event == "member_benched" else "benched_s"]
-                    self.benched_until[e.fields["member"]] = max(self.benched_until.get(e.fields["member"], 0.0),
-                                                                 until)
+                    self.benched_until[name] = max(self.benched_until.get(name, 0.0), until)
                 elif not isinstance(e, (Open, Reply, Log, StatusChanged)):
                     raise AssertionError(f"unknown effect {e!r}")
 
