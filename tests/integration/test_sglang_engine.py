@@ -590,8 +590,15 @@ def generating(url: str, n: int = 400) -> threading.Thread:
     """A long request running on ``url`` (started and counted by ``/v1/loads``: the running count
     must rise past what it was before, or a second call would return before its own request ran)."""
     before = running(url)
-    t = threading.Thread(target=lambda: HTTP.post(f"{url}/generate", timeout=120, json={
-        "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}), daemon=True)
+
+    def generate() -> None:
+        try:
+            HTTP.post(f"{url}/generate", timeout=120, json={
+                "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": n, "temperature": 0.0}})
+        except httpx.HTTPError:  # the server was killed under it (the pool does so to one still busy)
+            pass
+
+    t = threading.Thread(target=generate, daemon=True)
     t.start()
     deadline = time.monotonic() + 10
     while running(url) <= before:
