@@ -123,13 +123,11 @@ class StandinPool:
         start, runtime = split_flags(args)
         key = (checkpoint, start)
         idle = self.idle.get(key, [])
-        s = None
-        while idle and s is None:
+        while idle and not self.as_started(idle[-1]):
+            self.discard(idle.pop())
+        if idle:
             s = idle.pop()
-            if not self.as_started(s):
-                self.discard(s)
-                s = None
-        if s is None:
+        else:
             s = start_standin(checkpoint, self.log_dir, *start)
             self.started[s] = (key, s.state())
         if runtime:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from april_async.runtime import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = {
@@ -36,7 +37,7 @@ ENDS = {
 
 def cpu_of(code: str) -> float:
     """The CPU seconds of one ``python -c code`` from its start to its end."""
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    proc = spawn([sys.executable, "-c", code], cwd=ROOT)
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"bench_exit: the probe exited {os.waitstatus_to_exitcode(status)}:\n{code}")
