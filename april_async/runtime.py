@@ -147,25 +147,61 @@ def exit_past_torch_teardown(code: int) -> None:
 # ---------------------------------------------------------------------- child processes
 
 FREE_PORTS = range(20000, 32000)
-"""Where ``free_port`` looks: below the kernel's ephemeral range (Linux: 32768-60999 by default).
-A port the kernel handed out for ``bind(0)`` was freed for a child to bind later, and meanwhile
-any process binding port 0 (a test's own listener, a ZeroMQ or gloo socket) could be given the
-same port: a broadcaster test's store failed so in a fresh-clone CI run."""
+"""Where ``free_port`` looks unless ``APRIL_FREE_PORTS`` says otherwise: below the kernel's
+ephemeral range (Linux: 32768-60999 by default). A port the kernel handed out for ``bind(0)`` was
+freed for a child to bind later, and meanwhile any process binding port 0 (a test's own listener, a
+ZeroMQ or gloo socket) could be given the same port: a broadcaster test's store failed so in a
+fresh-clone CI run."""
+
+PORTS_ENV = "APRIL_FREE_PORTS"
+"""``LO-HI`` (inclusive): the ports ``free_port`` picks from in this process and the processes it
+starts, instead of ``FREE_PORTS``. Two tools or test workers on one host that pick ports for
+children they have not started yet can pick the same one; disjoint ranges make that impossible
+(``tests/conftest.py`` gives each pytest-xdist worker its own)."""
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def free_port_range() -> range:
+    """The ports ``free_port`` picks from: ``APRIL_FREE_PORTS`` when set, else ``FREE_PORTS``."""
+    spec = os.environ.get(PORTS_ENV, "").strip()
+    if not spec:
+        return FREE_PORTS
+    try:
+        lo, hi = (int(part) for part in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORTS_ENV}={spec!r} is not LO-HI, two ports such as 20000-23999") from None
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"{PORTS_ENV}={spec!r}: want 1024 <= LO <= HI <= 65535")
+    return range(lo, hi + 1)
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, outside the ephemeral range, so
-    that no ``bind(0)`` takes it before the caller's child binds it."""
+    that no ``bind(0)`` takes it before the caller's child binds it.
+
+    One process hands out no port twice (until half the range has been handed out, when it starts
+    over): a test that picked the broker's port, and the broadcaster's store port before the broker
+    had bound the first, was given the same port twice in a CI run, and its broadcaster could not
+    listen."""
+    ports = free_port_range()
     rng = random.Random()  # not the global generator, which tests seed
-    for _ in range(200):
-        port = rng.choice(FREE_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    with _handed_out_lock:
+        if 2 * len(_handed_out.intersection(ports)) >= len(ports):
+            _handed_out.difference_update(ports)  # a long-lived process: its first children bound theirs
+        for _ in range(200):
+            port = rng.choice(ports)
+            if port in _handed_out:
                 continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
             return port
-    raise RuntimeError(f"no free TCP port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} after 200 tries")
+    raise RuntimeError(f"no free TCP port in {ports.start}-{ports.stop - 1} after 200 tries")
 
 
 def spawn(cmd: list[str], *, log: Path | None = None, stdout=None, stdin=None, cwd: Path | str | None = None,

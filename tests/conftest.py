@@ -28,6 +28,16 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 from hypothesis import HealthCheck, settings
 
+from april_async.runtime import PORTS_ENV, free_port_range
+from april_async.testing.procs import worker_ports
+
+# Each pytest-xdist worker picks ports for its children from a slice of its own (``free_port``): two
+# workers could otherwise pick the same port for children that have not bound it yet.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _ports = worker_ports(free_port_range(), os.environ["PYTEST_XDIST_WORKER"],
+                          int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ[PORTS_ENV] = f"{_ports.start}-{_ports.stop - 1}"
+
 COMMON = dict(
     stateful_step_count=50,
     deadline=None,

@@ -31,6 +31,14 @@ def load_tool(name: str):
     return module
 
 
+def worker_ports(ports: range, worker: str, count: int) -> range:
+    """The slice of ``ports`` that pytest-xdist worker ``worker`` (``gw0``, ``gw1``, ...) of ``count``
+    picks from; the slices of ``count`` workers do not overlap."""
+    index, size = int(worker.removeprefix("gw")), len(ports) // count
+    if not 0 <= index < count or size == 0:
+        raise ValueError(f"worker {worker!r} of {count}: no slice of ports {ports.start}-{ports.stop - 1}")
+    return range(ports.start + index * size, ports.start + (index + 1) * size)
+
 
 def wait_for(what: str, cond: Callable[[], object], timeout: float, proc: subprocess.Popen | None = None,
              log: Path | None = None, *, alive: Callable[[], None] | None = None, logs: Callable[[], str] | None = None,
@@ -55,4 +63,5 @@ def wait_for(what: str, cond: Callable[[], object], timeout: float, proc: subpro
         time.sleep(interval_s)
 
 
-__all__ = ["FREE_PORTS", "ROOT", "ChildFailed", "free_port", "load_tool", "spawn", "stop", "wait_for"]
+__all__ = ["FREE_PORTS", "ROOT", "ChildFailed", "free_port", "load_tool", "spawn", "stop", "wait_for",
+           "worker_ports"]
