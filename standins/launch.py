@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from april_async.runtime import free_port, spawn
-from standins import RUNTIME_FLAGS
+from standins.flags import split_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout, where ``python -m standins.sglang_server`` finds this package."""
@@ -77,25 +77,6 @@ def start_standin(checkpoint: Path, log_dir: Path, *args: str, name: str = "stan
 
 PoolKey = tuple[Path, tuple[str, ...]]
 """(checkpoint, process flags): which pooled stand-ins are interchangeable."""
-
-
-def split_flags(args: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``args`` as (the flags a stand-in process must start with, those of ``RUNTIME_FLAGS``, which
-    ``/standin/configure`` sets on a running one), each in its order."""
-    start: list[str] = []
-    runtime: list[str] = []
-    i = 0
-    while i < len(args):
-        flag = args[i].split("=", 1)[0]
-        if "=" in args[i]:
-            n = 1
-        elif flag in RUNTIME_FLAGS:
-            n = 1 + RUNTIME_FLAGS[flag]
-        else:  # a process flag and its value, if it has one
-            n = 1 if i + 1 >= len(args) or args[i + 1].startswith("--") else 2
-        (runtime if flag in RUNTIME_FLAGS else start).extend(args[i:i + n])
-        i += n
-    return tuple(start), tuple(runtime)
 
 
 class StandinPool:

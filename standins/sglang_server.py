@@ -122,7 +122,7 @@ from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM
 from april_async.model.tokenizer import checkpoint_eos_ids
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
-from standins import RUNTIME_FLAGS
+from standins.flags import RUNTIME_DESTS, RUNTIME_FLAGS, parse_args
 
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
@@ -1043,53 +1043,6 @@ class Faults:
 
 
 FAULTS = Faults()
-
-
-class RaisingParser(argparse.ArgumentParser):
-    """A parser whose errors are raised (``ValueError``), for ``/standin/configure``."""
-
-    def error(self, message):
-        raise ValueError(message)
-
-
-def parser(cls=argparse.ArgumentParser) -> argparse.ArgumentParser:
-    ap = cls(prog="python -m standins.sglang_server", description=__doc__.split("\n")[0],
-             allow_abbrev=False)
-    ap.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
-    ap.add_argument("--port", type=int, required=True, help="0: any free port")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--slots", type=int, default=16, help="max running requests; more wait (FIFO)")
-    ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--weight-version", default="default")
-    ap.add_argument("--stream-interval", type=int, default=1)
-    ap.add_argument("--incremental-streaming-output", action="store_true")
-    ap.add_argument("--weight-update-session", action="store_true",
-                    help="behave as sglang 0.5.23: begin/end sessions, /ready, a flush that ignores waiting "
-                         "requests while paused and fails an update rather than the server (else 0.5.15.post1)")
-    ap.add_argument("--sglang-version", default=None,
-                    help="the version /server_info reports (default: 0.5.23 or 0.5.15.post1, as above)")
-    ap.add_argument("--kv-tokens", type=int, default=0,
-                    help="the KV pool's tokens (SGLang's max_total_num_tokens; 0: unbounded): a prompt it cannot "
-                         "hold is aborted with a 400 on 0.5.23 and given no new tokens on 0.5.15")
-    ap.add_argument("--group-timeout-s", type=float, default=60.0)
-    ap.add_argument("--health-check-timeout", type=float, default=20.0,
-                    help="SGLANG_HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the scheduler")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--step-delay-s", type=float, default=0.0,
-                    help="sleep after each decode step (tests that need requests to stay running)")
-    return ap
-
-
-RUNTIME_DESTS = tuple(f.lstrip("-").replace("-", "_") for f in RUNTIME_FLAGS)
-"""``RUNTIME_FLAGS`` as the parsed arguments name them."""
-
-
-def parse_args(argv: list[str], cls=RaisingParser) -> argparse.Namespace:
-    """``argv`` read as the command line is (``RaisingParser``: a ``ValueError`` for a bad one)."""
-    args = parser(cls).parse_args(argv)
-    if args.sglang_version is None:
-        args.sglang_version = "0.5.23" if args.weight_update_session else "0.5.15.post1"
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:
