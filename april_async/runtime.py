@@ -1,5 +1,6 @@
 """What every process shares: a stop flag set by SIGINT/SIGTERM, the error that stops an actor, the
-common run of an actor (``run_actor``) and its process's end (``exit_process``), the tie that makes a
+common run of an actor (``run_actor``) and its process's end (``exit_process``), the process's
+incarnation that its hellos state (``incarnation``), the tie that makes a
 child process die with its parent, and the one way tools and tests start child processes (``spawn``,
 a group of them in ``Children``) and pick a free port for them (``free_port``)."""
 
@@ -11,6 +12,7 @@ import json
 import os
 import queue
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -40,6 +42,20 @@ class StopFlag:
 
     def __bool__(self) -> bool:
         return self._event.is_set()
+
+
+_incarnation: tuple[int, str] | None = None
+
+
+def incarnation() -> str:
+    """This process's incarnation (protocol 1.8, ``hello.incarnation``): 64 random bits as 16 hex
+    digits, drawn once per process (a forked child draws its own), so that a hub tells a process
+    started again under the same instance name from the old one reconnecting."""
+    global _incarnation
+    pid = os.getpid()
+    if _incarnation is None or _incarnation[0] != pid:
+        _incarnation = (pid, secrets.token_hex(8))
+    return _incarnation[1]
 
 
 class ActorFailed(RuntimeError):

@@ -42,8 +42,11 @@ collective says so (``heartbeat`` with its old version) and takes part in the ne
 which re-forms the group; one that neither acks nor fails in time is dropped (its session is
 forgotten, so its next message is refused and it must ``hello`` again) and left out of rounds
 for ``2 × timeout_s``; one that leaves (``bye``) or goes silent is forgotten, and if the round's
-collective still waits for it, the collective is cut (``WeightGroup.sever``) rather than waited out. Either way the
-others still get the version: the next round re-forms without the lost member.
+collective still waits for it, the collective is cut (``WeightGroup.sever``) rather than waited
+out. A generator killed and started again under its name says hello from a new process (another
+``incarnation``, protocol 1.8): the old process's rank is treated the same way at once, and the
+new one joins a new epoch. Either way the others still get the version: the next round re-forms
+without the lost member, at once, and nobody else is benched for the loss.
 
 Protocol 1.6. Every announce carries a digest of each bucket of the version
 (``flat.bucket_digests``), and members check the bytes they receive against them before loading:
@@ -115,6 +118,7 @@ from april_async.broadcaster.rounds import (
     StatusChanged,
 )
 from april_async.logs import get_logger
+from april_async.runtime import incarnation
 from april_async.weights import shm
 from april_async.weights.flat import bucket_digests, check_layout
 from april_async.weights.group import GroupError, WeightGroup
@@ -224,7 +228,7 @@ class BrokerLink:
         self._thread.start()
 
     def _on_connect(self, peer) -> None:
-        peer.send(m.Hello(role="broadcaster", instance=self.name,
+        peer.send(m.Hello(role="broadcaster", instance=self.name, incarnation=incarnation(),
                           policy_version=self.version if self.version >= 0 else None))
 
     def publish(self, version: int, num_bytes: int) -> None:
@@ -338,7 +342,8 @@ class BroadcasterActor:
             return
         if isinstance(body, m.Hello):
             proto = parse(msg.proto_version) if body.role == "generator" else None  # picks the digests' hash
-            effects = p.hello(sender, body.role, body.policy_version, body.servers, now, proto=proto)
+            effects = p.hello(sender, body.role, body.policy_version, body.servers, now, proto=proto,
+                              incarnation=body.incarnation)
             if body.role == "learner" and self.host_id is not None:  # offer shared memory (1.7)
                 effects = [Send(e.name, msgspec.structs.replace(e.body, host_id=self.host_id), e.reply)
                            if isinstance(e, Send) and isinstance(e.body, m.Welcome) else e for e in effects]

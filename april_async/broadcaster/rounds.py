@@ -30,6 +30,12 @@ not waited for: the actor cuts the collective (``Sever``), which then fails for 
 once, and the next round re-forms without it (issue 29: a 25 s network cut held the round, every
 member and the learner for the whole cut). A member that misses ``report_failing_after`` rounds
 in a row is benched, for longer each time (``_streaks``).
+A member whose process ended (``bye``, silence, or a hello under its name from a new process:
+another ``incarnation``, protocol 1.8) is no longer a rank of the group: the next round re-forms
+it (a new epoch), and a round it was in stops waiting for it, cut if its collective still runs
+(issue 42: a generator killed and restarted within the peer timeout kept its dead predecessor's
+rank, and the next round waited on it). Such a round fails the others by no fault of theirs: it
+counts in no survivor's streak, benches no late survivor, and the next round starts at once.
 A member that says hello again mid-round is answered for at once by what its hello says it
 holds, or, while the collective still runs, sent its announce again. A member on SGLang servers
 is sent a ``heartbeat`` naming the version as soon as its servers took it: that heartbeat is its
@@ -175,6 +181,7 @@ class Session:
     heard: float = 0.0  # last message from it
     servers: tuple[str, ...] = ()  # a generator on SGLang servers: their URLs (it receives nothing itself)
     proto: tuple[int, int] | None = None  # the protocol version of its hello (None: not stated)
+    incarnation: str = ""  # the process behind the session (protocol 1.8; "": not stated)
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,9 @@ class Round:
     nacked: set[str] = field(default_factory=set)
     announces: dict[str, m.WeightsAnnounce] = field(default_factory=dict)  # what each group member was sent
     admission_checked: bool = False  # whether its rendezvous was looked at (``absent``)
+    dead: set[str] = field(default_factory=set)
+    """Members whose process ended during the round (a ``bye``, silence, or a new process under the
+    name): the round waits for none of them, and the others are not blamed for what that cost."""
 
     @property
     def running(self) -> bool:
@@ -259,17 +269,23 @@ class RoundPlanner:
     # ------------------------------------------------------------------ messages
 
     def hello(self, name: str, role: str, version: int | None, servers: list[str] | tuple[str, ...],
-              now: float, proto: tuple[int, int] | None = None) -> list[Effect]:
+              now: float, proto: tuple[int, int] | None = None, incarnation: str = "") -> list[Effect]:
         """A learner or generator opens (or re-opens) its session; a generator's ``version`` is
         the one it holds, ``proto`` the protocol version its hello's envelope states
-        (``wire.version.parse``; None: unknown, taken as too old for anything since 1.6)."""
+        (``wire.version.parse``; None: unknown, taken as too old for anything since 1.6),
+        ``incarnation`` the process saying it (protocol 1.8; "": not stated, taken as the process
+        the session had). A hello from another process than the session's ends the old one's
+        membership at once (``_restarted``)."""
         if role not in ROLES:
             return [Reply(m.Error(code="refused",
                                   message=f"the broadcaster takes learners and generators, not {role!r}"))]
         held = -1 if version is None else version
         old = self.sessions.get(name)
+        restarted = (old is not None and bool(old.incarnation and incarnation)
+                     and old.incarnation != incarnation)
         self.sessions[name] = Session(role, held, joined=old.joined if old else now, heard=now,
-                                      servers=tuple(servers) if role == "generator" else (), proto=proto)
+                                      servers=tuple(servers) if role == "generator" else (), proto=proto,
+                                      incarnation=incarnation or (old.incarnation if old else ""))
         link = self.cfg.link
         welcome = m.Welcome(broker_epoch=self.epoch_id,
                             policy_version=self.held.version if self.held else max(self.published, 0),
@@ -277,10 +293,47 @@ class RoundPlanner:
                             peer_timeout_s=link.peer_timeout_s, max_message_bytes=self.cfg.max_update_bytes)
         out: list[Effect] = [Open(name), Send(name, welcome, reply=True), StatusChanged(),
                              _log("info", "hello", peer=name, role=role, version=version)]
+        if restarted:
+            out += self._restarted(name, old)
         r = self.round
-        if role == "generator" and r is not None and name in r.members and name not in r.servers:
+        if (role == "generator" and r is not None and name in r.members and name not in r.servers
+                and name not in r.dead):
             out += self._member_hello(r, name, held)
         return out
+
+    def _restarted(self, name: str, old: Session) -> list[Effect]:
+        """``name`` said hello from a new process: the old one is dead (issue 42: a generator killed
+        and started again within the peer timeout kept its dead predecessor's rank in the group,
+        the next round waited on it for the whole collective timeout, and then benched both
+        members). Its rank in the group is given up (the next round re-forms), the round in
+        flight stops waiting for it (cut, if its collective still runs), and the new process
+        starts with a clean record: no bench, no streak of its predecessor's."""
+        event = "member_restarted" if old.role == "generator" else "peer_restarted"
+        out: list[Effect] = [_log("warning", event, peer=name, role=old.role, was=old.incarnation,
+                                  incarnation=self.sessions[name].incarnation)]
+        if old.role != "generator":
+            return out
+        for record in (self.benched, self.failing, self.absences):
+            record.pop(name, None)
+        out += self._member_ended(name, "restarted")
+        return out
+
+    def _member_ended(self, name: str, reason: str) -> list[Effect]:
+        """The process of generator ``name`` is gone: the group it was a rank of is no longer whole
+        (the next round re-forms it), and a round it is in waits for it no longer; if that round's
+        collective still runs and it has not received, the collective is cut."""
+        if name in self.group_members:
+            self.group_ok = False
+        r = self.round
+        if r is None or name not in r.members or name in r.dead:
+            return []
+        r.dead.add(name)
+        if r.running and name not in r.servers and name not in r.acked:
+            # The collective would wait out timeout_s for it, and every other member and the learner with it.
+            return [Sever(name, reason),
+                    _log("warning", "round_abandoned", member=name, reason=reason, version=r.version,
+                         epoch=r.epoch, hint="the collective is cut now; the next round re-forms without it")]
+        return []
 
     def _member_hello(self, r: Round, name: str, version: int) -> list[Effect]:
         """A member opened a new session mid-round (it thought this process dead, say, while it
@@ -379,7 +432,8 @@ class RoundPlanner:
         s = self.sessions[name]
         s.version = version
         r = self.round
-        if r is not None and name in r.members and name not in r.acked and name not in r.nacked:
+        if (r is not None and name in r.members and name not in r.acked and name not in r.nacked
+                and name not in r.dead):
             if version >= r.version:
                 r.acked.add(name)
             else:  # the member's receive failed: it left the group and waits for the next round
@@ -387,16 +441,12 @@ class RoundPlanner:
         return [StatusChanged()]
 
     def _forget(self, name: str, reason: str) -> list[Effect]:
-        if self.sessions.pop(name, None) is None:
+        s = self.sessions.pop(name, None)
+        if s is None:
             return []
         out: list[Effect] = [Forget(name, reason), StatusChanged(), _log("info", "peer_gone", peer=name, reason=reason)]
-        r = self.round
-        if r is not None and r.running and name in r.members and name not in r.servers and name not in r.acked:
-            # Gone while the group still waits for it (a cut, a crash): the collective would wait
-            # out timeout_s, and every other member and the learner with it.
-            out += [Sever(name, reason),
-                    _log("warning", "round_abandoned", member=name, reason=reason, version=r.version, epoch=r.epoch,
-                         hint="the collective is cut now; the next round re-forms without it")]
+        if s.role == "generator":  # gone (a cut, a crash, a bye): the group is broken, no round waits for it
+            out += self._member_ended(name, reason)
         return out
 
     # ------------------------------------------------------------------ the collective
@@ -413,10 +463,10 @@ class RoundPlanner:
         if result is None:
             r.failed = error or "the collective ended without a result"
             r.nacked.update(r.servers)
-            return []
+            return [StatusChanged()]
         r.timings = (result.join_s, result.bcast_s)
         r.failed = result.failed
-        out: list[Effect] = []
+        out: list[Effect] = [StatusChanged()]
         for name, why in result.pushed.items():  # SGLang members answer through the push itself
             if why is None and name in self.sessions:
                 self.sessions[name].version = r.version
@@ -454,14 +504,14 @@ class RoundPlanner:
         if arrived is None:
             return []
         receivers = [g for g in r.members if g not in r.servers]
-        missing = [g for rank, g in enumerate(receivers, start=1) if rank not in arrived]
+        missing = [g for rank, g in enumerate(receivers, start=1) if rank not in arrived and g not in r.dead]
         if not missing:
             return []
         out: list[Effect] = []
         for g in missing:
             r.nacked.add(g)  # the round does not wait for its answer either
             k = self.absences[g] = self.absences.get(g, 0) + 1
-            wait = min(self.fresh_s * 2 ** (k - 1), 2 * self.timeout_s)
+            wait = self._bench_s(k)
             self.benched[g] = max(self.benched.get(g, 0.0), now + wait)
             out.append(_log("warning", "member_absent", member=g, epoch=r.epoch, version=r.version, absences=k,
                             waited_s=round(now - r.started, 3), benched_s=round(wait, 3),
@@ -517,6 +567,7 @@ class RoundPlanner:
         out.append(StartCollective(held.version, root, rejoin, servers, self.cfg.bucket_bytes))
         self.round = Round(held.version, self.epoch, members, held.num_bytes, rejoin, now, servers=servers,
                            announces=announces)
+        out.append(StatusChanged())
         out.append(_log("debug", "round_started", version=held.version, epoch=self.epoch,
                         members=list(members), rejoin=rejoin, sglang=sorted(servers)))
         return out
@@ -539,7 +590,7 @@ class RoundPlanner:
     def _progress(self, r: Round, now: float) -> list[Effect]:
         if r.running:
             return []
-        present = {n for n in r.members if n in self.sessions}
+        present = {n for n in r.members if n in self.sessions and n not in r.dead}
         pending = present - r.acked - r.nacked
         if pending and now < r.collective_end + self.timeout_s:
             return []
@@ -549,15 +600,28 @@ class RoundPlanner:
         self.round = None
         self.rounds += 1
         out: list[Effect] = []
-        gone = {n for n in r.members if n not in self.sessions}
-        for name in sorted(late):  # neither acked nor failed in time: forget it, and leave it out for a while
+        gone = {n for n in r.members if n not in self.sessions or n in r.dead}
+        # A round a member died in failed for the others by no fault of theirs: only the members
+        # gone for good (not restarted) count it against themselves.
+        blameless = self._blameless(gone)
+        missed = set(r.members) - r.acked
+        excused = {n for n in missed if n in self.sessions} if blameless else set()
+        benched = []
+        for name in sorted(late):
+            # Neither acked nor failed in time: its session ends, so that an answer still on its way
+            # is not read as one to the next round. Left out of rounds for a while too, unless a
+            # member died in this round: then the wait was the dead one's doing, not its own.
             out += self._forget(name, "no_ack")
-            self.benched[name] = now + 2 * self.timeout_s
+            if not blameless:
+                self.benched[name] = now + 2 * self.timeout_s
+                benched.append(name)
         lost = bool(r.failed or r.nacked or late or gone)
         if lost:
             self.group_ok = False
             self.failed_rounds += 1
-            self.retry_at = now + self.fresh_s  # by then a dead member is no longer fresh
+            # A member lost for no known reason may be dead without a word yet: wait until it is no
+            # longer fresh. Members known to be gone are out of the next round already: at once.
+            self.retry_at = now if gone else now + self.fresh_s
         join_s, bcast_s = r.timings
         fields = {"version": r.version, "epoch": r.epoch, "members": len(r.members), "acked": len(r.acked),
                   "bytes": r.num_bytes, "join_s": round(join_s, 3), "bcast_s": round(bcast_s, 3),
@@ -565,31 +629,45 @@ class RoundPlanner:
                   "s": round(now - r.started, 3)}
         if lost:
             out.append(_log("warning", "round_incomplete", failed=r.failed, nacked=sorted(r.nacked),
-                            late=sorted(late), gone=sorted(gone), **fields))
+                            late=sorted(late), gone=sorted(gone), benched=benched, **fields))
         else:
             out.append(_log("info", "round", **fields))
-        out += self._streaks(r, missed=set(r.members) - r.acked, now=now)
+        out += self._streaks(r, missed=missed - excused, excused=excused, now=now)
         if r.acked and r.version > self.published:
             out += self._publish(r.version, r.num_bytes, members=len(r.acked))
         out.append(StatusChanged())
         return out
 
-    def _streaks(self, r: Round, missed: set[str], now: float) -> list[Effect]:
+    def _bench_s(self, k: int) -> float:
+        """How long a member failing its ``k``-th time in a row (from ``report_failing_after`` on)
+        is left out of rounds: ``peer_timeout_s / 2``, doubled each time, at most ``2 × timeout_s``
+        (what bounds the wait of the rounds property test's liveness check)."""
+        return min(self.fresh_s * 2 ** (k - 1), 2 * self.timeout_s)
+
+    @staticmethod
+    def _blameless(gone: set[str]) -> bool:
+        """Whether the survivors of a round that lost the members ``gone`` (their process ended)
+        are held blameless for it: yes whenever someone died (SPEC, ``weights_announce`` rule 9)."""
+        return bool(gone)
+
+    def _streaks(self, r: Round, missed: set[str], now: float,
+                 excused: set[str] = frozenset()) -> list[Effect]:
         """Count, per generator, the rounds in a row it took part in without receiving; report a
         streak when it reaches ``report_failing_after`` (and at every multiple), and its end. From
         that many rounds in a row on, the member is benched (left out of rounds) for
         ``peer_timeout_s / 2``, doubled each further round, up to ``2 × timeout_s``: a member that
-        keeps failing costs the others a re-formed group ever more rarely."""
+        keeps failing costs the others a re-formed group ever more rarely. ``excused`` members
+        neither received nor missed: their streaks stay as they were."""
         out: list[Effect] = []
         every = self.cfg.report_failing_after
-        for name in sorted(set(r.members) - missed):
+        for name in sorted(set(r.members) - missed - excused):
             self.absences.pop(name, None)
             if self.failing.pop(name, 0) >= every:
                 out.append(_log("info", "member_recovered", member=name, version=r.version))
         for name in sorted(missed):
             n = self.failing[name] = self.failing.get(name, 0) + 1
             if n >= every and name in self.sessions:  # failing again: left out of rounds for longer each time
-                wait = min(self.fresh_s * 2 ** (n - every), 2 * self.timeout_s)
+                wait = self._bench_s(n - every + 1)
                 self.benched[name] = max(self.benched.get(name, 0.0), now + wait)
                 out.append(_log("warning", "member_benched", member=name, rounds=n, for_s=round(wait, 3),
                                 version=r.version))
@@ -612,4 +690,7 @@ class RoundPlanner:
                 "epoch": self.epoch,
                 "members": {n: s.version for n, s in self.sessions.items() if s.role == "generator"},
                 "rounds": self.rounds, "failed_rounds": self.failed_rounds,
+                "round": None if (r := self.round) is None else {
+                    "version": r.version, "epoch": r.epoch, "members": list(r.members),
+                    "acked": sorted(r.acked), "running": r.running},
                 "failing": {n: k for n, k in sorted(self.failing.items()) if k >= self.cfg.report_failing_after}}

@@ -53,6 +53,7 @@ class PeerState:
     identity: bytes
     instance: str = ""
     capacity: int = 0
+    incarnation: str = ""  # the process behind the session (protocol 1.8; "": not stated)
     acks: deque = field(default_factory=deque)  # (journal records needed, seq)
     last_heartbeat_sent: float = 0.0
 
@@ -244,7 +245,13 @@ class BrokerService:
         body: m.Hello = msg.body
         if self._refused(identity, msg, body.role, body.instance):
             return
-        self.peers[msg.sender] = peer = PeerState(body.role, identity, body.instance, body.capacity)
+        old = self.peers.get(msg.sender)
+        # A new process under a known name (protocol 1.8): the old one is dead. What it held ends
+        # below as on any hello (leases it cannot list, its score requests); logged as such.
+        restarted = old is not None and bool(old.incarnation and body.incarnation) \
+            and old.incarnation != body.incarnation
+        self.peers[msg.sender] = peer = PeerState(body.role, identity, body.instance, body.capacity,
+                                                  body.incarnation or (old.incarnation if old else ""))
         if body.role == "generator":
             held = set(self.core.leases_of(msg.sender))
             reported = {x.lease_id for x in body.inflight}
@@ -266,7 +273,8 @@ class BrokerService:
             heartbeat_interval_s=self.cfg.link.heartbeat_interval_s, peer_timeout_s=self.cfg.link.peer_timeout_s,
             max_message_bytes=self.cfg.link.max_message_bytes), parent_id=msg.msg_id)
         self._note_ack(peer, msg.seq)
-        self.log.info("hello", peer=msg.sender, role=body.role, capacity=body.capacity, inflight=len(body.inflight))
+        self.log.info("hello", peer=msg.sender, role=body.role, capacity=body.capacity,
+                      inflight=len(body.inflight), **({"restarted": True} if restarted else {}))
 
     def _version_at_least(self, version: int, now: float) -> None:
         if version > self.core.version:

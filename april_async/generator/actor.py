@@ -42,7 +42,7 @@ import numpy as np
 from april_async.engines.base import Engine, EngineOutput, EngineRequest, RequestRefused, version_runs
 from april_async.generator.config import GeneratorConfig
 from april_async.logs import get_logger
-from april_async.runtime import ActorFailed
+from april_async.runtime import ActorFailed, incarnation
 from april_async.transport.peer import wait_any
 from april_async.weights.link import BrokerNotices, WeightsLink
 from april_async.wire import messages as m
@@ -158,7 +158,8 @@ class GeneratorActor:
         inflight = [m.InflightLease(w.lease_id, w.sample_id, w.start + len(w.tokens)) for w in self.work.values()]
         inflight += [m.InflightLease(f.lease_id, f.sample_id, f.offset + len(f.tokens)) for f in self.unacked]
         peer.send(m.Hello(role="generator", instance=self.cfg.name, capacity=self.capacity, engine=self.engine.name,
-                          policy_version=self.engine.policy_version, inflight=inflight))
+                          policy_version=self.engine.policy_version, inflight=inflight,
+                          incarnation=incarnation()))
 
     def _capacity_changed(self) -> None:
         """Tell the broker; when it shrank, hand back the leases that have not started (another

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from april_async.logs import get_logger
+from april_async.runtime import incarnation
 from april_async.wire import messages as m
 
 
@@ -27,7 +28,8 @@ class BatchClient:
         self.peer = peer_factory(self._on_connect)
 
     def _on_connect(self, peer) -> None:
-        peer.send(m.Hello(role="learner", instance=self.name, policy_version=self.policy_version))
+        peer.send(m.Hello(role="learner", instance=self.name, policy_version=self.policy_version,
+                          incarnation=incarnation()))
         self._asked_at = None  # a new session: ask again
 
     def next_batch(self, timeout_s: float) -> m.Batch | None:

@@ -19,6 +19,7 @@ import time
 from collections import Counter, deque
 
 from april_async.logs import get_logger
+from april_async.runtime import incarnation
 from april_async.model.tokenizer import load_tokenizer
 from april_async.scorer.config import ScorerConfig
 from april_async.scorer.rewards import BUILTIN_TASK_REWARDS, RewardInput, load_reward, reward_path
@@ -47,7 +48,8 @@ class ScorerActor:
         self.peer = peer_factory(self._on_connect)
 
     def _on_connect(self, peer) -> None:
-        peer.send(m.Hello(role="scorer", instance=self.cfg.name, capacity=self.cfg.capacity))
+        peer.send(m.Hello(role="scorer", instance=self.cfg.name, capacity=self.cfg.capacity,
+                          incarnation=incarnation()))
 
     # ------------------------------------------------------------------ loop
 

@@ -211,11 +211,12 @@ class Weights:
         self.status_file = tmp / "broadcaster.json"
         self.learner: Peer | None = None
 
-    def start_broadcaster(self) -> None:
+    def start_broadcaster(self, **settings) -> None:
+        """``settings``: more of the broadcaster's settings, or other values for these."""
         self.cluster.start("broadcaster", "broadcaster", {
             "name": "broadcaster", "bind": self.endpoint, "link.broker": self.broker.hub.endpoint, **FAST_LINK,
             "store_port": free_port(), "backend": "gloo", "bucket_mb": 0.25, "timeout_s": TIMEOUT_S,
-            "status_file": str(self.status_file)})
+            "status_file": str(self.status_file), **settings})
 
     def wait_serving(self) -> None:
         """Until the broadcaster has bound its hub and logged ``serving`` (its start-up, torch's
@@ -224,8 +225,11 @@ class Weights:
         self.wait("the broadcaster serving", lambda: log.is_file() and "serving" in log.read_text(errors="replace"))
 
     def start_member(self, name: str):
-        """A member process (``member_main``) named ``name``, its loads in ``loads_file(name)``."""
-        log = self.tmp / f"{name}.log"
+        """A member process (``member_main``) named ``name``, its loads in ``loads_file(name)``; a
+        process started again under the same name logs to a file of its own (``gen-1.2.log``)."""
+        n = self.cluster.starts.get(name, 0)
+        self.cluster.starts[name] = n + 1
+        log = self.tmp / (f"{name}.log" if n == 0 else f"{name}.{n + 1}.log")
         cmd = [sys.executable, "-m", "april_async.testing.weights", "member", "--name", name,
                "--endpoint", self.endpoint, "--out", str(self.loads_file(name))]
         proc = spawn(cmd, log=log)

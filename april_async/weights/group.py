@@ -354,8 +354,12 @@ class WeightGroup:
                              f"{tuple(buffer.shape)}")
         failure = self._run(spec, buffer, bucket_bytes, tag)
         if failure is not None:
+            # The connections are cut first: the other ranks' receives fail now, whatever keeps
+            # gloo's group alive a while (issue 42: rank 0 failed at the header on a dead member's
+            # closed connection, left the group, and a healthy member still waited out its timeout).
             # Raised here, outside the ``except`` that caught it: nothing (no traceback, no
             # ``__context__``) keeps the process group alive, so ``leave`` really closes it.
+            self.sever()
             self.leave()
             raise GroupError(failure)
 

@@ -88,7 +88,7 @@ import torch
 import zmq
 
 from april_async.logs import get_logger
-from april_async.runtime import ActorFailed
+from april_async.runtime import ActorFailed, incarnation
 from april_async.weights import shm
 from april_async.weights.flat import flatten, layout
 from april_async.wire import messages as m
@@ -168,7 +168,8 @@ class WeightHandoff:
 
     def _on_connect(self, peer) -> None:
         version, weights = self.current()
-        peer.send(m.Hello(role="learner", instance=self.name, policy_version=version))
+        peer.send(m.Hello(role="learner", instance=self.name, policy_version=version,
+                          incarnation=incarnation()))
         self.sessions += 1
         self.shm_host, self.shm_off = None, None  # until this session's welcome says otherwise
         if self.sessions <= 1 or version <= 0:

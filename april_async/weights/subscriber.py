@@ -47,6 +47,7 @@ from april_async.weights.group import WeightGroup
 from april_async.weights.link import WeightsLink
 from april_async.config import LinkConfig
 from april_async.logs import get_logger
+from april_async.runtime import incarnation
 from april_async.wire import messages as m
 
 LEAVE = "leave"  # a job for the worker: leave the current group (the broadcaster restarted)
@@ -137,7 +138,8 @@ class WeightSubscriber(WeightsLink):
 
     def _on_connect(self, peer) -> None:
         self.session += 1
-        peer.send(m.Hello(role="generator", instance=self.name, policy_version=self.engine.policy_version))
+        peer.send(m.Hello(role="generator", instance=self.name, policy_version=self.engine.policy_version,
+                          incarnation=incarnation()))
 
     # ------------------------------------------------------------------ the caller's thread
 
@@ -303,7 +305,8 @@ class ServerWeightsLink(WeightsLink):
 
     def _on_connect(self, peer) -> None:
         peer.send(m.Hello(role="generator", instance=self.name, engine=self.engine.name,
-                          policy_version=self.engine.policy_version, servers=self.engine.server_urls()))
+                          policy_version=self.engine.policy_version, servers=self.engine.server_urls(),
+                          incarnation=incarnation()))
 
     def waitables(self) -> list:
         """The broadcaster session's socket (``WeightSubscriber.waitables``)."""

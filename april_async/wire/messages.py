@@ -117,6 +117,11 @@ class Hello(Body):
     # since 1.2, generator → broadcaster: the base URLs of the inference servers behind a server
     # engine (sglang); the broadcaster updates their weights itself, over their own API
     servers: list[str] = []
+    # since 1.8: this process's incarnation, drawn anew at each start of a process ("": not stated,
+    # a peer older than 1.8). A hello under a known instance with another incarnation comes from a
+    # new process: the old one is dead, and a hub ends whatever it held at once (the broadcaster: its
+    # rank in the weights group, its place in a round)
+    incarnation: str = ""
 
 
 class Welcome(Body):

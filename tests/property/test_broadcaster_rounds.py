@@ -3,12 +3,14 @@
 The machine plays a learner and four generators (three on the torch.distributed group, one on
 SGLang servers) around a ``RoundPlanner``, and the world around them: connections that drop
 (whatever either side sends is lost until the generator says hello on a new one), announces lost
-as they go out, generators that freeze, leave, expire or stop answering rounds, collectives that
-succeed, fail, raise or hang until their limit, acks that come late or never, a broadcaster that
-stops for a while (its generators take it for dead and say hello again mid-round) and one that
-restarts (a fresh planner, to which every live generator says hello again). As the actor does,
-the machine ticks the planner after every input. The model follows only what the planner's
-effects say (its messages, collectives, publications and round logs); these hold throughout:
+as they go out, generators that freeze, leave, expire or stop answering rounds, generators killed
+and started again under their own name (a new incarnation, whose hello comes before the old
+session expired: issue 42), collectives that succeed, fail, raise or hang until their limit, acks
+that come late or never, a broadcaster that stops for a while (its generators take it for dead and
+say hello again mid-round) and one that restarts (a fresh planner, to which every live generator
+says hello again). As the actor does, the machine ticks the planner after every input. The model
+follows only what the planner's effects say (its messages, collectives, publications and round
+logs); these hold throughout:
 
 - ``timeout``: a round never waits for a member past ``timeout_s`` after its collective ended;
 - ``rejoin_bench``: a member that said hello again mid-round holding the version, or after the
@@ -20,11 +22,19 @@ effects say (its messages, collectives, publications and round logs); these hold
 - ``publish``: per planner, the broker is told each version at most once, in increasing order,
   only a version handed over, and only once some generator holds it or none needs it (a benched
   generator, left out of rounds after a round it missed or several it failed, needs nothing until
-  its bench ends).
+  its bench ends);
+- ``reform``: a round of an epoch goes only to the processes that formed it: a generator's new
+  process is never announced (nor sent again) a round of an epoch its dead predecessor was a rank of;
+- ``blame``: in a round during which a member's process ended (bye, expiry, restart), no other
+  member is benched;
+- ``liveness``: once the world heals (nothing freezes, hangs, drops or dies any more; collectives
+  succeed when every receiver has its announce; every live generator answers), the version held
+  reaches every live generator and is published within ``LIVENESS_BOUND_S`` of planner time,
+  ticked every ``CALM_TICK_S``: whatever failures, deaths, restarts and hellos came before.
 
 ``make_machine`` builds the machine for any planner class; the tests at the bottom run it
-against planners with the two mid-round bugs fixed earlier planted back, and check that each is
-found and named by the invariant it breaks.
+against planners with the bugs fixed earlier planted back (two mid-round ones, and issue 42's
+restart taken for a reconnect), and check that each is found and named by the invariant it breaks.
 """
 
 from __future__ import annotations
@@ -72,12 +82,23 @@ SGLANG_GENERATOR = "gen-s"
 GENERATORS = (*GROUP_GENERATORS, SGLANG_GENERATOR)
 SERVERS = {SGLANG_GENERATOR: ("http://127.0.0.1:30000",)}
 
+CALM_TICK_S = 0.5
+LIVENESS_BOUND_S = 2 * TIMEOUT_S + PEER_TIMEOUT_S
+"""How long after the world heals the version held may take to reach every live generator: a
+member's bench lasts at most ``2 × timeout_s`` (``RoundPlanner._streaks``, ``_finish``), a round
+after a failed one waits at most ``peer_timeout_s / 2``, and the other ``peer_timeout_s / 2`` is
+the rounds themselves (a failed one and the one that succeeds, a tick or two each). With the
+settings here: 24 s, 48 ticks."""
+
 NAMES = {
     "timeout": "no member is waited for past the timeout",
     "rejoin_bench": "no member is benched for saying hello again mid-round",
     "resend": "a member that reconnects while the collective runs has its announce",
     "held": "announces and collectives only for the version held, one at a time",
     "publish": "each version published once, in order, once held by some generator or needed by none",
+    "reform": "a round of an epoch goes only to the processes that formed it",
+    "blame": "no member is benched for a round in which another member's process ended",
+    "liveness": f"the version held reaches every live generator within {LIVENESS_BOUND_S:g} s of healing",
 }
 
 
@@ -111,6 +132,7 @@ class MGen:
     stuck: bool = False  # its weights thread hangs: it keeps alive but answers no round
     got: set[tuple[int, int]] = field(default_factory=set)  # (epoch, version) announces that reached it
     heard: float | None = None  # when the hub last heard it (None: the hub does not track it)
+    incarnation: int = 0  # +1 at each restart of its process
 
 
 @dataclass
@@ -124,6 +146,12 @@ class MRound:
     ended_at: float | None = None  # when the collective reported back
     left: set[str] = field(default_factory=set)  # receivers that said bye while the collective ran
     rejoins: dict[str, str] = field(default_factory=dict)  # member -> how its latest mid-round hello came
+    deaths: set[str] = field(default_factory=set)  # members whose process ended during the round
+    severed: bool = False  # the planner cut the collective: it cannot succeed
+
+    @property
+    def members(self) -> set[str]:
+        return {*self.receivers, *self.servers}
 
 
 def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBasedStateMachine]:
@@ -147,6 +175,7 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
             self.benched_until: dict[str, float] = {}
             self.published: list[int] = []
             self.round: MRound | None = None
+            self.ranks: dict[int, dict[str, int]] = {}  # epoch -> each forming receiver's incarnation
             self.batch: list = []  # the effects of the call in hand
 
         # ---------------------------------------------------------------- effects
@@ -170,12 +199,23 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                 elif isinstance(e, Sever):  # cut only while the collective still waits for that member
                     require("held", self.round is not None and self.round.ended_at is None
                             and e.member in self.round.receivers, f"{e} outside a running round's receivers")
+                    self.round.severed = True
                 elif isinstance(e, Log) and e.event in ("round", "round_incomplete"):
+                    for name in e.fields.get("benched", ()):  # late: left out for 2 × timeout_s
+                        r = self.round
+                        require("blame", not (r.deaths - {name}),
+                                f"{name} benched for being late in the round of {r.version}, in which "
+                                f"{sorted(r.deaths)} died")
+                        self.benched_until[name] = self.now + 2 * TIMEOUT_S
                     self.round = None
                 elif isinstance(e, Log) and e.event in ("member_benched", "member_absent"):
                     # left out of rounds for a while: a member failing rounds in a row (longer each
                     # time), or one absent from a rendezvous; it needs nothing until then
                     name = e.fields["member"]
+                    r = self.round
+                    require("blame", r is None or not (r.deaths - {name}),
+                            f"{name} benched ({e.event}) for the round of {r and r.version}, in which "
+                            f"{r and sorted(r.deaths)} died")
                     until = self.now + e.fields["for_s" if e.event == "member_benched" else "benched_s"]
                     self.benched_until[name] = max(self.benched_until.get(name, 0.0), until)
                 elif not isinstance(e, (Open, Reply, Log, StatusChanged)):
@@ -193,6 +233,10 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                 else:  # sent again mid-round: the running round's own
                     require("held", self.round.ended_at is None and ann.version == self.round.version
                             and ann.group.epoch == self.round.epoch, f"announce {ann} outside its round")
+                    formed = self.ranks.get(ann.group.epoch, {}).get(e.name)
+                    require("reform", formed == g.incarnation,
+                            f"{e.name} (incarnation {g.incarnation}) sent again the announce of epoch "
+                            f"{ann.group.epoch}, formed by its incarnation {formed}")
                 require("held", (ann.tensors, ann.num_bytes) == self.handed.get(ann.version),
                         f"announce of {ann.version} with a layout not handed over")
             if isinstance(e.body, m.WeightsAnnounce) and g.drops_announce:
@@ -208,16 +252,22 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                     f"collective for {e.version}, held {self.held}")
             require("held", (e.root is None) == (not receivers), f"root {e.root} with receivers {receivers}")
             self.round = MRound(e.version, e.root.epoch if e.root else None, receivers, dict(e.servers))
+            if e.root is not None:
+                now = {n: self.gens[n].incarnation for n in receivers}
+                formed = self.ranks.setdefault(e.root.epoch, now)
+                require("reform", formed == now and e.rejoin == (formed is now),
+                        f"a round of epoch {e.root.epoch} (rejoin={e.rejoin}) to {now}, formed by {formed}")
 
         def forgotten(self, e: Forget) -> None:
             self.in_planner[e.name] = False
-            if e.reason != "no_ack":
-                return
             r = self.round
+            if e.reason != "no_ack":
+                if r is not None and e.name in r.members:
+                    r.deaths.add(e.name)  # its session ended: as far as the hub knows, its process did
+                return
             how = r.rejoins.get(e.name) if r is not None else None
             require("rejoin_bench", how not in ("holding", "after"),
-                    f"{e.name} benched although it said hello mid-round ({how}) at {self.now}")
-            self.benched_until[e.name] = self.now + 2 * TIMEOUT_S
+                    f"{e.name} forgotten as late although it said hello mid-round ({how}) at {self.now}")
 
         def publish(self, e: Publish) -> None:
             v = e.version
@@ -270,8 +320,9 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
             self.hear(name)
             self.in_planner[name] = True
             self.tell(name, g.holds)
-            self.apply(self.planner.hello(name, "generator", g.holds, list(SERVERS.get(name, ())), self.now))
-            if r is not None and r.rejoins.get(name) == "during" and name not in r.left:
+            self.apply(self.planner.hello(name, "generator", g.holds, list(SERVERS.get(name, ())), self.now,
+                                          incarnation=f"{name}-{g.incarnation}"))
+            if r is not None and r.rejoins.get(name) == "during" and name not in r.left and not r.severed:
                 resent = any(isinstance(e, Send) and e.name == name and isinstance(e.body, m.WeightsAnnounce)
                              and (e.body.group.epoch, e.body.version) == (r.epoch, r.version)
                              for e in self.batch)
@@ -351,6 +402,21 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
         def weights_thread_hangs_or_recovers(self, name, stuck):
             self.gens[name].stuck = stuck
 
+        @rule(name=st.sampled_from(GENERATORS))
+        def generator_restarts(self, name):
+            """kill -9, and its supervisor starts a new process under the same name at once: its
+            hello comes before the hub found the old one silent. It holds nothing (one on SGLang
+            servers: what its servers hold), has seen no announce, and its old rank is dead."""
+            old = self.gens[name]
+            r = self.round
+            if r is not None and name in r.members:
+                r.deaths.add(name)
+                if r.ended_at is None:
+                    r.left.add(name)  # its rank will never receive: the collective cannot succeed
+            self.gens[name] = MGen(holds=old.holds if name in SERVERS else 0, incarnation=old.incarnation + 1)
+            self.say_hello(name)
+            self.tick()
+
         # ---------------------------------------------------------------- the learner
 
         def learner_hello(self) -> None:
@@ -385,6 +451,7 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
         def collective_ends(self, outcome, pushed_ok):
             r = self.round
             joined = all((r.epoch, r.version) in self.gens[n].got for n in r.receivers) and not r.left
+            joined = joined and not r.severed
             if outcome == "ok" and not joined:
                 outcome = "group_error"  # a receiver never came: the rendezvous fails
             self.finish_collective(outcome, pushed_ok)
@@ -480,6 +547,54 @@ def make_machine(planner_cls: type[RoundPlanner] = RoundPlanner) -> type[RuleBas
                     self.say_hello(name)
             self.tick()
 
+        # ---------------------------------------------------------------- healing
+
+        def delivered(self) -> bool:
+            """The version held is published, and held by every generator with a session."""
+            live = [n for n in GENERATORS if self.in_planner[n]]
+            return (self.held is not None and bool(self.published) and self.published[-1] >= self.held
+                    and all(self.gens[n].holds >= self.held for n in live))
+
+        def calm_step(self) -> None:
+            """A tick of a healthy world: every generator with a session keeps alive (one whose
+            connection dropped says hello on a new one), a collective under way ends (well, if each
+            receiver has its announce), and every live generator answers."""
+            self.now += CALM_TICK_S
+            for name in GENERATORS:
+                g = self.gens[name]
+                if g.session and g.lossy:
+                    self.say_hello(name)
+                elif g.session:
+                    self.send_heartbeat(name, ack=False)
+            self.expire()
+            self.tick()
+            if self.round is not None and self.round.ended_at is None:
+                r = self.round
+                joined = all((r.epoch, r.version) in self.gens[n].got for n in r.receivers) and not r.left
+                joined = joined and not r.severed
+                self.finish_collective("ok" if joined else "group_error", True)
+            for name in GENERATORS:
+                if self.gens[name].session:
+                    self.send_heartbeat(name, ack=True)
+            self.tick()
+
+        @rule()
+        def the_world_heals(self):
+            """From now on nothing fails: no generator is frozen, hung or about to lose an announce.
+            The version held must reach every live generator within ``LIVENESS_BOUND_S``."""
+            for g in self.gens.values():
+                g.frozen = g.stuck = g.drops_announce = False
+            if self.held is None:
+                return
+            t0 = self.now
+            while not self.delivered() and self.now - t0 < LIVENESS_BOUND_S:
+                self.calm_step()
+            live = {n: self.gens[n].holds for n in GENERATORS if self.in_planner[n]}
+            require("liveness", self.delivered(),
+                    f"{LIVENESS_BOUND_S:g} s after healing: held {self.held}, "
+                    f"published {self.published[-1:]}, "
+                    f"live generators hold {live}, benched until {self.benched_until} (now {self.now})")
+
         # ---------------------------------------------------------------- invariants
 
         @invariant()
@@ -539,7 +654,17 @@ class NeverResendsTheAnnounce(RoundPlanner):
         return self._ack(name, version)
 
 
-PLANTED = [(LeavesReconnectedMembersPending, "rejoin_bench"), (NeverResendsTheAnnounce, "resend")]
+class TakesARestartForAReconnect(RoundPlanner):
+    """``reform`` (issue 42): the incarnation is not looked at, so a generator's new process is
+    taken for the old one reconnecting; its dead predecessor's rank stays in the group, and the
+    next round of that epoch is announced to a process that never formed it."""
+
+    def hello(self, name, role, version, servers, now, proto=None, incarnation=""):
+        return super().hello(name, role, version, servers, now, proto=proto)
+
+
+PLANTED = [(LeavesReconnectedMembersPending, "rejoin_bench"), (NeverResendsTheAnnounce, "resend"),
+           (TakesARestartForAReconnect, "reform")]
 
 SEARCH = planted_search(max_examples=300, steps=30)
 
@@ -554,3 +679,62 @@ def test_planted_mid_round_bug_is_found(broken, invariant):
 def test_real_planner_passes_the_same_search():
     """The search used above finds nothing in the real planner (so the failures are the bugs')."""
     run_state_machine_as_test(make_machine(RoundPlanner), settings=SEARCH)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The invariants of issue 42 can fail: planners that break them, driven through the cases by hand
+# (the search above finds these only in some of its runs)
+
+
+class BlamesTheSurvivors(RoundPlanner):
+    """``blame``: the tree before issue 42 benched a member late in a round in which another member
+    died for ``2 × timeout_s`` all the same, and counted the round in its failing streak."""
+
+    @staticmethod
+    def _blameless(gone):
+        return False
+
+
+class UncappedBench(RoundPlanner):
+    """``liveness``: the bench of a member failing rounds in a row doubles without a cap."""
+
+    def _bench_s(self, k):
+        return self.fresh_s * 100 ** k
+
+
+def survivor_late_while_another_restarts(machine) -> None:
+    """gen-a's weights thread hangs in the round of version 1 while gen-b is killed and started
+    again; the collective fails, and gen-a answers nothing within the timeout."""
+    machine.start(joined={"gen-a", "gen-b"})
+    machine.learner_hands(bad=False, step=1)
+    machine.weights_thread_hangs_or_recovers(name="gen-a", stuck=True)
+    machine.generator_restarts(name="gen-b")
+    machine.collective_ends(outcome="group_error", pushed_ok=True)
+    machine.time_passes(dt=11.0)
+
+
+def pushes_failing_three_rounds_in_a_row(machine) -> None:
+    """gen-s, the only generator, on SGLang servers whose pushes fail three rounds in a row: benched."""
+    machine.start(joined={SGLANG_GENERATOR})
+    machine.learner_hands(bad=False, step=1)
+    for _ in range(2):
+        machine.collective_hangs()
+        machine.broadcaster_freezes(dt=5.0, ended_meanwhile=False)
+    machine.collective_hangs()
+
+
+@pytest.mark.parametrize(("scenario", "broken", "invariant"), [
+    (survivor_late_while_another_restarts, BlamesTheSurvivors, "blame"),
+    (pushes_failing_three_rounds_in_a_row, UncappedBench, "liveness"),
+], ids=["blame", "liveness"])
+def test_issue_42_invariants_fail_on_planners_that_break_them(scenario, broken, invariant):
+    machine = make_machine(RoundPlanner)()
+    scenario(machine)
+    machine.the_world_heals()  # the real planner: every invariant holds, the version reaches gen-*
+    machine.teardown()
+    machine = make_machine(broken)()
+    with pytest.raises(InvariantViolation) as found:
+        scenario(machine)
+        machine.the_world_heals()
+    assert found.value.invariant == invariant, str(found.value)
