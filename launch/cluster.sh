@@ -30,7 +30,9 @@
 # keys on that host. Per-host keys also bind each host to the roles it may run (the head's
 # roles.toml): the head all of them, the others generator and scorer unless `april keys ... --roles
 # HOST=learner,...` says otherwise (a learner line on another host needs it).
-# APRIL_STOP_WAIT_S (default 180): how long a stop waits for the hosts.
+# APRIL_STOP_WAIT_S (default 180): how long a stop waits for the hosts. APRIL_RESTART (default
+# on-failure): each host's april up restarts a crashed actor, within run.max_restarts, unless the
+# run file sets run.restart (or --set run.restart=never after --, or APRIL_RESTART=never here).
 # Ctrl-C (or TERM, HUP), or the head's run ending, stops every host: each gets a Ctrl-C on its
 # terminal (local and srun hosts SIGTERM) and stops its actors in order; this waits for all of
 # them, hangs up whatever still runs after APRIL_STOP_WAIT_S or at a second Ctrl-C, and exits
@@ -102,6 +104,7 @@ commands=()
 for i in "${!hosts[@]}"; do
   q_extra=""; for a in "${extra[@]+"${extra[@]}"}"; do q_extra+=" $(printf '%q' "$a")"; done
   cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i$(keys_env "${hosts[$i]}")"
+  cmd+=" APRIL_RESTART=$(printf '%q' "${APRIL_RESTART:-on-failure}")"
   cmd+=" exec $(printf '%q' "$april") up --config $(printf '%q' "$config") --actors ${actors[$i]}$q_extra"
   commands+=("$cmd")
 done

@@ -39,6 +39,9 @@ COUNTED_KINDS = ("generator", "learner")
 SECTIONS = ("run", "warmstart", *ACTOR_KINDS)
 ENVIRONMENT = (("APRIL_HEAD", "host"), ("APRIL_BIND", "bind"), ("APRIL_NODE", "node"))
 """Environment variables that replace a ``[run]`` setting (``launch/cluster.sh`` sets them per host)."""
+ENVIRONMENT_DEFAULTS = (("APRIL_RESTART", "restart"),)
+"""Environment variables that give a ``[run]`` setting when the run file and ``--set`` do not
+(``launch/cluster.sh`` sets ``APRIL_RESTART=on-failure`` unless the caller's environment has one)."""
 
 
 class RunConfig(BaseModel):
@@ -95,7 +98,9 @@ class RunConfig(BaseModel):
     """Print progress lines (else only the summary)."""
     restart: Literal["never", "on-failure"] = "never"
     """``never``: a child that dies stops the run. ``on-failure``: it is restarted (exit code 2,
-    a configuration error, excepted)."""
+    a configuration error, excepted). Unset in the file, env ``APRIL_RESTART`` gives it: runs that
+    ``launch/cluster.sh`` starts restart by default (a crash must not cost a host its actors for
+    the rest of the run)."""
     max_restarts: int = Field(5, ge=0)
     """Restarts allowed per actor within ``restart_window_s`` (the learner's ranks restart together,
     counted once); one more stops the run."""
@@ -230,11 +235,12 @@ class RunFile(BaseModel):
     def load(cls, doc: Mapping[str, Any], actors: str | None = None,
              environ: Mapping[str, str] = os.environ) -> RunFile:
         """``doc`` (``load_document``'s) with the environment's ``APRIL_HEAD``, ``APRIL_BIND``, ``APRIL_NODE``
-        and then ``--actors`` over its ``[run]``; a one-line ``ConfigError`` naming the first section that
-        is wrong, and its fields, otherwise."""
+        and then ``--actors`` over its ``[run]``, and ``APRIL_RESTART`` under it; a one-line
+        ``ConfigError`` naming the first section that is wrong, and its fields, otherwise."""
         run = doc.get("run", {})
         if isinstance(run, Mapping):
-            run = {**run, **{key: environ[var] for var, key in ENVIRONMENT if environ.get(var)}}
+            run = {**{key: environ[var] for var, key in ENVIRONMENT_DEFAULTS if environ.get(var)}, **run,
+                   **{key: environ[var] for var, key in ENVIRONMENT if environ.get(var)}}
             if actors is not None:
                 run["actors"] = [a for a in actors.split(",") if a]
         try:

@@ -445,7 +445,12 @@ def test_cluster_sh_gives_each_host_its_own_keys_directory(tmp_path):
     assert [re.search(r"APRIL_KEYS=(\S+)", ln).group(1) for ln in lines] == [
         str(keys / REMOTE[0]), str(keys / REMOTE[1]), str(keys)], lines
     assert all(f"fake_ssh.py -tt {h})" in ln for h, ln in zip(REMOTE, lines)), lines
+    assert all("APRIL_RESTART=on-failure" in ln for ln in lines), "a crash must not cost a host its actors"
     assert record(tmp_path) == [], "--dry-run started ssh"
+    never = cluster_sh(tmp_path, f"{REMOTE[0]} broker,learner\n{REMOTE[1]} generator:1\n", "--dry-run",
+                       APRIL_KEYS=str(keys), APRIL_RESTART="never")
+    assert never.wait(timeout=30) == 0
+    assert all("APRIL_RESTART=never" in ln for ln in (tmp_path / "cluster.log").read_text().splitlines())
 
 
 @pytest.mark.parametrize("how", ["head-ends", "ctrl-c"])

@@ -46,7 +46,7 @@ def settle(sup: Supervisor, until, timeout_s: float = 20.0) -> None:
 
 @pytest.fixture
 def no_cluster_env(monkeypatch):
-    for var in ("APRIL_HEAD", "APRIL_BIND", "APRIL_NODE", "APRIL_KEYS"):
+    for var in ("APRIL_HEAD", "APRIL_BIND", "APRIL_NODE", "APRIL_KEYS", "APRIL_RESTART"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -139,6 +139,19 @@ def test_the_run_file_fills_in_what_the_run_decides_for_its_actors(tmp_path, no_
                                               "generator.torch.checkpoint='/gen'"]))
     assert named.init_warm_start is None and named.scorer.tokenizer == "/ckpt"
     assert named.learner.checkpoint == "/ckpt" and named.generator.torch.checkpoint == "/gen"
+
+
+def test_april_restart_is_the_default_a_run_file_may_override(no_cluster_env):
+    """``APRIL_RESTART`` (launch/cluster.sh sets ``on-failure``) is ``run.restart`` where neither the
+    file nor ``--set`` says; either one wins over it, and a bad value is a one-line error."""
+    from april_async.up import RunFile
+
+    assert RunFile.load(load_document(None, [])).run.restart == "never"
+    env = {"APRIL_RESTART": "on-failure"}
+    assert RunFile.load(load_document(None, []), environ=env).run.restart == "on-failure"
+    assert RunFile.load(load_document(None, ["run.restart='never'"]), environ=env).run.restart == "never"
+    with pytest.raises(ConfigError, match="restart"):
+        RunFile.load(load_document(None, []), environ={"APRIL_RESTART": "always"})
 
 
 def test_dry_run_prints_every_rank_with_its_environment(tmp_path, capsys, no_cluster_env):
