@@ -16,18 +16,23 @@
   the same name take its old connection over (and a peer back from a network cut, whose old
   connection this side still thinks is up).
 - Partitions: ``send`` never blocks (a dead peer's full queue would stall the whole hub: ZeroMQ's
-  ROUTER with ``ROUTER_MANDATORY`` waits for room otherwise), and ZeroMQ's own heartbeats
-  (``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``, at the link's timing) close a connection that a cut
-  left half-open, with what was queued on it, instead of leaving it to TCP's retransmissions
-  (15 minutes and more).
-- No receive high-water mark (``RCVHWM`` 0). With ZeroMQ's heartbeats on, libzmq 4.3.x aborts the
-  whole process (``Assertion failed: !_io_error``, stream_engine_base.cpp; libzmq issues #3937,
-  #4364, #4841) when a peer whose messages filled the receive queue disconnects before the hub
-  drained them: its connection's input is stopped, the hang-up marks it failed, and the next
-  heartbeat writes to it. A peer that floods the hub and goes (a generator killed mid-burst, a
-  fuzzer) would take the broker down. Unlimited, the queue never fills, so input never stops;
-  what bounds it is the senders (their own send queues, ``MAXMSGSIZE`` per message, and with
-  keys only listed clients), and the hub drains it on every poll.
+  ROUTER with ``ROUTER_MANDATORY`` waits for room otherwise), and ZeroMQ's heartbeats close a
+  connection that a cut left half-open, with what was queued on it, instead of leaving it to
+  TCP's retransmissions (15 minutes and more). The peers send them (``transport/peer.py``: a
+  ``PING`` every ``heartbeat_interval_s`` that names ``peer_timeout_s`` as its time to live);
+  the hub answers them and closes a connection whose pings stop for that long. The hub sends
+  none of its own (no ``HEARTBEAT_IVL`` here): libzmq 4.3.x aborts the whole process
+  (``Assertion failed: !_io_error``, stream_engine_base.cpp; libzmq issues #3937, #4364, #4841)
+  when its heartbeat timer writes to a connection whose input was stopped. ``ROUTER_HANDOVER``
+  stops one: the old connection of a peer that connected again (back from a network cut, or
+  before its old connection closed) loses its pipe, and the next message still arriving on it
+  stops its input. The three-host soak (issue 42, ``tools/chaos.py --hosts 3``) aborted a broker
+  that way; ``tests/integration/test_transport.py`` does it in a second.
+- No receive high-water mark (``RCVHWM`` 0), the other way to stop a connection's input: a peer
+  whose messages filled the receive queue and that disconnects before the hub drained them. With
+  no limit the queue never fills; what bounds it is the senders (their own send queues,
+  ``MAXMSGSIZE`` per message, and with keys only listed clients), and the hub drains it on every
+  poll.
 - Authentication (``transport/curve.py``): with keys the hub is a CurveZMQ server that admits
   only listed clients, and logs every refused handshake (``auth_refused``); without keys it
   binds loopback addresses only, unless ``link.allow_open``. With a ``roles.toml`` beside the
@@ -71,9 +76,9 @@ class Hub:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, link.max_message_bytes * HARD_LIMIT_FACTOR)
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(link.heartbeat_interval_s * 1000))
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(link.peer_timeout_s * 1000))
-        self.sock.setsockopt(zmq.RCVHWM, 0)  # see the module docstring: a full queue + heartbeats aborts
+        # No HEARTBEAT_IVL: the peers ping, with a time to live (see the module docstring: libzmq
+        # aborts a process whose own heartbeat writes to a connection whose input stopped).
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # see the module docstring: a full queue stops input
         self.secure = curve.serve(self.sock, self.ctx, link.keys, bind, allow_open=link.allow_open)
         self.monitor = curve.HandshakeMonitor(self.sock) if self.secure else None
         try:

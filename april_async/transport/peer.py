@@ -95,6 +95,14 @@ class Peer:
         self.sock.setsockopt(zmq.IDENTITY, self.sender.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.link.heartbeat_interval_s * SEND_TIMEOUT_FACTOR * 1000))
+        # ZeroMQ's heartbeats, sent from here: the hub closes this connection when its pings stop for
+        # peer_timeout_s (a cut left it half-open), and this side likewise when the hub stops
+        # answering. No receive limit: a full queue would stop this connection's input, which with
+        # heartbeats on makes libzmq abort the process (transport/hub.py).
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.link.heartbeat_interval_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.link.peer_timeout_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.link.peer_timeout_s * 1000))
+        self.sock.setsockopt(zmq.RCVHWM, 0)
         self.secure = curve.connect(self.sock, self.link.keys)
         self.monitor = curve.HandshakeMonitor(self.sock, HANDSHAKE_EVENTS)
         self.sock.connect(self.endpoint)

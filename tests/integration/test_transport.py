@@ -250,3 +250,44 @@ def test_a_peer_that_floods_the_hub_and_goes_does_not_abort_it():
     out = subprocess.run([sys.executable, "-c", HUB_UNDER_A_FLOOD], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-2000:]}"
     assert "served True" in out.stdout, out.stdout
+
+
+HUB_HANDING_OVER = """
+import time, zmq
+from april_async.config import LinkConfig
+from april_async.transport.hub import Hub
+from april_async.transport.peer import Peer
+from april_async.wire import messages as m
+
+link = LinkConfig(heartbeat_interval_s=0.05, peer_timeout_s=0.8)
+hub = Hub("tcp://127.0.0.1:0", link=link)
+peers, hellos = [], 0
+deadline = time.monotonic() + 3.0
+while time.monotonic() < deadline:
+    if len(peers) < 2 or time.monotonic() > deadline - 3.0 + 0.25 * hellos:
+        # A second connection under the routing id gen-0 while the first still sends: the hub hands
+        # the id over, and the old connection's next message stops its input.
+        peers = [*peers[-1:], Peer(hub.endpoint, "gen-0", link=link, on_connect=lambda p: p.send(m.Hello(
+            role="generator", instance="gen-0")))]
+        hellos += 1
+    for p in peers:
+        p.send(m.Heartbeat())
+        p.poll(0.0)
+    hub.poll(0.005)
+print("served", hellos, flush=True)
+"""
+
+
+def test_a_routing_id_handed_over_while_its_old_connection_still_sends_does_not_abort_the_hub():
+    """The three-host soak (issue 42) found a broker aborted by libzmq (``Assertion failed:
+    !_io_error``): a generator connected again (a new socket under its routing id) while its old
+    connection still delivered; the hub's handover stopped the old connection's input, and the hub's
+    own heartbeat then wrote to it. Peers ping now, the hub does not (``transport/hub.py``). Here
+    a peer connects again every 0.25 s for 3 s while its previous socket keeps sending. Its own
+    process: an abort here would take pytest with it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", HUB_HANDING_OVER], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-2000:]}"
+    assert "served" in out.stdout and int(out.stdout.split()[1]) >= 8, out.stdout
