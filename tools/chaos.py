@@ -4,6 +4,7 @@ check that nothing was lost, nothing delivered twice and nothing trained past th
     python tools/chaos.py                                   # the long run: 60 kills, 30+ steps
     python tools/chaos.py --kills 10 --steps 8 --interval 3 # the short one CI runs
     python tools/chaos.py --kills 10 --partitions 4         # with four partitions among the kills
+    python tools/chaos.py --hosts 3 --faults 100            # across three hosts, as a soak (root)
 
 The run is ``april up`` with ``run.restart = "on-failure"`` (every actor is restarted the way a
 process supervisor would) on a tiny policy: a broker with its journal, a broadcaster, a scorer, a
@@ -35,6 +36,16 @@ whole cut, with their old messages waiting in its sockets. No actor may be resta
 version again (``partition_recovery_s``; from the broadcaster's status file).
 
 Prints the figures as a table and writes them to ``<dir>/chaos.json``; exits 1 if a check failed.
+
+Across hosts (``--hosts N``, N >= 2): the soak of ``april_async/testing/soak.py``, on a
+``launch/cluster.sh`` run across N network namespaces (the head and N - 1 generator hosts; root
+and ``ip netns`` needed, exit 2 without). ``--faults`` faults drawn at random: ``kill -9`` of every
+actor kind (the remote generators and the head's broker, broadcaster, learner and scorer), a
+generator killed and started again under its name while its host drops every packet (the hubs
+still hold its old session), link cuts and total packet drop. The same ledger, exactly-once and
+staleness checks, and one more: no 30 s without a learner step, except while an actor the step
+needs has no live instance. Its figures go to ``<dir>/soak.json``. The hosts are the testing
+kit's (network namespaces, a stand-in ssh), which only a checkout has: so does this option.
 """
 
 from __future__ import annotations
@@ -380,7 +391,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="where the run goes (default: a new temporary directory)")
     ap.add_argument("--settle-s", type=float, default=600.0, help="how long to wait for the step target after the kills")
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="run across this many hosts (network namespaces; root): the soak (default 1: this machine)")
+    ap.add_argument("--faults", type=int, default=100, help="with --hosts: how many faults (default 100)")
+    ap.add_argument("--fault-kinds", default=None,
+                    help="with --hosts: the kinds of fault, comma-separated (default: all of kill:generator, "
+                         "kill:broker, kill:broadcaster, kill:learner, kill:scorer, restart, cut, drop)")
+    ap.add_argument("--steps-after", type=int, default=3,
+                    help="with --hosts: learner steps to wait for after the last fault (default 3)")
     args = ap.parse_args(argv)
+    if args.hosts > 1:
+        from april_async.testing import soak  # the kit's hosts and stand-in ssh: a checkout's (module docstring)
+
+        args.fault_kinds = [k for k in (args.fault_kinds or ",".join(soak.FAULT_KINDS)).split(",") if k]
+        if not args.fault_kinds or set(args.fault_kinds) - set(soak.FAULT_KINDS):
+            ap.error(f"--fault-kinds: a comma-separated list of {', '.join(soak.FAULT_KINDS)}")
+        if args.interval == ap.get_default("interval"):
+            args.interval = 3.0
+        return soak.main(args)
+    if args.hosts < 1:
+        ap.error(f"--hosts must be at least 1, got {args.hosts}")
     args.kinds = [k for k in args.kinds.split(",") if k]
     if not args.kinds or set(args.kinds) - set(KINDS):
         ap.error(f"--kinds: a comma-separated list of {', '.join(KINDS)}")

@@ -44,10 +44,11 @@ PORTS = {"broker_port": 5555, "broadcaster_port": 5556, "store_port": 29600, "le
 class ClusterRun:
     """``launch/cluster.sh`` on a head and ``generator_hosts`` generator hosts; see the module docstring.
     ``sections``: TOML appended to the run file (a ``[broadcaster]`` section, say); ``rollout``: lines
-    added to its ``[broker.rollout]`` section."""
+    added to its ``[broker.rollout]`` section; ``run``: lines added to its ``[run]`` section (the run
+    restarts crashed actors: ``cluster.sh``'s default)."""
 
     def __init__(self, tmp: Path, *, generator_hosts: int = 2, eta: int = 1, sections: str = "",
-                 rollout: str = "", tag: str = "p"):
+                 rollout: str = "", run: str = "", duration_s: float = 900, tag: str = "p"):
         self.tmp, self.eta = Path(tmp), eta
         self.run = self.tmp / "run"
         self.log = self.tmp / "cluster.log"
@@ -55,16 +56,16 @@ class ClusterRun:
         self.proc: subprocess.Popen | None = None
         self.generators = [f"n{i}-gen-0" for i in range(1, 1 + generator_hosts)]
         try:
-            self._start(sections, rollout)
+            self._start(sections, rollout, run, duration_s)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, sections: str, rollout: str) -> None:
+    def _start(self, sections: str, rollout: str, run: str, duration_s: float) -> None:
         ckpt = tiny_policy(self.tmp / "policy")
         config = tiny_run(dir=self.run, steps=100000, eta=self.eta, checkpoint=ckpt, **PORTS)
         config = config.replace('actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]\n', "")
-        config = config.replace("duration_s = 240\n", 'duration_s = 900\nrestart = "on-failure"\n')
+        config = config.replace("duration_s = 240\n", f"duration_s = {duration_s:g}\n" + (f"{run}\n" if run else ""))
         config = config.replace("[broker.rollout]\n", f"[broker.rollout]\n{rollout}\n" if rollout else "[broker.rollout]\n")
         (self.tmp / "run.toml").write_text(config + "\n" + sections)
         head, *others = self.hosts.addresses
