@@ -21,6 +21,13 @@ broker's ``weights_published``; ``weights.link``) and whether a lease waits for 
 ``min_policy_version`` the broker leased it with; ``batched_abort`` whether an abort of every
 lease is one call per server.
 
+Starved of weights. A lease waits for its ``min_policy_version``; when the first waiting lease has
+waited ``weights_wait_s`` (the version's fan-out has not reached this generator: its rounds fail,
+the broadcaster benched it, it is stuck joining a group), every waiting lease goes back to the
+broker (``finished``, reason ``abort``, no tokens: partials another generator resumes) and the
+generator offers no slots (a ``hello`` with capacity 0) until a version that new loads (issue 42:
+one generator held all the leases of a rollout step for four minutes while the other sat idle).
+
 Mixed tokens. A lease's prompt and resumed tokens are prefilled once, with the weights the engine
 holds when it starts; a version loaded while it decodes (an in-flight update: ``async``, and
 ``april`` with ``boundary = "inflight"``) computes the logits of its later tokens while the cache
@@ -119,6 +126,8 @@ class GeneratorActor:
         self.work: dict[int, LeaseWork] = {}
         self.waiting: deque[EngineRequest] = deque()  # leases beyond the engine's free slots
         self._held_back: int | None = None  # the lease last logged as waiting for newer weights
+        self._gated_since: float | None = None  # since when the first waiting lease waits for weights
+        self.starved_for: int | None = None  # the version it waits for past weights_wait_s: no slots offered
         self.unacked: list[m.Finished] = []  # finished reports not yet journaled by the broker
         self.unacked_seq: list[int] = []
         self.sessions = 0
@@ -154,24 +163,51 @@ class GeneratorActor:
         Unacknowledged finishes count as in flight: the broker must keep their leases open until
         the re-sent ``finished`` arrives. Sent again mid-session when the engine's capacity
         changes (a ``hello`` re-registers; the broker keeps the leases it lists)."""
-        self.capacity = self.engine.slots
+        self.capacity = self.offered()
         inflight = [m.InflightLease(w.lease_id, w.sample_id, w.start + len(w.tokens)) for w in self.work.values()]
         inflight += [m.InflightLease(f.lease_id, f.sample_id, f.offset + len(f.tokens)) for f in self.unacked]
         peer.send(m.Hello(role="generator", instance=self.cfg.name, capacity=self.capacity, engine=self.engine.name,
                           policy_version=self.engine.policy_version, inflight=inflight,
                           incarnation=incarnation()))
 
+    def offered(self) -> int:
+        """The slots offered to the broker: the engine's, none while starved of weights."""
+        return 0 if self.starved_for is not None else self.engine.slots
+
     def _capacity_changed(self) -> None:
         """Tell the broker; when it shrank, hand back the leases that have not started (another
-        generator can run them now) rather than keep them waiting for a server to return."""
-        was, free = self.capacity, max(0, self.engine.slots - self.engine.active())
+        generator can run them now) rather than keep them waiting for a server to return, or for
+        weights that do not come."""
+        was, free = self.capacity, max(0, self.offered() - self.engine.active())
         returned = 0
         while len(self.waiting) > free:
             lid = self.waiting[-1].lease_id
             self._abort(lid)
             returned += 1
-        self.log.info("capacity", was=was, now=self.engine.slots, leases_returned=returned)
+        self.log.info("capacity", was=was, now=self.offered(), leases_returned=returned,
+                      **({"starved_for": self.starved_for} if self.starved_for is not None else {}))
         self._hello(self.peer)
+
+    def _check_starved(self, now: float) -> None:
+        """Offer no slots while the first waiting lease has waited ``weights_wait_s`` for weights
+        (its version's fan-out has not reached this generator), and again once that version loads
+        (``weights_wait_s``)."""
+        if self.starved_for is not None:
+            if self.engine.newest_version >= self.starved_for:
+                self.log.info("weights_arrived", version=self.engine.newest_version, waited_for=self.starved_for)
+                self.starved_for = None
+            return
+        head = self.waiting[0] if self.waiting else None
+        if head is None or head.min_version <= self.engine.newest_version:
+            self._gated_since = None
+            return
+        if self._gated_since is None:
+            self._gated_since = now
+        elif now - self._gated_since >= self.cfg.weights_wait_s:
+            self.starved_for, self._gated_since = head.min_version, None
+            self.log.warning("weights_starved", waited_s=round(self.cfg.weights_wait_s, 3), needs=head.min_version,
+                             holds=self.engine.newest_version, leases=len(self.waiting),
+                             hint="its leases go back to the broker; no slots offered until that version loads")
 
     def _send_finished(self, fin: m.Finished, peer=None) -> None:
         self.unacked_seq.append((peer or self.peer).send(fin))
@@ -191,7 +227,8 @@ class GeneratorActor:
                 self.handle(msg)
                 msg = self.peer.poll(0.0)
             self.weights.poll(0.0)  # a new version loads here, between decode steps
-            if self.engine.slots != self.capacity:  # a server engine lost or regained a server
+            self._check_starved(time.monotonic())
+            if self.offered() != self.capacity:  # a server engine lost or regained a server; starved or fed
                 self._capacity_changed()
             self._start_waiting()
             for out in self.engine.step():

@@ -48,6 +48,12 @@ class GeneratorConfig(BaseModel):
     (sequences × seconds), tokens generated and, of those, mixed tokens (computed after an in-flight
     weight update over a cache older weights wrote), and the wall clock, each since start
     (``tools/experiment.py`` reads them for the generators' share of a run)."""
+    weights_wait_s: float = Field(20.0, gt=0)
+    """A lease that has waited this long for newer weights than the engine holds is handed back, and
+    the generator offers the broker no slots until a version that new loads: a generator cut off
+    from the weights (its rounds failing, benched by the broadcaster, stuck joining a group) must
+    not hold a rollout step's leases while another generator could run them (issue 42: one held
+    all eight leases of a step for four minutes). Longer than a version's fan-out takes."""
     progress_max_tokens: int = Field(4096, ge=1)
     """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
     split over several messages."""

@@ -28,6 +28,11 @@ for ``--steps-after`` more learner steps, stops the run with Ctrl-C, and checks:
   scorer and the generators has none: no live process (or, for a generator, a live one on a host
   that is cut off or dropping, or with the head dropping). A gap between two steps counts only its
   time outside those spells; the longest such gap must stay under ``STALL_S``.
+- **weights**: no generator goes ``STALL_S`` without a new version while it is live and reachable,
+  the broadcaster is live, and a newer version than it holds is published (the broadcaster's
+  status file, read at every sample). One generator is enough for the learner to step, so the
+  progress check alone misses a generator left without weights (issue 42's restarted generator
+  waited a minute for an epoch nobody else joined, while the other one carried the run).
 
 Prints the figures as a table and writes them to ``<dir>/soak.json``; exits 1 if a check failed, 2
 where network namespaces cannot be made (root and ``ip netns`` are needed).
@@ -148,6 +153,9 @@ class Soak:
         self.impaired: list[Impairment] = []
         self.timeline = Timeline()
         self.run: ClusterRun | None = None
+        self.stale: dict[str, tuple[int, float]] = {}  # generator -> (version held, since when, unchanged)
+        self.weights_lag: dict[str, float] = {}  # generator -> its longest wait for a new version
+        self.weights_lag_at: dict[str, float] = {}  # generator -> when that wait ended (time.time())
         self.t_faults: float | None = None
         self.t_end_faults: float | None = None
 
@@ -181,6 +189,7 @@ class Soak:
         cut_off = {i.host for i in self.impaired}
         head_off = 0 in cut_off
         up: Counter = Counter()
+        reachable = set()
         for name, row in self.children().items():
             kind = row.get("kind")
             if not alive(row.get("pid")):
@@ -188,7 +197,24 @@ class Soak:
             if kind == "generator" and (head_off or self.host_of(name) in cut_off):
                 continue
             up[kind] += 1
+            reachable.add(name)
         self.timeline.note(now, tuple(k for k in NEEDED if up[k] == 0))
+        self.watch_weights(now, reachable if up["broadcaster"] else set())
+
+    def watch_weights(self, now: float, reachable: set[str]) -> None:
+        """How long each generator has held the same version while a newer one is published and
+        it could receive one (``reachable``: live, on a host not cut off, the broadcaster live)."""
+        status = read_json(self.run.run / "broadcaster.json", {}) or {}
+        published, members = status.get("published", -1), status.get("members", {})
+        for name in [n for n, row in self.children().items() if row.get("kind") == "generator"]:
+            held = members.get(name, -1)
+            was, since = self.stale.get(name, (None, now))
+            if name not in reachable or held >= published or held != was:
+                since = now  # not expected to receive now, up to date, or it just received
+            self.stale[name] = (held, since)
+            lag = now - since
+            if self.t_faults is not None and lag > self.weights_lag.get(name, 0.0):
+                self.weights_lag[name], self.weights_lag_at[name] = lag, now
 
     def idle(self, seconds: float) -> None:
         """Sample for ``seconds``, ending impairments when due; fails if cluster.sh ended."""
@@ -338,6 +364,11 @@ class Soak:
         for w in stalls:
             problems.append(f"no learner step for {w['s']:.1f} s ({w['unexcused_s']:.1f} s of it with every "
                             f"needed actor live), from {w['from'] - self.t_faults:.1f} s into the faults")
+        for name, lag in sorted(self.weights_lag.items()):
+            if lag >= STALL_S:
+                problems.append(f"{name} held one version for {lag:.1f} s while newer ones were published and it "
+                                f"could receive them, until {self.weights_lag_at[name] - self.t_faults:.1f} s "
+                                f"into the faults")
 
         logs = run.run / "logs"
         bcast = "\n".join(p.read_text(errors="replace") for p in logs.glob("*broadcaster*.log"))
@@ -355,6 +386,7 @@ class Soak:
             "longest_unexcused_gap": {k: round(v - self.t_faults, 1) if k in ("from", "to") else round(v, 1)
                                       for k, v in worst.items()},
             "stall_limit_s": STALL_S,
+            "longest_weights_wait_s": {n: round(v, 1) for n, v in sorted(self.weights_lag.items())},
             "down_s": {k: round(v, 1) for k, v in self.timeline.down_for().items()},
             "samples_admitted": ledger["expected"],
             "samples_delivered": places.get("delivered", 0),
@@ -383,6 +415,7 @@ def table(fig: dict) -> str:
         f"longest gap      {fig['longest_gap_s']} s without a step; {fig['longest_unexcused_gap_s']} s of it "
         f"with every needed actor live (limit {fig['stall_limit_s']:g} s)",
         f"down             {fig['down_s'] or 'never'} (seconds with no live instance)",
+        f"weights          longest wait for a new version while reachable: {fig['longest_weights_wait_s']} s",
         f"samples          admitted {fig['samples_admitted']} = delivered {fig['samples_delivered']}"
         f" + retired {fig['samples_retired']} + buffered {fig['samples_buffered']} (balanced: {fig['balanced']})",
         f"duplicates       {fig['duplicates']}",

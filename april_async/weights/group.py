@@ -120,6 +120,7 @@ class WeightGroup:
         self._rendezvous = rendezvous
         self._zstore: ZmqStore | None = None  # the client of the rendezvous store in use (ZeroMQ reconnects it)
         self._retired: list[ZmqStore] = []  # closed clients an abandoned join may still call: kept alive
+        self._zlock = threading.Lock()
         self.spec: GroupSpec | None = None
         self._store = store  # rank 0: the master store of the run; members: a client, per address
         self._store_address = f"{store_host}:{store.port}" if store is not None else None
@@ -267,10 +268,11 @@ class WeightGroup:
     def _drop_zstore(self) -> None:
         """Close the rendezvous client, but keep the object: a join abandoned by ``_bounded`` may
         still call it from C++ (it then gets a ``StoreError``, not a freed Python object)."""
-        zstore, self._zstore = self._zstore, None
-        if zstore is not None:
-            zstore.close()
-            self._retired = [*self._retired[-(RETIRED_CLIENTS - 1):], zstore]
+        with self._zlock:  # ``abandon`` drops it from another thread
+            zstore, self._zstore = self._zstore, None
+            if zstore is not None:
+                zstore.close()
+                self._retired = [*self._retired[-(RETIRED_CLIENTS - 1):], zstore]
 
     def _client_store(self, spec: GroupSpec) -> dist.TCPStore:
         if self._store is None or self._store_address != spec.store:
@@ -310,6 +312,15 @@ class WeightGroup:
         if joining is not None and joining.rank == 0 and joining.rendezvous and self._service is not None:
             self._service.cancel(_prefix(joining) + "/")
         return sockets.sever(set(self._links))
+
+    def abandon(self) -> None:
+        """From any thread: give up whatever this process's group is doing for a broadcaster that
+        is gone (a member whose broadcaster restarted): cut the current epoch's connections and
+        close the rendezvous client, so that a join waiting at the dead one's rendezvous fails now
+        (``ZmqStore.close``) instead of after ``timeout_s``, and a receive fails at once. The next
+        join connects afresh."""
+        self.sever()
+        self._drop_zstore()
 
     def leave(self) -> None:
         """Leave the current group: drop this process's group object, whose destructor closes its

@@ -157,7 +157,12 @@ class WeightSubscriber(WeightsLink):
                 self._jobs.put((msg.body, self.session))
             elif isinstance(msg.body, m.Welcome):
                 if self._broadcaster_epoch not in (None, msg.body.broker_epoch):
-                    self._jobs.put(LEAVE)  # a restarted broadcaster counts its groups from 1 again
+                    # A restarted broadcaster: whatever the worker does for the old one (a join at its
+                    # rendezvous, a receive) can never finish, and would hold every later announce for
+                    # up to timeout_s (issue 42: a minute without weights). It is given up now, then
+                    # the group left: a restarted broadcaster counts its groups from 1 again.
+                    self.group.abandon()
+                    self._jobs.put(LEAVE)
                 self._broadcaster_epoch = msg.body.broker_epoch
             msg = self.peer.poll(0.0)
         try:  # emptied before the queue is read: a receipt put after this writes a new byte

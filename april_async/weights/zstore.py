@@ -56,6 +56,7 @@ MAX_KEYS_PER_REQUEST = 1 << 10  # keys named by one check/wait
 MAX_WAIT_MS = 24 * 3600 * 1000  # the longest get/wait a client may ask for (a day)
 MAX_BATCH = 256  # requests answered before deadlines are looked at again
 TICK_S = 0.05  # the service thread's longest sleep: how soon it notices ``close`` and deadlines
+CLOSE_POLL_MS = 200  # a client's longest wait between looks at ``close``: how soon a closed client's request ends
 REPLY_GRACE_S = 2.0
 """How long a client waits past a blocking operation's own timeout: the service answers a timed-out
 waiter itself, and its typed ``timeout`` reply is the better message than "no answer"."""
@@ -497,7 +498,8 @@ class ZmqStore(dist.Store):
 
     def close(self) -> None:
         """Close the socket; never waits for a request in flight (an abandoned join's): that
-        request's own thread closes it when it ends."""
+        request's own thread closes it when it ends, within a second (``_wait`` looks at the flag
+        between its polls, and raises ``StoreError`` code ``closed``)."""
         self._closing = True
         if self._lock.acquire(blocking=False):
             try:
@@ -607,12 +609,15 @@ class ZmqStore(dist.Store):
         poller.register(self.sock, event)
         poller.register(self.monitor.socket, zmq.POLLIN)
         while True:
+            if self._closing:
+                raise StoreError(f"the client of the rendezvous store at {self.endpoint} was closed while it "
+                                 f"waited to {op}", "closed")
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise StoreError(f"no answer from the rendezvous store at {self.endpoint} to {op} within "
                                  f"{limit_s:g} s (is the broadcaster up, reachable from here, and does it "
                                  f"admit this process's key?)", "unanswered")
-            ready = dict(poller.poll(min(left_ms, 1000)))
+            ready = dict(poller.poll(min(left_ms, CLOSE_POLL_MS)))
             if self.monitor.socket in ready:
                 self._refused()
             if self.sock in ready:

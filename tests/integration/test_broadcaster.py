@@ -189,6 +189,52 @@ def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked
         root.close()
 
 
+def test_a_member_gives_up_a_join_at_a_broadcaster_that_restarted(tmp_path):
+    """A member joining an epoch when its broadcaster died waits at the dead one's rendezvous; its
+    worker takes announces one at a time, so every announce of the new broadcaster waited behind it
+    for the whole ``timeout_s`` (the three-host soak, issue 42: a minute without weights). The new
+    broadcaster's welcome gives the join up at once, and the next announce is served."""
+    from april_async.weights.subscriber import WeightSubscriber
+
+    timeout_s = 30.0
+    engine = RecordingEngine(tmp_path / "loads.jsonl")
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=ScriptedSession)
+    old = WeightGroup.host("127.0.0.1", 0, timeout_s, rendezvous_port=0, allow_open=True)
+    new = WeightGroup.host("127.0.0.1", 0, timeout_s, rendezvous_port=0, allow_open=True)
+
+    def announce(root, version):
+        specs, buf = flatten(policy(version))
+        group = m.GroupSpec(epoch=1, rank=1, world_size=2, store=root.store_address, backend="gloo",
+                            timeout_s=timeout_s, key_prefix="k", rendezvous=root.rendezvous)
+        return buf, m.WeightsAnnounce(version=version, tensors=specs, num_bytes=buf.numel(), bucket_bytes=1 << 16,
+                                      group=group)
+
+    try:
+        sub.peer.inbox += [m.Welcome(broker_epoch="old", policy_version=0, heartbeat_interval_s=0.1,
+                                     peer_timeout_s=0.8, max_message_bytes=1 << 20), announce(old, 1)[1]]
+        sub.poll(0.0)  # the worker joins epoch 1 of the old broadcaster, whose rank 0 never comes
+        time.sleep(0.5)
+        assert sub.failures == 0
+        buf, ann = announce(new, 2)
+        sub.peer.inbox += [m.Welcome(broker_epoch="new", policy_version=0, heartbeat_interval_s=0.1,
+                                     peer_timeout_s=0.8, max_message_bytes=1 << 20), ann]
+        t0 = time.monotonic()
+        serve = threading.Thread(target=lambda: (new.join(m.GroupSpec(
+            epoch=1, rank=0, world_size=2, store=new.store_address, backend="gloo", timeout_s=timeout_s,
+            key_prefix="k", rendezvous=new.rendezvous)), new.broadcast(buf, 1 << 16, tag=2)))
+        serve.start()
+        while engine.policy_version < 2 and time.monotonic() - t0 < timeout_s:
+            sub.poll(0.05)
+        took = time.monotonic() - t0
+        serve.join(timeout_s)
+        assert engine.policy_version == 2, f"version 2 not loaded within {timeout_s} s"
+        assert took < timeout_s / 3 and sub.failures == 1, (took, sub.failures)
+    finally:
+        sub.close()
+        old.close()
+        new.close()
+
+
 def test_a_received_version_wakes_a_caller_waiting_on_the_subscriber(tmp_path):
     """An idle generator waits on ``waitables``: the worker's receipt must wake it (not its wait's
     timeout), ``poll`` then loads it, and nothing is left to wake it again."""

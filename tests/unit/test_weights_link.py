@@ -2,6 +2,7 @@
 broadcaster, the broadcaster's link, and the broker's ``weights_published`` is no version notice;
 without one, the broker's notice is, and what it does follows ``caps.weights``."""
 
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
@@ -168,3 +169,64 @@ def test_the_broadcaster_tells_a_member_on_servers_at_once_when_its_push_succeed
     effects = p.collective_finished(0.3, CollectiveResult(0.0, 0.0, None, pushed={"gen-a": None, "gen-b": "down"}))
     sent = [e for e in effects if not isinstance(e, StatusChanged)]
     assert sent == [Send("gen-a", m.Heartbeat(policy_version=1))]
+
+
+def test_a_generator_starved_of_weights_hands_its_leases_back_and_offers_no_slots_until_they_come():
+    """Issue 42: a generator the weights did not reach (benched, stuck joining a group) held all the
+    leases of a rollout step, waiting for a version that did not come, while another generator sat
+    idle with it: the run stopped for minutes. Past ``weights_wait_s`` the waiting leases go back to
+    the broker (``finished``, reason ``abort``, no tokens) and the generator says ``hello`` with no
+    slots, then with its slots again once that version loads."""
+    engine = Stub("in_process")
+    engine.active = lambda: 0
+    engine.submit = lambda request: engine.loaded.append(("started", request.lease_id))
+    cfg = GeneratorConfig(link=LinkConfig(keys=None), weights_wait_s=5.0)
+    actor = GeneratorActor(cfg, engine, Session)
+    actor.peer.sent.clear()
+    for lid in (1, 2):
+        actor.handle(SimpleNamespace(proto_version="1.8", body=m.Generate(
+            lease_id=lid, sample_id=lid, group_id=1, prompt=np.asarray([1], dtype=np.int32),
+            resume=np.zeros(0, dtype=np.int32), max_new_tokens=2, min_policy_version=8)))
+
+    def turn(now):  # what the loop does between decode steps
+        actor._check_starved(now)
+        if actor.offered() != actor.capacity:
+            actor._capacity_changed()
+        actor._start_waiting()
+
+    turn(100.0)
+    turn(104.9)  # a version's fan-out may take a while: nothing yet
+    assert actor.peer.sent == [] and len(actor.waiting) == 2 and actor.offered() == 2
+    turn(105.0)
+    handed = [b for b in actor.peer.sent if isinstance(b, m.Finished)]
+    hellos = [b for b in actor.peer.sent if isinstance(b, m.Hello)]
+    assert sorted(f.lease_id for f in handed) == [1, 2] and {f.reason for f in handed} == {"abort"}
+    assert all(len(f.tokens) == 0 for f in handed)
+    assert [h.capacity for h in hellos] == [0] and actor.waiting == deque()
+    assert actor.peer.sent.index(hellos[0]) > max(actor.peer.sent.index(f) for f in handed)  # after the leases
+    actor.peer.sent.clear()
+    engine.policy_version = 7  # an older version than the one it waits for: still starved
+    turn(110.0)
+    assert actor.peer.sent == [] and actor.offered() == 0
+    engine.policy_version = 8
+    turn(111.0)
+    assert [h.capacity for h in actor.peer.sent if isinstance(h, m.Hello)] == [2] and actor.starved_for is None
+
+
+def test_a_lease_that_waits_for_a_normal_fan_out_is_kept():
+    """The waiting clock restarts whenever the first waiting lease can start: a generator that gets
+    each version within ``weights_wait_s`` never hands a lease back, however long it runs."""
+    engine = Stub("in_process")
+    engine.active = lambda: 0
+    engine.submit = lambda request: engine.loaded.append(("started", request.lease_id))
+    actor = GeneratorActor(GeneratorConfig(link=LinkConfig(keys=None), weights_wait_s=5.0), engine, Session)
+    for step in range(10):
+        actor.handle(SimpleNamespace(proto_version="1.8", body=m.Generate(
+            lease_id=step, sample_id=step, group_id=1, prompt=np.asarray([1], dtype=np.int32),
+            resume=np.zeros(0, dtype=np.int32), max_new_tokens=2, min_policy_version=4 + step)))
+        actor._check_starved(10.0 * step)
+        engine.policy_version = 4 + step  # arrives 4 s later
+        actor._check_starved(10.0 * step + 4.0)
+        actor._start_waiting()
+    assert actor.starved_for is None and [x for x in engine.loaded if x[0] == "started"] == [
+        ("started", i) for i in range(10)]
