@@ -616,12 +616,7 @@ def test_a_version_is_published_while_its_only_generator_is_benched_for_failing(
     then 4 s); the planner then publishes the version, which nobody not benched needs. The model
     once counted only the benches of members that never answered, and called that a violation."""
     machine = make_machine()()
-    machine.start(joined={SGLANG_GENERATOR})
-    machine.learner_hands(bad=False, step=1)
-    for _ in range(2):
-        machine.collective_hangs()
-        machine.broadcaster_freezes(dt=5.0, ended_meanwhile=False)
-    machine.collective_hangs()
+    pushes_failing_three_rounds_in_a_row(machine)
     machine.time_passes(dt=2.5)
     machine.collective_hangs()
     assert machine.benched_until[SGLANG_GENERATOR] == machine.now + 4.0 and not machine.published
