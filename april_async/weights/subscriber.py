@@ -63,6 +63,7 @@ class Receipt:
     error: BaseException | None
     seconds: float
     buffer: torch.Tensor | None = None  # what ``state`` views: back to the pool once loaded
+    again: bool = False  # the announce was sent again: only an answer, with the version now held
 
 
 class BufferPool:
@@ -184,6 +185,15 @@ class WeightSubscriber(WeightsLink):
 
     def _finish(self, r: Receipt) -> bool:
         ann = r.announce
+        if r.again:
+            # The announce sent again after this session's hello (the broadcaster did not know
+            # whether the first arrived): the first one's receipt came before this one, so the
+            # version it brought is loaded (or not) by now; this session answers with it. Without
+            # an answer the round waited out timeout_s (issue 42: a receive that ended just after
+            # the hello was answered in the old session only, and the copy was skipped in silence).
+            if r.session == self.session:
+                self.peer.send(m.Heartbeat(policy_version=self.engine.policy_version))
+            return False
         if r.error is not None:
             self.failures += 1
             current = r.session == self.session
@@ -251,8 +261,12 @@ class WeightSubscriber(WeightsLink):
             ann, session = job
             # Rank 0 broadcasts each (epoch, version) once, in increasing order: an announce at or
             # below the last one tried is a copy sent again after a reconnect, and waiting on it
-            # would block this thread for a whole timeout.
+            # would block this thread for a whole timeout. A copy of the last one tried is answered
+            # (``Receipt.again``); an older one is not: its answer could read as one to a later round.
             if self._last_tried is not None and (ann.group.epoch, ann.version) <= self._last_tried:
+                if (ann.group.epoch, ann.version) == self._last_tried:
+                    self._receipts.put(Receipt(ann, session, None, None, 0.0, again=True))
+                    self._wake()
                 continue
             self._last_tried = (ann.group.epoch, ann.version)
             t0 = time.monotonic()
@@ -268,10 +282,14 @@ class WeightSubscriber(WeightsLink):
                 self._receipts.put(Receipt(ann, session, None, e, time.monotonic() - t0, buffer))
             else:
                 self._receipts.put(Receipt(ann, session, state, None, time.monotonic() - t0, buffer))
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # the pipe is full: the caller has wake-ups enough waiting
-                pass
+            self._wake()
+
+    def _wake(self) -> None:
+        """A receipt is waiting: wake the caller (``waitables``)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the caller has wake-ups enough waiting
+            pass
 
     def _verify(self, ann: m.WeightsAnnounce, buffer: torch.Tensor) -> None:
         """Raise ``DigestMismatch`` unless every received bucket has its announced digest under

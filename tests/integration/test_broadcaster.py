@@ -189,6 +189,42 @@ def test_a_member_given_the_same_announce_twice_receives_once_and_is_not_blocked
         root.close()
 
 
+def test_a_member_answers_a_resent_announce_once_its_receive_ends(tmp_path):
+    """A member's receive of a round ends just after it said hello again (the broadcaster was frozen
+    for 3 s, and thawed); the broadcaster sent the round's announce again on the new session. The
+    receipt belongs to the old session and goes unanswered there, and the copy was skipped as
+    already tried: nothing answered the round, which waited its whole timeout (a fresh clone's
+    ``test_hangs``, issue 42). The copy is answered now, with the version the receive brought."""
+    from april_async.weights.subscriber import WeightSubscriber
+
+    engine = RecordingEngine(tmp_path / "loads.jsonl")
+    sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=ScriptedSession)
+    root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S)
+    specs, buf = flatten(policy(1))
+    spec = m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="gloo", timeout_s=TIMEOUT_S)
+    ann = m.WeightsAnnounce(version=1, tensors=specs, num_bytes=buf.numel(), bucket_bytes=1 << 16,
+                            group=msgspec.structs.replace(spec, rank=1))
+    try:
+        sub.peer.inbox.append(ann)
+        sub.poll(0.0)  # the worker joins epoch 1 and waits for rank 0
+        root.join(spec)
+        sub._on_connect(sub.peer)  # a new session (the broadcaster looked dead) ...
+        sub.peer.inbox.append(ann)  # ... on which the round's announce comes again
+        sub.poll(0.0)
+        answered_from = len(sub.peer.sent)
+        root.broadcast(buf, 1 << 16, tag=1)
+        deadline = time.monotonic() + TIMEOUT_S / 2
+        answers = []
+        while not answers and time.monotonic() < deadline:
+            sub.poll(0.05)
+            answers = [b for b in sub.peer.sent[answered_from:] if isinstance(b, m.Heartbeat)]
+        assert engine.policy_version == 1
+        assert [a.policy_version for a in answers] == [1], f"no answer in the new session: {sub.peer.sent}"
+    finally:
+        sub.close()
+        root.close()
+
+
 def test_a_member_gives_up_a_join_at_a_broadcaster_that_restarted(tmp_path):
     """A member joining an epoch when its broadcaster died waits at the dead one's rendezvous; its
     worker takes announces one at a time, so every announce of the new broadcaster waited behind it
