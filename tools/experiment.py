@@ -70,11 +70,20 @@ What a run reports (from its ``metrics.jsonl``, one line per learner step, and t
 A cell is the mean and sample standard deviation of those over its seeds (``t_<level>`` over the
 seeds that reached it, with how many did).
 
-Against sync (``april_async/experiments/bootstrap.py``): every cell runs the same seeds, so each
+Against sync (``april_async/experiments/paired.py``): every cell runs the same seeds, so each
 claim — time and trained samples to each level (batch and held-out reward), trained tokens/s, the
-held-out reward at the window's end — is a ratio to sync over the seeds both have, with a 95 % paired bootstrap
-interval over those seeds and a verdict (faster / slower than sync, or not distinguishable); in
-the tables, ``results.md`` and ``results.json`` (``against_sync``).
+held-out reward at the window's end — is a ratio to sync (the geometric mean of the per-seed
+ratios) with the paired t-interval on their logs and a verdict (faster / slower than sync, or not
+distinguishable; none from fewer than 4 pairs). A level a seed never reached counts: its time is
+censored at the window's end, not dropped. The claims named in ``[experiment] primary`` before the
+runs get Bonferroni-adjusted intervals; every other row is exploratory. In the tables,
+``results.md`` and ``results.json`` (``against_sync``).
+
+Cells run in a random order within each seed (seeded by ``order_seed`` and the seed, recorded in
+each run's ``order`` and in ``results.json``'s ``orders``): a fixed order on a shared machine would
+give one cell the quiet start of every seed. Every run's numbers, per seed, go to
+``[experiment] docs``/``runs.json`` with ``--docs``; ``--report --from-docs`` rebuilds every table and
+figure from that file alone.
 
 Writes to ``<out>``: ``results.json`` (every run with its reward curve, every cell's aggregate,
 the settings; rewritten after each run, so an interrupted experiment keeps what it finished),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shutil
 import signal
 import sys
@@ -14,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from april_async.experiments.bootstrap import against_sync
 from april_async.experiments.grid import (Cell, ExperimentError, Settings, SweepConfig, experiment_cells,
                                           load_experiment, load_sweep, renamed_cell, sweep_cells)
+from april_async.experiments.paired import against_sync
 from april_async.experiments.numbers import (Row, aggregate, engine_numbers, length_edges, resolve_eval_levels,
                                              resolve_levels, run_numbers, samples_to, samples_to_eval, time_to,
                                              time_to_eval)
@@ -43,8 +44,10 @@ def experiment_main(argv: list[str] | None = None, *, docs_page: Path, descripti
     p.add_argument("--sim", action="store_true", help="the cells in the simulator (GPU-like costs), no runs")
     p.add_argument("--report", action="store_true", help="no runs: redraw and re-tabulate <out>/results.json "
                    "(re-reading the run directories that are still there)")
-    p.add_argument("--docs", action="store_true", help="also copy the figures to [experiment] docs and "
-                   "rewrite the experiment's block of docs/experiments.md")
+    p.add_argument("--docs", action="store_true", help="also copy the figures to [experiment] docs, write every "
+                   "run's numbers there (runs.json) and rewrite the experiment's block of docs/experiments.md")
+    p.add_argument("--from-docs", action="store_true", help="with --report: tabulate [experiment] docs/runs.json, "
+                   "the per-seed numbers kept in the repository, and nothing else")
     p.add_argument("--out", type=Path, help="where results and figures go (default: [experiment] out)")
     p.add_argument("--resume", action="store_true", help="keep the finished runs of <out>/results.json "
                    "(an interrupted experiment, same settings) and run only the rest")
@@ -87,24 +90,33 @@ def _experiment(args, docs_page: Path) -> int:
         return 0 if all(r["ledger_ok"] for r in rows) else 1
 
     results = out / "results.json"
-    if args.report:
+    if args.from_docs and not args.report:
+        raise ExperimentError("--from-docs goes with --report")
+    orders = None
+    if args.report and args.from_docs:
+        stored = read_docs_runs(cfg)
+        runs, eval_initial, initial_policy = stored["runs"], stored.get("eval_initial"), stored.get("initial_policy")
+        orders = stored.get("orders")
+    elif args.report:
         if not results.is_file():
             raise ExperimentError(f"--report: {str(results)!r} does not exist (run the experiment first)")
         stored = json.loads(results.read_text())
         runs, eval_initial, initial_policy = stored["runs"], stored.get("eval_initial"), stored.get("initial_policy")
+        orders = stored.get("orders")
         for run in runs:  # a run directory still there is read again: numbers added since it ran
             if finished_dir(out, run):
                 run.update(run_numbers(run_dir_of(out, run["cell"], run["seed"]), cfg))
             run["cell"] = renamed_cell(run["cell"])  # a cell stored under its old name (-continue)
     else:
         runs, eval_initial, initial_policy = experiment(cfg, cells, out, args)
-    levels, notes = resolve_levels(cfg, runs)
+        orders = {str(seed): [c.name for c in cell_order(cfg, cells, seed)] for seed in cfg.seeds}
+    levels, notes, batch_fractions = resolve_levels(cfg, runs)
     cfg = cfg.model_copy(update={"levels": levels})
     for run in runs:  # from the curves, so that --report can time other levels without a run
         for lv in levels:
             run[f"t_{lv:g}"] = time_to(run["curve"], lv, cfg.ma_steps) if run.get("curve") else None
             run[f"s_{lv:g}"] = samples_to(run["curve"], lv, cfg.ma_steps) if run.get("curve") else None
-    eval_levels, eval_notes = resolve_eval_levels(cfg, runs, eval_initial)
+    eval_levels, eval_notes, eval_fractions = resolve_eval_levels(cfg, runs, eval_initial)
     for run in runs:
         curve = run.get("eval_curve")
         run["eval_final"] = curve[-1][2] if curve else None
@@ -124,14 +136,15 @@ def _experiment(args, docs_page: Path) -> int:
         text += "\n" + length_table(aggregated, edges)
     if any(c.get("eval_length_split") for c in aggregated):
         text += "\n" + length_table(aggregated, eval_edges, held_out=True)
-    paired = against_sync([c.name for c in cells], runs, levels, eval_levels)
+    paired = against_sync([c.name for c in cells], runs, levels, eval_levels, window_s=cfg.duration_s,
+                          primary=primary_keys(cfg, batch_fractions, eval_fractions))
     if paired:
         text += "\n" + paired_table(paired, {c.name: c.label for c in cells}, len(cfg.seeds))
     figures = plot_experiment(cfg, aggregated, runs, out)
     if any(r.get("eval_curve") for r in runs):
         figures.append(plot_eval(cfg, aggregated, runs, out))
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
-            "initial_policy": initial_policy, "eval_initial": eval_initial}
+            "initial_policy": initial_policy, "eval_initial": eval_initial, "orders": orders}
     results.write_text(json.dumps({**meta, "cells": aggregated, "against_sync": paired, "length_edges": edges,
                                    "eval_length_edges": eval_edges,
                                    "runs": runs}, indent=2))
@@ -139,8 +152,66 @@ def _experiment(args, docs_page: Path) -> int:
     print(text)
     if args.docs:
         write_docs(cfg, text, figures, out, docs_page)
+        if not args.from_docs:
+            write_docs_runs(cfg, meta, runs)
     print(f"experiment: wrote {results}, results.md and {len(figures)} figures to {out}")
     return 0 if all(r["status"] == "ok" for r in runs) else 1
+
+
+DOCS_RUNS = "runs.json"
+"""Every run's numbers, per seed, beside the figures in ``[experiment] docs``: what ``--report
+--from-docs`` rebuilds the tables and figures from."""
+
+
+def write_docs_runs(cfg: Settings, meta: dict, runs: list[dict]) -> None:
+    """``[experiment] docs``/``runs.json``: the settings, the initial policy's held-out reward, the cells'
+    order per seed and every run (one line each, so that a new run is a small diff)."""
+    path = cfg.docs / DOCS_RUNS
+    head = json.dumps(meta, sort_keys=True)
+    lines = ",\n".join(json.dumps(r, sort_keys=True) for r in runs)
+    path.write_text(head[:-1] + ', "runs": [\n' + lines + "\n]}\n")
+    print(f"experiment: wrote the {len(runs)} runs' numbers to {path}")
+
+
+def read_docs_runs(cfg: Settings) -> dict:
+    """``write_docs_runs``'s file, or an ``ExperimentError`` naming what is missing."""
+    if cfg.docs is None:
+        raise ExperimentError("--from-docs: [experiment] docs is not set")
+    path = cfg.docs / DOCS_RUNS
+    if not path.is_file():
+        raise ExperimentError(f"--from-docs: {str(path)!r} does not exist (--docs writes it after a run)")
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError as e:
+        raise ExperimentError(f"--from-docs: {str(path)!r} is not readable JSON ({e})") from None
+    if not isinstance(stored.get("runs"), list):
+        raise ExperimentError(f"--from-docs: {str(path)!r} holds no runs")
+    return stored
+
+
+def cell_order(cfg: Settings, cells: list[Cell], seed: int) -> list[Cell]:
+    """The order the cells run in for ``seed``: shuffled by ``order_seed`` and the seed, so that no
+    cell always runs first (on a quiet machine) or last (after the others warmed it)."""
+    order = list(cells)
+    random.Random(f"{cfg.order_seed}:{seed}").shuffle(order)
+    return order
+
+
+def primary_keys(cfg: Settings, batch_fractions: dict[float, float], eval_fractions: dict[float, float]
+                 ) -> dict[str, list[str]]:
+    """``[experiment] primary`` as run keys per cell: ``te_sync_end`` (``t_sync_end``) is the time to
+    the held-out (batch) level that sync's ``sync_levels`` fraction 1.0 made."""
+    aliases = {"te_sync_end": eval_fractions.get(1.0), "t_sync_end": batch_fractions.get(1.0)}
+    out: dict[str, list[str]] = {}
+    for item in cfg.primary:
+        cell, claim = item.split(":", 1)
+        if claim in aliases:
+            if aliases[claim] is None:
+                raise ExperimentError(f"[experiment] primary: {item!r} needs sync's final level: put 1.0 in "
+                                      f"sync_levels (and evaluate checkpoints, for te_sync_end)")
+            claim = f"{claim.split('_', 1)[0]}_{aliases[claim]:g}"
+        out.setdefault(cell, []).append(claim)
+    return out
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -162,16 +233,18 @@ def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[
     total = len(cells) * len(cfg.seeds)
     print(f"experiment: {len(cells)} cells × {len(cfg.seeds)} seeds, {cfg.duration_s:g} s each -> {out}", flush=True)
     kept = resumable(out, meta, cells, cfg.seeds) if args.resume else {}
+    meta["orders"] = {str(seed): [c.name for c in cell_order(cfg, cells, seed)] for seed in cfg.seeds}
     runs: list[dict] = []
     i = 0
     for seed in cfg.seeds:  # seed-major: an interrupted experiment has every cell at the first seeds
-        for cell in cells:
+        for position, cell in enumerate(cell_order(cfg, cells, seed)):
             i += 1
             if (cell.name, seed) in kept:
                 runs.append(kept[cell.name, seed])
                 print(f"[{i}/{total}] {cell.name:<26} seed {seed} kept (finished before; --resume)", flush=True)
                 continue
             run = run_one(cfg, cell, seed, out, init, held_out)
+            run["order"] = position
             if run.get("eval_curve"):  # the initial policy at the window's start
                 run["eval_curve"].insert(0, [0.0, 0, eval_initial])
             runs.append(run)

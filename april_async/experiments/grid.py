@@ -6,6 +6,7 @@ and its row, and says what runs."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,6 +109,18 @@ class Settings(BaseModel):
     (``tasks/addchain.py``), which no training stream draws from, whatever the runs' seeds."""
     eval_temperature: float = Field(0.0, ge=0)
     """0: greedy, so the same policy always scores the same: the differences are the policies'."""
+    primary: list[str] = []
+    """The primary claims, named before the runs: ``<cell>:<claim>`` with a claim of ``PRIMARY_CLAIMS``
+    (``april-r2-eta4:tokens_per_s``). Their intervals are Bonferroni-adjusted over all of them; every
+    other comparison is reported as exploratory (``experiments/paired.py``)."""
+    order_seed: int = 0
+    """Seeds the order the cells run in within each seed (shuffled per seed, recorded in the results)."""
+
+PRIMARY_CLAIMS = {"tokens_per_s": "trained tokens/s", "eval_final": "held-out reward at the end",
+                  "te_sync_end": "time to sync's final held-out reward (needs 1.0 in sync_levels)",
+                  "t_sync_end": "time to sync's final batch reward (needs 1.0 in sync_levels)"}
+"""The claims ``[experiment] primary`` may name."""
+
 
 class SweepConfig(BaseModel):
     """The ``[sweep]`` table."""
@@ -277,7 +290,17 @@ def load_experiment(path: Path, smoke: bool) -> tuple[Settings, SimSettings]:
         for eta in g.eta:
             if eta < 0:
                 raise ExperimentError(f"[experiment] cells: η = {eta} is negative")
-    cells_of(cfg.cells)  # names: each once
+    for cell in cells_of(cfg.cells):  # names: each once
+        check_said(cell)
+    names = {c.name for c in cells_of(cfg.cells)}
+    for item in cfg.primary:
+        cell, colon, claim = item.partition(":")
+        if not colon or cell not in names or claim not in PRIMARY_CLAIMS:
+            raise ExperimentError(f"[experiment] primary: {item!r} is not <cell>:<claim> with a cell of this "
+                                  f"experiment ({', '.join(sorted(names))}) and a claim of "
+                                  f"{', '.join(PRIMARY_CLAIMS)}")
+        if cell == "sync":
+            raise ExperimentError(f"[experiment] primary: {item!r}: claims are of a cell against sync")
     return cfg, sim
 
 
@@ -308,6 +331,78 @@ def check_grid(g: CellGrid) -> None:
         said = max((m for m in SHOWN_MODES if g.label.startswith(m)), key=len, default=None)
         if said != shown:
             raise ExperimentError(f"{where}: label {g.label!r} does not begin with its mode as shown, {shown!r}")
+
+
+KNOB_WORDS = {"inflight": ("boundary", "inflight"), "abort": ("boundary", "abort"),
+              "perstep": ("admission", "per_step"), "continuous": ("admission", "continuous"),
+              "drop": ("over_bound", "drop"), "restart": ("over_bound", "restart")}
+"""Words of a cell's name that state a knob, and the value they state."""
+
+
+def _letters(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def check_said(cell: Cell) -> None:
+    """A cell's name and label say what it runs, and nothing it does not (issue 43: a cell named
+    ``april-r2-eta4`` ran in-flight updates, a sync-2B cell was labelled "sync", and an r or η in a
+    name could differ from the cell's). A given name holds every word of the name its knobs make,
+    each of its knob words (``r2``, ``eta4``, ``inflight``, ``perstep``, ``drop``, ``2B``...) matches
+    the knob, each other word is in one of its ``set`` items, and each ``set`` item is said by one of
+    those words. A given label states r and η (modes other than sync) and the groups scale as they
+    run, and says more than the knobs' own label when the cell has ``set`` items. Each mismatch is an
+    ``ExperimentError`` naming the cell, the word and the knob."""
+    where = f"[experiment] cells: {cell.name}"
+    knobs = cell.model_copy(update={"given_name": None, "given_label": None})
+    if cell.given_name:
+        words = cell.given_name.split("-")
+        extra = []
+        for w in words[1:]:
+            if m := re.fullmatch(r"r(\d+(?:\.\d+)?)", w):
+                if cell.mode == "sync" or float(m[1]) != cell.r:
+                    raise ExperimentError(f"{where}: the name says {w!r}, the cell runs r = {cell.r:g}"
+                                          + (" (sync has no r)" if cell.mode == "sync" else ""))
+            elif m := re.fullmatch(r"eta(\d+)", w):
+                if cell.mode == "sync" or int(m[1]) != cell.eta:
+                    raise ExperimentError(f"{where}: the name says {w!r}, the cell runs η = {cell.eta}"
+                                          + (" (sync has no η)" if cell.mode == "sync" else ""))
+            elif w in KNOB_WORDS:
+                knob, value = KNOB_WORDS[w]
+                if getattr(cell, knob) != value:
+                    raise ExperimentError(f"{where}: the name says {w!r}, the cell runs {knob} = "
+                                          f"{getattr(cell, knob)!r}")
+            elif m := re.fullmatch(r"(\d+)B", w):
+                if int(m[1]) != cell.groups_scale:
+                    raise ExperimentError(f"{where}: the name says {w!r}, the cell runs groups_scale = "
+                                          f"{cell.groups_scale}")
+            else:
+                if not any(_letters(w) and _letters(w) in _letters(item) for item in cell.overrides):
+                    raise ExperimentError(f"{where}: the name says {w!r}, which neither its knobs nor its set "
+                                          f"items {list(cell.overrides)} run")
+                extra.append(_letters(w))
+        missing = [w for w in knobs.name.split("-") if w not in words]
+        if missing:
+            raise ExperimentError(f"{where}: the name does not say {', '.join(map(repr, missing))}: the cell runs "
+                                  f"{knobs.name!r} (with its set items)")
+        for item in cell.overrides:
+            if not any(w in _letters(item) for w in extra):
+                raise ExperimentError(f"{where}: its set item {item!r} is not in its name")
+    if cell.given_label:
+        label = cell.given_label
+        if cell.mode != "sync":
+            for said, runs in ((f"r={cell.r:g}", r"r=([0-9.]+)"), (f"η={cell.eta}", r"η=(\d+)")):
+                found = re.findall(runs, label)
+                if said not in label or any(said != said.split("=")[0] + "=" + f for f in found):
+                    raise ExperimentError(f"{where}: the label {label!r} does not say {said!r}, what the cell runs")
+        scales = re.findall(r"\b(\d+)B\b", label)
+        if (cell.groups_scale != 1 and str(cell.groups_scale) not in scales) or any(
+                int(k) != cell.groups_scale for k in scales):
+            raise ExperimentError(f"{where}: the label {label!r} does not say the cell's groups scale "
+                                  f"{cell.groups_scale}B" if cell.groups_scale != 1 else
+                                  f"{where}: the label {label!r} says a groups scale the cell does not run")
+        if cell.overrides and label == knobs.label:
+            raise ExperimentError(f"{where}: the label {label!r} is the label of its knobs alone: say what its set "
+                                  f"items {list(cell.overrides)} change")
 
 
 def load_sweep(path: Path) -> tuple[SweepConfig, SimSettings]:

@@ -232,9 +232,10 @@ def samples_to_eval(eval_curve: list, curve: list, level: float) -> float | None
     return time_to_eval([[samples_at(curve, t), step, rw] for t, step, rw in eval_curve], level)
 
 
-def resolve_levels(cfg: Settings, runs: list[dict]) -> tuple[list[float], list[str]]:
-    """``levels`` plus those ``sync_levels`` makes of the sync runs, sorted; and a note for each of those."""
-    levels, notes = list(cfg.levels), []
+def resolve_levels(cfg: Settings, runs: list[dict]) -> tuple[list[float], list[str], dict[float, float]]:
+    """``levels`` plus those ``sync_levels`` makes of the sync runs, sorted; a note for each of those;
+    and each fraction's level (1.0: sync's final batch reward, the primary claim ``t_sync_end``)."""
+    levels, notes, by_fraction = list(cfg.levels), [], {}
     sync = [r for r in runs if r["cell"] == "sync" and r["status"] == "ok" and len(r.get("curve", ())) >= cfg.ma_steps]
     if cfg.sync_levels and sync:
         start = statistics.fmean(moving_average([p[2] for p in r["curve"]], cfg.ma_steps)[cfg.ma_steps - 1]
@@ -243,23 +244,27 @@ def resolve_levels(cfg: Settings, runs: list[dict]) -> tuple[list[float], list[s
         for f in cfg.sync_levels:
             level = round(start + f * (final - start), 3)
             levels.append(level)
+            by_fraction[f] = level
             notes.append(f"{level:g} = sync's start {start:.3f} + {f:g} × its climb to {final:.3f}")
-    return sorted(set(levels)), notes
+    return sorted(set(levels)), notes, by_fraction
 
 
-def resolve_eval_levels(cfg: Settings, runs: list[dict], initial: float | None) -> tuple[list[float], list[str]]:
+def resolve_eval_levels(cfg: Settings, runs: list[dict], initial: float | None
+                        ) -> tuple[list[float], list[str], dict[float, float]]:
     """Held-out reward levels read off the sync cell as ``sync_levels`` are: the initial policy's
-    held-out reward plus those fractions of sync's climb to its last evaluated checkpoint."""
+    held-out reward plus those fractions of sync's climb to its last evaluated checkpoint; and each
+    fraction's level (1.0: sync's final held-out reward, the primary claim ``te_sync_end``)."""
     sync = [r["eval_curve"][-1][2] for r in runs if r["cell"] == "sync" and r["status"] == "ok" and r.get("eval_curve")]
     if initial is None or not sync or not cfg.sync_levels:
-        return [], []
+        return [], [], {}
     final = statistics.fmean(sync)
-    levels, notes = [], []
+    levels, notes, by_fraction = [], [], {}
     for f in cfg.sync_levels:
         level = round(initial + f * (final - initial), 3)
         levels.append(level)
+        by_fraction[f] = level
         notes.append(f"{level:g} = the initial policy's {initial:.3f} + {f:g} × sync's climb to {final:.3f}")
-    return sorted(set(levels)), notes
+    return sorted(set(levels)), notes, by_fraction
 
 
 # ---------------------------------------------------------------------- reward by response length

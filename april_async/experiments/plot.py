@@ -22,7 +22,10 @@ def _colors(cells: list[dict]) -> dict[str, Any]:
 
 
 def _band(runs: list[dict], axis: int, grid: list[float], k: int) -> tuple[list, list, list]:
-    """Mean, lowest and highest over runs of the moving-average reward, sampled on ``grid``."""
+    """Mean, lowest and highest over runs of the moving-average reward, sampled on ``grid``. A run
+    holds its last value from its last step to the grid's end: the right edge is then the mean over
+    every seed of what the table calls the final reward, not over the seeds that happen to have a
+    step there (issue 43: a curve ended 0.1 above its table)."""
     import numpy as np
 
     ys = []
@@ -33,7 +36,7 @@ def _band(runs: list[dict], axis: int, grid: list[float], k: int) -> tuple[list,
         if len(pts) < 2:
             continue
         px, py = zip(*pts)
-        y = np.interp(grid, px, py, left=np.nan, right=np.nan)
+        y = np.interp(grid, px, py, left=np.nan)
         ys.append(y)
     if not ys:
         return [], [], []
@@ -53,16 +56,14 @@ def plot_experiment(cfg: Settings, cells: list[dict], runs: list[dict], out: Pat
 
     names = []
     colors = _colors(cells)
-    ok = [r for r in runs if r["status"] == "ok" and r.get("curve")]
 
     for axis, xlabel, fname in [(0, "wall time from the first learner step (s)", "reward_vs_time.png"),
                                 (1, "samples trained", "reward_vs_samples.png")]:
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        top = max((r["curve"][-1][axis] for r in ok), default=1.0)
-        grid = np.linspace(0, top, 200)
+        series = reward_series(cfg, cells, runs, axis)
         for c in cells:
-            mean, lo, hi = _band([r for r in ok if r["cell"] == c["cell"]], axis, grid, cfg.ma_steps)
-            if len(mean):
+            if c["cell"] in series:
+                grid, mean, lo, hi = series[c["cell"]]
                 ax.plot(grid, mean, color=colors[c["cell"]], label=c["label"], linewidth=1.6)
                 ax.fill_between(grid, lo, hi, color=colors[c["cell"]], alpha=0.15, linewidth=0)
         for lv in cfg.levels:
@@ -176,27 +177,55 @@ def plot_experiment(cfg: Settings, cells: list[dict], runs: list[dict], out: Pat
     return names
 
 
+def eval_series(cfg: Settings, cells: list[dict], runs: list[dict]) -> dict[str, tuple]:
+    """Each cell's held-out reward on a grid over the window: (grid, mean, lowest, highest) over its
+    seeds. A run holds its last checkpoint's reward to the window's end, so the right edge is the mean
+    of every seed's ``eval_final``, the table's number (before issue 43 a run whose last checkpoint
+    came early left the mean, and the recomputed cell's curve ended at 0.52 beside a table's 0.405)."""
+    import numpy as np
+
+    grid = np.linspace(0, cfg.duration_s, 100)
+    out = {}
+    for c in cells:
+        ys = [np.interp(grid, [p[0] for p in r["eval_curve"]], [p[2] for p in r["eval_curve"]])
+              for r in runs if r["cell"] == c["cell"] and r["status"] == "ok" and r.get("eval_curve")]
+        if ys:
+            a = np.vstack(ys)
+            out[c["cell"]] = (grid, a.mean(0), a.min(0), a.max(0))
+    return out
+
+
+def reward_series(cfg: Settings, cells: list[dict], runs: list[dict], axis: int = 0) -> dict[str, tuple]:
+    """Each cell's moving-average batch reward against time (``axis`` 0) or samples (1): (grid, mean,
+    lowest, highest) over its seeds (``_band``)."""
+    import numpy as np
+
+    ok = [r for r in runs if r["status"] == "ok" and r.get("curve")]
+    top = max((r["curve"][-1][axis] for r in ok), default=1.0)
+    grid = np.linspace(0, top, 200)
+    out = {}
+    for c in cells:
+        mean, lo, hi = _band([r for r in ok if r["cell"] == c["cell"]], axis, grid, cfg.ma_steps)
+        if len(mean):
+            out[c["cell"]] = (grid, mean, lo, hi)
+    return out
+
+
 def plot_eval(cfg: Settings, cells: list[dict], runs: list[dict], out: Path) -> str:
     """Held-out reward against wall time: mean over seeds, a band from the lowest to the highest."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     colors = _colors(cells)
     many = len(cells) > 8  # a legend beside the axes, not over the lines
     fig, ax = plt.subplots(figsize=(9.0 if many else 6.4, 4.0))
-    grid = np.linspace(0, cfg.duration_s, 100)
+    series = eval_series(cfg, cells, runs)
     for c in cells:
-        ys = [np.interp(grid, [p[0] for p in r["eval_curve"]], [p[2] for p in r["eval_curve"]], right=np.nan)
-              for r in runs if r["cell"] == c["cell"] and r["status"] == "ok" and r.get("eval_curve")]
-        if not ys:
+        if c["cell"] not in series:
             continue
-        a = np.vstack(ys)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean, lo, hi = np.nanmean(a, 0), np.nanmin(a, 0), np.nanmax(a, 0)
+        grid, mean, lo, hi = series[c["cell"]]
         ax.plot(grid, mean, color=colors[c["cell"]], label=c["label"], linewidth=1.6,
                 linestyle="--" if c.get("over_bound") == "drop" else "-")
         ax.fill_between(grid, lo, hi, color=colors[c["cell"]], alpha=0.15, linewidth=0)

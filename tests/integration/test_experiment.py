@@ -120,6 +120,17 @@ def test_report_redraws_from_results_and_writes_the_docs_block(tmp_path, monkeyp
     for name in FIGURES:
         assert (tmp_path / "figs" / name).read_bytes().startswith(PNG), name
 
+    # issue 43: every run's numbers are kept beside the figures, and rebuild the same tables alone
+    kept = json.loads((tmp_path / "figs" / "runs.json").read_text())
+    assert [(r["cell"], r["seed"], r["curve"]) for r in kept["runs"]] == [(r["cell"], r["seed"], r["curve"])
+                                                                          for r in runs]
+    first = (out / "results.md").read_text()
+    (out / "results.json").unlink()
+    page.write_text("# Experiments\n\n<!-- experiment:t:begin -->\n<!-- experiment:t:end -->\n")
+    assert tool.main([str(cfg), "--report", "--from-docs", "--docs"]) == 0
+    assert (out / "results.md").read_text() == first and first in page.read_text()
+    assert tool.main([str(cfg), "--from-docs"]) == 2  # only with --report
+
 
 def test_held_out_levels_are_read_off_sync_and_timed_between_checkpoints(tmp_path):
     """The held-out reward's levels: the initial policy plus fractions of sync's climb; each is

@@ -77,6 +77,23 @@ def test_a_cells_overrides_apply_to_its_runs_only_after_the_experiments(tmp_path
     ('{ mode = "async", boundary = "inflight" }', "mode 'april' only"),
     ('{ mode = "sync", name = "sync-a" }, { mode = "sync", groups_scale = 2, name = "sync-a" }',
      "two different cells are named 'sync-a'"),
+    # issue 43: a name or label checked against everything the cell runs
+    ('{ mode = "april", r = 2.0, eta = 4, boundary = "inflight", name = "april-r2-eta4" }',
+     "the name does not say 'inflight'"),
+    ('{ mode = "april", r = 2.0, eta = 4, name = "april-r3-eta4" }', "the name says 'r3', the cell runs r = 2"),
+    ('{ mode = "april", r = 2.0, eta = 4, name = "april-r2-eta8" }', "the name says 'eta8', the cell runs η = 4"),
+    ('{ mode = "sync", groups_scale = 2, name = "sync-4B" }', "the name says '4B', the cell runs groups_scale = 2"),
+    ('{ mode = "sync", groups_scale = 2, name = "sync-wide", set = ["learner.lr=1e-4"] }', "the name says 'wide'"),
+    ('{ mode = "sync", set = ["learner.lr=1e-4"], name = "sync-wide" }',
+     "the name says 'wide', which neither its knobs nor its set items"),
+    ('{ mode = "sync", set = ["learner.lr=1e-4", "learner.grad_clip=0.5"], name = "sync-lr1e-4" }',
+     "its set item 'learner.grad_clip=0.5' is not in its name"),
+    ('{ mode = "sync", groups_scale = 2, label = "sync" }', "does not say the cell's groups scale 2B"),
+    ('{ mode = "sync", label = "sync 2B" }', "says a groups scale the cell does not run"),
+    ('{ mode = "april", r = 2.0, eta = 4, label = "april r=3 η=4" }', "does not say 'r=2'"),
+    ('{ mode = "april", r = 2.0, eta = 4, label = "april r=2" }', "does not say 'η=4'"),
+    ('{ mode = "sync", set = ["learner.lr=1e-4"], name = "sync-lr1e-4", label = "sync" }',
+     "is the label of its knobs alone"),
 ])
 def test_a_control_that_would_hide_what_runs_is_refused_naming_it(tmp_path, cells, named):
     with pytest.raises(ExperimentError, match="^.*" + __import__("re").escape(named)):

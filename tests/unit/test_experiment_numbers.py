@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from april_async.experiments.bootstrap import against_sync
 from april_async.experiments.grid import Cell, Settings
+from april_async.experiments.paired import against_sync
 from april_async.experiments.numbers import (aggregate, length_bins, length_edges, length_hist, length_split,
                                              run_numbers, samples_to, samples_to_eval)
 from april_async.experiments.report import length_table, samples_table
@@ -110,3 +110,25 @@ def test_the_held_out_answers_are_split_at_their_own_edges():
     assert [(b["share"], b["reward"]) for b in cells[1]["eval_length_split"]] == [(0.5, 1.0), (0.5, 0.25)]
     text = length_table(cells, eval_edges, held_out=True)
     assert text.startswith("Held-out reward by response length") and "| sync | 75 % | 1.000 | 25 % | 0.000 |" in text
+
+
+def test_each_figures_last_point_is_its_tables_value():
+    """Issue 43: the right edge of a figure was a mean over the seeds that still had a point there (the
+    KV-recomputed cell's held-out curve ended near 0.52, its table said 0.405). Every seed now holds
+    its last value to the edge: the last point is the mean over every seed of the table's number."""
+    from april_async.experiments.plot import eval_series, reward_series
+
+    cfg = Settings(name="t", base=Path("launch/addchain.toml"), cells=[{"mode": "sync"}], duration_s=30.0, ma_steps=2)
+    runs = []
+    for seed, (steps, evals) in enumerate([(30, [[0.0, 0, 0.40], [15.0, 5, 0.50], [30.0, 10, 0.60]]),
+                                           (12, [[0.0, 0, 0.40], [11.0, 4, 0.30]]),  # its last checkpoint: early
+                                           (25, [[0.0, 0, 0.40], [20.0, 5, 0.55]])]):
+        curve = [[float(i), 32 * (i + 1), 0.3 + 0.01 * i + 0.05 * seed] for i in range(steps)]
+        runs.append({"cell": "sync", "seed": seed, "status": "ok", "curve": curve, "eval_curve": evals,
+                     "eval_final": evals[-1][2], "reward_final": sum(p[2] for p in curve[-2:]) / 2})
+    cells = aggregate([Cell(mode="sync")], runs, [])
+    (_, held_out, _, _), = eval_series(cfg, cells, runs).values()
+    assert held_out[-1] == pytest.approx(cells[0]["eval_final"]) == pytest.approx((0.60 + 0.30 + 0.55) / 3)
+    for axis in (0, 1):
+        (_, batch, _, _), = reward_series(cfg, cells, runs, axis).values()
+        assert batch[-1] == pytest.approx(cells[0]["reward_final"])
