@@ -87,6 +87,8 @@ class LeaseWork:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     sent: int = 0  # tokens of this lease already sent
+    group_id: int = -1
+    decode_s: float = 0.0  # its share of the engine steps it ran in (``log_leases``)
 
     def mixed(self, versions: list[int]) -> int:
         """Of ``versions`` (the lease's next tokens), how many are newer than the lease's first token:
@@ -231,7 +233,11 @@ class GeneratorActor:
             if self.offered() != self.capacity:  # a server engine lost or regained a server; starved or fed
                 self._capacity_changed()
             self._start_waiting()
-            for out in self.engine.step():
+            t_step = time.monotonic()
+            outs = self.engine.step()
+            if self.cfg.log_leases:
+                self._share_step(time.monotonic() - t_step)
+            for out in outs:
                 self._progress(out)
             self._flush_chunks()
             now = time.monotonic()
@@ -270,7 +276,8 @@ class GeneratorActor:
                 max_new_tokens=body.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                 stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed,
                 min_version=body.min_policy_version if self.gated else 0))
-            self.work[body.lease_id] = LeaseWork(body.lease_id, body.sample_id, len(body.resume))
+            self.work[body.lease_id] = LeaseWork(body.lease_id, body.sample_id, len(body.resume),
+                                                 group_id=body.group_id)
         elif isinstance(body, m.Abort):
             if body.all and self.engine.caps.batched_abort:
                 self._abort_all()
@@ -407,6 +414,13 @@ class GeneratorActor:
                                     tokens=toks, logprobs=lps))
         w.sent = len(w.tokens)
 
+    def _share_step(self, seconds: float) -> None:
+        """``log_leases``: an engine step's seconds, shared equally among the leases it ran."""
+        waiting = {r.lease_id for r in self.waiting}
+        running = [w for lid, w in self.work.items() if lid not in waiting]
+        for w in running:
+            w.decode_s += seconds / len(running)
+
     def _finish(self, w: LeaseWork, reason: str, error: str | None = None) -> None:
         if reason == "error":
             self._check_broker_takes_errors(w, error)
@@ -417,6 +431,9 @@ class GeneratorActor:
         offset, toks, lps, spans = self._pending(w)
         self._send_finished(m.Finished(lease_id=w.lease_id, sample_id=w.sample_id, offset=offset, versions=spans,
                                        tokens=toks, logprobs=lps, reason=reason, error=error))
+        if self.cfg.log_leases:
+            self.log.info("lease_done", lease=w.lease_id, sample=w.sample_id, group=w.group_id, reason=reason,
+                          tokens=len(w.tokens), decode_s=round(w.decode_s, 6), t=round(time.time(), 3))
         del self.work[w.lease_id]
 
     def _check_broker_takes_errors(self, w: LeaseWork, error: str | None) -> None:

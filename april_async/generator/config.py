@@ -54,6 +54,10 @@ class GeneratorConfig(BaseModel):
     from the weights (its rounds failing, benched by the broadcaster, stuck joining a group) must
     not hold a rollout step's leases while another generator could run them (issue 42: one held
     all eight leases of a step for four minutes). Longer than a version's fan-out takes."""
+    log_leases: bool = False
+    """Log a ``lease_done`` line at each lease's end: its sample and group, why it ended, its tokens, and
+    the decode time it had (each engine step's seconds shared among the leases it ran). What
+    ``tools/abort_cost.py`` reads to price the groups a step decoded but did not train on."""
     progress_max_tokens: int = Field(4096, ge=1)
     """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
     split over several messages."""

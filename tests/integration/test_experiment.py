@@ -35,7 +35,9 @@ def test_the_smoke_size_runs_each_cell_for_its_window_and_reports(tmp_path):
 
     doc = json.loads((out / "results.json").read_text())
     window = doc["settings"]["duration_s"]
-    assert [r["cell"] for r in doc["runs"]] == ["sync", "april-r2-eta4"]
+    assert sorted(r["cell"] for r in doc["runs"]) == ["april-r2-eta4", "sync"]
+    # the cells ran in the order drawn for the seed, recorded with the runs (issue 43)
+    assert [r["cell"] for r in doc["runs"]] == doc["orders"]["0"] and [r["order"] for r in doc["runs"]] == [0, 1]
     for run in doc["runs"]:
         assert run["status"] == "ok", run
         assert run["steps"] >= 2 and run["tokens_per_s"] > 0
@@ -61,6 +63,12 @@ def test_the_smoke_size_runs_each_cell_for_its_window_and_reports(tmp_path):
     for name in FIGURES + ("eval_vs_time.png",):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) < 100_000, name
+
+    # tools/abort_cost.py reads the same runs: every step's wait and decoding, on and off its batch
+    cost = subprocess.run([sys.executable, "tools/abort_cost.py", "--experiment", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert cost.returncode == 0, cost.stderr
+    assert "| april-r2-eta4 | 0 |" in cost.stdout and "| sync | 0 |" in cost.stdout
 
     # --resume over a finished experiment keeps every run as it was and runs none.
     again = experiment(str(PRESET), "--smoke", "--out", str(out), "--resume")
