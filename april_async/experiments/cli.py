@@ -39,7 +39,8 @@ def _interrupt(signum, frame) -> None:
 def experiment_main(argv: list[str] | None = None, *, docs_page: Path, description: str | None = None) -> int:
     """``tools/experiment.py``; ``--docs`` rewrites the experiment's block of ``docs_page``."""
     p = argparse.ArgumentParser(prog="experiment", description=description)
-    p.add_argument("config", type=Path, help="the experiment's TOML file ([experiment], [smoke], [sim])")
+    p.add_argument("config", type=Path, nargs="+", help="the experiment's TOML file ([experiment], [smoke], [sim]); "
+                   "several only with --report --from-docs (every experiment's tables rebuilt in one command)")
     p.add_argument("--smoke", action="store_true", help="the [smoke] size: what CI runs")
     p.add_argument("--sim", action="store_true", help="the cells in the simulator (GPU-like costs), no runs")
     p.add_argument("--report", action="store_true", help="no runs: redraw and re-tabulate <out>/results.json "
@@ -56,7 +57,12 @@ def experiment_main(argv: list[str] | None = None, *, docs_page: Path, descripti
     if threading.current_thread() is threading.main_thread():  # a kill stops the running cell in order
         signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _experiment(args, docs_page)
+        if len(args.config) > 1 and not (args.report and args.from_docs):
+            raise ExperimentError("several configs go with --report --from-docs only")
+        code = 0
+        for config in args.config:
+            code = max(code, _experiment(argparse.Namespace(**{**vars(args), "config": config}), docs_page))
+        return code
     except ExperimentError as e:
         print(f"experiment: {e}", file=sys.stderr)
         return 2
@@ -125,7 +131,7 @@ def _experiment(args, docs_page: Path) -> int:
             run[f"se_{lv:g}"] = samples_to_eval(curve, run.get("curve"), lv) if curve else None
     edges, eval_edges = length_edges(runs), length_edges(runs, key="eval_length_hist")
     aggregated = aggregate(cells, runs, levels, eval_levels, edges, eval_edges)
-    sim_file = out / "sim.json"
+    sim_file = (cfg.docs / "sim.json") if args.from_docs else out / "sim.json"  # --docs keeps a copy beside runs.json
     sim_rows = json.loads(sim_file.read_text())["cells"] if sim_file.is_file() else None
     text = tables(cfg, aggregated, sim_rows, notes)
     if eval_levels:
@@ -154,6 +160,8 @@ def _experiment(args, docs_page: Path) -> int:
         write_docs(cfg, text, figures, out, docs_page)
         if not args.from_docs:
             write_docs_runs(cfg, meta, runs)
+            if sim_file.is_file():
+                shutil.copyfile(sim_file, cfg.docs / "sim.json")
     print(f"experiment: wrote {results}, results.md and {len(figures)} figures to {out}")
     return 0 if all(r["status"] == "ok" for r in runs) else 1
 
