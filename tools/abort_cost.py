@@ -26,7 +26,8 @@ from april_async.experiments.decode_cost import experiment_runs, run_cost, step_
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="*", type=Path, help="run directories (april up's run.dir)")
-    p.add_argument("--experiment", type=Path, help="an experiment's out directory: every cells/<cell>/seed<k>")
+    p.add_argument("--experiment", type=Path,
+                   help="an experiment's out directory: every cells/<cell>/seed<k>")
     p.add_argument("--steps", action="store_true", help="also print every step of every run")
     args = p.parse_args(argv)
     found = {(d.name, 0): d for d in args.runs}

@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", help="where the run goes (default: a new temporary directory)")
     ap.add_argument("--settle-s", type=float, default=600.0, help="how long to wait for the step target after the kills")
     ap.add_argument("--hosts", type=int, default=1,
-                    help="run across this many hosts (network namespaces; root): the soak (default 1: this machine)")
+                    help="run across this many hosts (network namespaces; root): the soak (default 1: "
+                         "this machine)")
     ap.add_argument("--faults", type=int, default=100, help="with --hosts: how many faults (default 100)")
     ap.add_argument("--fault-kinds", default=None,
                     help="with --hosts: the kinds of fault, comma-separated (default: all of kill:generator, "
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --hosts: learner steps to wait for after the last fault (default 3)")
     args = ap.parse_args(argv)
     if args.hosts > 1:
-        from april_async.testing import soak  # the kit's hosts and stand-in ssh: a checkout's (module docstring)
+        from april_async.testing import soak  # the kit's hosts and stand-in ssh: a checkout's (module
+                                              # docstring)
 
         args.fault_kinds = [k for k in (args.fault_kinds or ",".join(soak.FAULT_KINDS)).split(",") if k]
         if not args.fault_kinds or set(args.fault_kinds) - set(soak.FAULT_KINDS):

@@ -39,16 +39,18 @@ def _interrupt(signum, frame) -> None:
 def experiment_main(argv: list[str] | None = None, *, docs_page: Path, description: str | None = None) -> int:
     """``tools/experiment.py``; ``--docs`` rewrites the experiment's block of ``docs_page``."""
     p = argparse.ArgumentParser(prog="experiment", description=description)
-    p.add_argument("config", type=Path, nargs="+", help="the experiment's TOML file ([experiment], [smoke], [sim]); "
-                   "several only with --report --from-docs (every experiment's tables rebuilt in one command)")
+    p.add_argument("config", type=Path, nargs="+", help="the experiment's TOML file ([experiment], [smoke], "
+                   "[sim]); several only with --report --from-docs (every experiment's tables rebuilt in one "
+                   "command)")
     p.add_argument("--smoke", action="store_true", help="the [smoke] size: what CI runs")
     p.add_argument("--sim", action="store_true", help="the cells in the simulator (GPU-like costs), no runs")
     p.add_argument("--report", action="store_true", help="no runs: redraw and re-tabulate <out>/results.json "
                    "(re-reading the run directories that are still there)")
-    p.add_argument("--docs", action="store_true", help="also copy the figures to [experiment] docs, write every "
-                   "run's numbers there (runs.json) and rewrite the experiment's block of docs/experiments.md")
-    p.add_argument("--from-docs", action="store_true", help="with --report: tabulate [experiment] docs/runs.json, "
-                   "the per-seed numbers kept in the repository, and nothing else")
+    p.add_argument("--docs", action="store_true", help="also copy the figures to [experiment] docs, write "
+                   "every run's numbers there (runs.json) and rewrite the experiment's block of "
+                   "docs/experiments.md")
+    p.add_argument("--from-docs", action="store_true", help="with --report: tabulate [experiment] "
+                   "docs/runs.json, the per-seed numbers kept in the repository, and nothing else")
     p.add_argument("--out", type=Path, help="where results and figures go (default: [experiment] out)")
     p.add_argument("--resume", action="store_true", help="keep the finished runs of <out>/results.json "
                    "(an interrupted experiment, same settings) and run only the rest")
@@ -101,7 +103,8 @@ def _experiment(args, docs_page: Path) -> int:
     orders = None
     if args.report and args.from_docs:
         stored = read_docs_runs(cfg)
-        runs, eval_initial, initial_policy = stored["runs"], stored.get("eval_initial"), stored.get("initial_policy")
+        runs, eval_initial, initial_policy = (stored["runs"], stored.get("eval_initial"),
+                                              stored.get("initial_policy"))
         orders = stored.get("orders")
     elif args.report:
         if not results.is_file():
@@ -131,7 +134,8 @@ def _experiment(args, docs_page: Path) -> int:
             run[f"se_{lv:g}"] = samples_to_eval(curve, run.get("curve"), lv) if curve else None
     edges, eval_edges = length_edges(runs), length_edges(runs, key="eval_length_hist")
     aggregated = aggregate(cells, runs, levels, eval_levels, edges, eval_edges)
-    sim_file = (cfg.docs / "sim.json") if args.from_docs else out / "sim.json"  # --docs keeps a copy beside runs.json
+    sim_file = (cfg.docs / "sim.json") if args.from_docs else out / "sim.json"  # --docs keeps a copy beside
+                                                                                # runs.json
     sim_rows = json.loads(sim_file.read_text())["cells"] if sim_file.is_file() else None
     text = tables(cfg, aggregated, sim_rows, notes)
     if eval_levels:

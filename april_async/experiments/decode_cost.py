@@ -66,8 +66,9 @@ def lease_lines(log: Path) -> list[dict]:
         else:
             rec = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
         try:
-            out.append({"sample": int(rec["sample"]), "reason": str(rec["reason"]), "tokens": int(rec["tokens"]),
-                        "decode_s": float(rec["decode_s"]), "t": float(rec["t"])})
+            out.append({"sample": int(rec["sample"]), "reason": str(rec["reason"]),
+                        "tokens": int(rec["tokens"]), "decode_s": float(rec["decode_s"]),
+                        "t": float(rec["t"])})
         except (KeyError, ValueError):
             continue
     return out
@@ -129,20 +130,22 @@ def table(costs: dict[tuple[str, int], RunCost]) -> str:
     """One row a run: per learner step, means over its steps after the first; then, per cell, the wait
     removed against sync (paired by seed) beside the wall time spent off the batch."""
     lines = ["Per learner step (means over each run's steps after the first). *decoded*, *off the batch*: "
-             "generator-seconds of decoding on leases that ended in the step, and of it on samples the step's "
-             "batch did not hold (aborted and recycled, or left for a later batch); *as wall time*: off the "
-             "batch ÷ the generators decoding at once; *wait removed*: sync's mean wait per step minus this "
-             "run's, same seed.", "",
-             "| cell | seed | steps | wait (s) | decoded (gen-s) | off the batch (gen-s) | share | as wall time (s) "
-             "| wait removed (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             "generator-seconds of decoding on leases that ended in the step, and of it on samples the "
+             "step's batch did not hold (aborted and recycled, or left for a later batch); *as wall time*: "
+             "off the batch ÷ the generators decoding at once; *wait removed*: sync's mean wait per step "
+             "minus this run's, same seed.", "",
+             "| cell | seed | steps | wait (s) | decoded (gen-s) | off the batch (gen-s) | share "
+             "| as wall time (s) | wait removed (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for (cell, seed), c in sorted(costs.items()):
         sync = costs.get(("sync", seed))
         removed = "—" if sync is None or cell == "sync" else f"{sync.mean('wait_s') - c.mean('wait_s'):.2f}"
         decoded, off = c.mean("decoded_s"), c.mean("off_batch_s")
-        lines.append(f"| {cell} | {seed} | {len(c.steps)} | {c.mean('wait_s'):.2f} | {decoded:.2f} | {off:.2f} | "
-                     f"{off / decoded:.0%} | {off / max(1, c.generators):.2f} | {removed} |".replace("%", " %")
+        lines.append(f"| {cell} | {seed} | {len(c.steps)} | {c.mean('wait_s'):.2f} | {decoded:.2f} | "
+                     f"{off:.2f} | {off / decoded:.0%} | {off / max(1, c.generators):.2f} | "
+                     f"{removed} |".replace("%", " %")
                      if decoded else
-                     f"| {cell} | {seed} | {len(c.steps)} | {c.mean('wait_s'):.2f} | 0 | 0 | — | 0 | {removed} |")
+                     f"| {cell} | {seed} | {len(c.steps)} | {c.mean('wait_s'):.2f} | 0 | 0 | — | 0 | "
+                     f"{removed} |")
     cells = sorted({cell for cell, _ in costs})
     summary = ["", "| cell | seeds | wait (s) | off the batch, as wall time (s) | wait removed (s) |",
                "|---|---|---|---|---|"]
@@ -151,7 +154,8 @@ def table(costs: dict[tuple[str, int], RunCost]) -> str:
         removed = [costs["sync", s].mean("wait_s") - c.mean("wait_s") for s, c in runs.items()
                    if ("sync", s) in costs and cell != "sync"]
         wall = [c.mean("off_batch_s") / max(1, c.generators) for c in runs.values()]
-        summary.append(f"| {cell} | {len(runs)} | {statistics.fmean(c.mean('wait_s') for c in runs.values()):.2f} | "
+        summary.append(f"| {cell} | {len(runs)} | "
+                       f"{statistics.fmean(c.mean('wait_s') for c in runs.values()):.2f} | "
                        f"{statistics.fmean(wall):.2f} | "
                        f"{'—' if not removed else f'{statistics.fmean(removed):.2f}'} |")
     return "\n".join(lines + summary) + "\n"

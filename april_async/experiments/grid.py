@@ -377,13 +377,13 @@ def check_said(cell: Cell) -> None:
                                           f"{cell.groups_scale}")
             else:
                 if not any(_letters(w) and _letters(w) in _letters(item) for item in cell.overrides):
-                    raise ExperimentError(f"{where}: the name says {w!r}, which neither its knobs nor its set "
-                                          f"items {list(cell.overrides)} run")
+                    raise ExperimentError(f"{where}: the name says {w!r}, which neither its knobs nor its "
+                                          f"set items {list(cell.overrides)} run")
                 extra.append(_letters(w))
         missing = [w for w in knobs.name.split("-") if w not in words]
         if missing:
-            raise ExperimentError(f"{where}: the name does not say {', '.join(map(repr, missing))}: the cell runs "
-                                  f"{knobs.name!r} (with its set items)")
+            raise ExperimentError(f"{where}: the name does not say {', '.join(map(repr, missing))}: the cell "
+                                  f"runs {knobs.name!r} (with its set items)")
         for item in cell.overrides:
             if not any(w in _letters(item) for w in extra):
                 raise ExperimentError(f"{where}: its set item {item!r} is not in its name")
@@ -393,7 +393,8 @@ def check_said(cell: Cell) -> None:
             for said, runs in ((f"r={cell.r:g}", r"r=([0-9.]+)"), (f"η={cell.eta}", r"η=(\d+)")):
                 found = re.findall(runs, label)
                 if said not in label or any(said != said.split("=")[0] + "=" + f for f in found):
-                    raise ExperimentError(f"{where}: the label {label!r} does not say {said!r}, what the cell runs")
+                    raise ExperimentError(f"{where}: the label {label!r} does not say {said!r}, what the "
+                                          "cell runs")
         scales = re.findall(r"\b(\d+)B\b", label)
         if (cell.groups_scale != 1 and str(cell.groups_scale) not in scales) or any(
                 int(k) != cell.groups_scale for k in scales):
@@ -401,8 +402,8 @@ def check_said(cell: Cell) -> None:
                                   f"{cell.groups_scale}B" if cell.groups_scale != 1 else
                                   f"{where}: the label {label!r} says a groups scale the cell does not run")
         if cell.overrides and label == knobs.label:
-            raise ExperimentError(f"{where}: the label {label!r} is the label of its knobs alone: say what its set "
-                                  f"items {list(cell.overrides)} change")
+            raise ExperimentError(f"{where}: the label {label!r} is the label of its knobs alone: say what "
+                                  f"its set items {list(cell.overrides)} change")
 
 
 def load_sweep(path: Path) -> tuple[SweepConfig, SimSettings]:

@@ -48,7 +48,7 @@ MIN_PAIRS = 4
 """The fewest pairs a verdict is given from."""
 
 
-# ---------------------------------------------------------------------- Student's t, for whole degrees of freedom
+# ------------------------------------------------------ Student's t, for whole degrees of freedom
 
 
 def t_cdf(t: float, df: int) -> float:
@@ -157,11 +157,11 @@ def verdict(iv: Interval | None, better: str, words: tuple[str, str] = ("faster"
     below, above = iv.hi < 1.0, iv.lo > 1.0
     # A censored cell value is too small (its ratio too low); a censored sync value too large.
     if below and iv.censored_cell:
-        return f"not distinguishable ({iv.censored_cell} censored seed{'s' if iv.censored_cell > 1 else ''} of " \
-               f"the cell flatter it)"
+        return f"not distinguishable ({iv.censored_cell} censored " \
+               f"seed{'s' if iv.censored_cell > 1 else ''} of the cell flatter it)"
     if above and iv.censored_sync:
-        return f"not distinguishable ({iv.censored_sync} censored seed{'s' if iv.censored_sync > 1 else ''} of " \
-               f"sync flatter it)"
+        return f"not distinguishable ({iv.censored_sync} censored " \
+               f"seed{'s' if iv.censored_sync > 1 else ''} of sync flatter it)"
     if below:
         return f"{good if better == LOWER_IS_BETTER else bad} than sync"
     if above:
@@ -181,12 +181,14 @@ CENSORED_BY = {"t": "time", "te": "time", "s": "samples", "se": "samples"}
 def claims(levels: list[float], eval_levels: list[float], with_eval: bool) -> list[Claim]:
     """The claims compared with sync: (run key, what it says, which way is better, verdict words)."""
     fewer = ("fewer samples", "more samples")
-    out = [(f"t_{lv:g}", f"time to batch reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower")) for lv in levels]
+    out = [(f"t_{lv:g}", f"time to batch reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower"))
+           for lv in levels]
     out += [(f"s_{lv:g}", f"samples to batch reward {lv:g}", LOWER_IS_BETTER, fewer) for lv in levels]
     out.append(("tokens_per_s", "trained tokens/s", HIGHER_IS_BETTER, ("faster", "slower")))
     out += [(f"te_{lv:g}", f"time to held-out reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower"))
             for lv in eval_levels]
-    out += [(f"se_{lv:g}", f"samples to held-out reward {lv:g}", LOWER_IS_BETTER, fewer) for lv in eval_levels]
+    out += [(f"se_{lv:g}", f"samples to held-out reward {lv:g}", LOWER_IS_BETTER, fewer)
+            for lv in eval_levels]
     if with_eval:
         out.append(("eval_final", "held-out reward at the end", HIGHER_IS_BETTER, ("higher", "lower")))
     return out
@@ -229,9 +231,11 @@ def against_sync(cells: list[str], runs: list[dict], levels: list[float], eval_l
             mine, theirs = by_seed(cell, key), by_seed("sync", key)
             iv = paired_interval(mine, theirs, level=level, censor_at=censors(cell, key))
             both = sorted(set(mine) & set(theirs))
-            rows.append({"cell": cell, "claim": claim, "key": key, "ratio": iv.ratio, "lo": iv.lo, "hi": iv.hi,
-                         "level": level, "pairs": iv.pairs, "seeds": len(both),
-                         "reached": [sum(mine[s] is not None for s in both), sum(theirs[s] is not None for s in both)],
+            rows.append({"cell": cell, "claim": claim, "key": key, "ratio": iv.ratio, "lo": iv.lo,
+                         "hi": iv.hi, "level": level, "pairs": iv.pairs, "seeds": len(both),
+                         "reached": [sum(mine[s] is not None for s in both),
+                                     sum(theirs[s] is not None for s in both)],
                          "censored": [iv.censored_cell, iv.censored_sync],
-                         "family": "primary" if is_primary else "exploratory", "verdict": verdict(iv, better, words)})
+                         "family": "primary" if is_primary else "exploratory",
+                         "verdict": verdict(iv, better, words)})
     return rows

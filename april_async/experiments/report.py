@@ -141,17 +141,19 @@ def paired_table(rows: list[dict], labels: dict[str, str], seeds: int) -> str:
     seeds, the claim's family, and the verdict, one line a claim."""
     levels = sorted({r["level"] for r in rows if r["family"] == "primary"})
     primary = (f" *Primary* claims were named before the runs; their intervals are Bonferroni's, at "
-               f"{', '.join(f'{lv:.1%}' for lv in levels)} each, so that they hold together at 95 %; every other "
-               "row is *exploratory*, at 95 % unadjusted." if levels else
+               f"{', '.join(f'{lv:.1%}' for lv in levels)} each, so that they hold together at 95 %; every "
+               "other row is *exploratory*, at 95 % unadjusted." if levels else
                " No primary claim was named: every row is exploratory, at 95 % unadjusted.")
     lines = [f"Against sync, seed by seed: each cell ran the same {seeds} seed(s) (prompt streams) as sync. *ratio*: "
-             "the geometric mean over seeds of the cell's number over sync's; *interval*: the paired t-interval on "
-             "the log of those ratios (95 % unless said), exponentiated. A time or number of samples to a level that "
-             "a seed never reached is censored at the window's end, not dropped (*reached*: seeds of each side that "
-             "reached it; a seed neither reached is left out of the pairs); an interval with censored seeds is read "
-             "in the one direction they cannot flatter. *Verdict*: the side of 1 the whole interval lies on, else "
-             f"not distinguishable; none from fewer than {MIN_PAIRS} pairs (`experiments/paired.py`)." + primary, "",
-             "| cell | claim | family | ratio to sync | interval | pairs | verdict |", "|---|---|---|---|---|---|---|"]
+             "the geometric mean over seeds of the cell's number over sync's; *interval*: the paired "
+             "t-interval on the log of those ratios (95 % unless said), exponentiated. A time or number of "
+             "samples to a level that a seed never reached is censored at the window's end, not dropped "
+             "(*reached*: seeds of each side that reached it; a seed neither reached is left out of the "
+             "pairs); an interval with censored seeds is read in the one direction they cannot flatter. "
+             "*Verdict*: the side of 1 the whole interval lies on, else not distinguishable; none from fewer "
+             f"than {MIN_PAIRS} pairs (`experiments/paired.py`)." + primary, "",
+             "| cell | claim | family | ratio to sync | interval | pairs | verdict |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}×"
         iv = "—" if r["lo"] is None else f"[{r['lo']:.2f}, {r['hi']:.2f}]" + (
@@ -159,8 +161,8 @@ def paired_table(rows: list[dict], labels: dict[str, str], seeds: int) -> str:
         pairs = f"{r['pairs']} of {r['seeds']}"
         if r["reached"] != [r["seeds"], r["seeds"]]:
             pairs += f"; reached: cell {r['reached'][0]}, sync {r['reached'][1]}"
-        lines.append(f"| {labels.get(r['cell'], r['cell'])} | {r['claim']} | {r['family']} | {ratio} | {iv} | "
-                     f"{pairs} | {r['verdict']} |")
+        lines.append(f"| {labels.get(r['cell'], r['cell'])} | {r['claim']} | {r['family']} | {ratio} | "
+                     f"{iv} | {pairs} | {r['verdict']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -196,7 +196,8 @@ class GeneratorActor:
         (``weights_wait_s``)."""
         if self.starved_for is not None:
             if self.engine.newest_version >= self.starved_for:
-                self.log.info("weights_arrived", version=self.engine.newest_version, waited_for=self.starved_for)
+                self.log.info("weights_arrived", version=self.engine.newest_version,
+                              waited_for=self.starved_for)
                 self.starved_for = None
             return
         head = self.waiting[0] if self.waiting else None
@@ -207,9 +208,10 @@ class GeneratorActor:
             self._gated_since = now
         elif now - self._gated_since >= self.cfg.weights_wait_s:
             self.starved_for, self._gated_since = head.min_version, None
-            self.log.warning("weights_starved", waited_s=round(self.cfg.weights_wait_s, 3), needs=head.min_version,
-                             holds=self.engine.newest_version, leases=len(self.waiting),
-                             hint="its leases go back to the broker; no slots offered until that version loads")
+            self.log.warning("weights_starved", waited_s=round(self.cfg.weights_wait_s, 3),
+                             needs=head.min_version, holds=self.engine.newest_version,
+                             leases=len(self.waiting), hint="its leases go back to the broker; no slots "
+                             "offered until that version loads")
 
     def _send_finished(self, fin: m.Finished, peer=None) -> None:
         self.unacked_seq.append((peer or self.peer).send(fin))

@@ -65,7 +65,8 @@ class ClusterRun:
         ckpt = tiny_policy(self.tmp / "policy")
         config = tiny_run(dir=self.run, steps=100000, eta=self.eta, checkpoint=ckpt, **PORTS)
         config = config.replace('actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]\n', "")
-        config = config.replace("duration_s = 240\n", f"duration_s = {duration_s:g}\n" + (f"{run}\n" if run else ""))
+        config = config.replace("duration_s = 240\n",
+                                f"duration_s = {duration_s:g}\n" + (f"{run}\n" if run else ""))
         config = config.replace("[broker.rollout]\n", f"[broker.rollout]\n{rollout}\n" if rollout else "[broker.rollout]\n")
         (self.tmp / "run.toml").write_text(config + "\n" + sections)
         head, *others = self.hosts.addresses

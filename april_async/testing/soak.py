@@ -64,7 +64,8 @@ SAMPLE_S = 0.2
 RESTART_GAP_S = 1.0
 """How long a ``restart`` fault's host drops every packet after its generator is killed."""
 IMPAIR_S = (2.0, 15.0)
-"""A cut or a drop lasts a uniform draw from this range: shorter than the peer timeout (3 s) to well past it."""
+"""A cut or a drop lasts a uniform draw from this range: shorter than the peer timeout (3 s) to well
+past it."""
 HELD = ("queued", "leased", "partial", "finished", "scored")
 
 RUN = """restart = "on-failure"
@@ -139,7 +140,8 @@ def alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
-        state = next((ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("State:")), "")
+        state = next((ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ln.startswith("State:")), "")
     except OSError:
         return False
     return "zombie" not in state
@@ -268,7 +270,8 @@ class Soak:
                 return None
             return {"name": name, "pid": pid}
         if kind == "restart":
-            live = [(n, p) for n, p in self.live("generator") if self.host_of(n) in self.free_hosts(generator_hosts)]
+            live = [(n, p) for n, p in self.live("generator")
+                    if self.host_of(n) in self.free_hosts(generator_hosts)]
             if not live:
                 return None
             name, pid = self.rng.choice(live)
@@ -308,7 +311,8 @@ class Soak:
                     raise SoakFailed(f"no {kind} fault possible for 60 s (is the supervisor restarting it?)")
                 self.idle(0.5)
             step = self.run.step()
-            self.faults.append({"t": round(time.time() - self.t_faults, 2), "kind": kind, "step": step, **done})
+            self.faults.append({"t": round(time.time() - self.t_faults, 2), "kind": kind, "step": step,
+                                **done})
             self.say(f"{kind} {json.dumps(done)} at step {step} [{len(self.faults)}/{self.args.faults}]")
         self.t_end_faults = time.time()
 
@@ -341,8 +345,8 @@ class Soak:
         if audit["duplicates"]:
             problems.append(f"{audit['duplicates']} samples were in two different batches")
         if audit["over_eta"] or audit["from_future"]:
-            problems.append(f"{audit['over_eta']} trained samples broke η = {run.eta}, {audit['from_future']} "
-                            f"had tokens newer than the learner's version")
+            problems.append(f"{audit['over_eta']} trained samples broke η = {run.eta}, "
+                            f"{audit['from_future']} had tokens newer than the learner's version")
 
         restarts: dict[str, int] = {}
         for path in sorted(run.run.glob("summary-n*.json")):
@@ -351,7 +355,8 @@ class Soak:
         for name, n in killed.items():
             if restarts.get(name, 0) < n:
                 problems.append(f"{name} was killed {n} times but restarted {restarts.get(name, 0)} times")
-        unexpected = {name: n - killed.get(name, 0) for name, n in restarts.items() if n > killed.get(name, 0)}
+        unexpected = {name: n - killed.get(name, 0) for name, n in restarts.items()
+                      if n > killed.get(name, 0)}
         for name, n in unexpected.items():
             problems.append(f"{name} died {n} times on its own (restarted more often than it was killed)")
 
@@ -366,9 +371,9 @@ class Soak:
                             f"needed actor live), from {w['from'] - self.t_faults:.1f} s into the faults")
         for name, lag in sorted(self.weights_lag.items()):
             if lag >= STALL_S:
-                problems.append(f"{name} held one version for {lag:.1f} s while newer ones were published and it "
-                                f"could receive them, until {self.weights_lag_at[name] - self.t_faults:.1f} s "
-                                f"into the faults")
+                problems.append(f"{name} held one version for {lag:.1f} s while newer ones were published "
+                                f"and it could receive them, until "
+                                f"{self.weights_lag_at[name] - self.t_faults:.1f} s into the faults")
 
         logs = run.run / "logs"
         bcast = "\n".join(p.read_text(errors="replace") for p in logs.glob("*broadcaster*.log"))
@@ -417,7 +422,8 @@ def table(fig: dict) -> str:
         f"down             {fig['down_s'] or 'never'} (seconds with no live instance)",
         f"weights          longest wait for a new version while reachable: {fig['longest_weights_wait_s']} s",
         f"samples          admitted {fig['samples_admitted']} = delivered {fig['samples_delivered']}"
-        f" + retired {fig['samples_retired']} + buffered {fig['samples_buffered']} (balanced: {fig['balanced']})",
+        f" + retired {fig['samples_retired']} + buffered {fig['samples_buffered']}"
+        f" (balanced: {fig['balanced']})",
         f"duplicates       {fig['duplicates']}",
         f"over η = {fig['eta']}       {fig['staleness_violations']}",
         f"restarts         {sum(fig['restarts'].values())} ({fig['member_restarted']} told apart by their "
@@ -442,7 +448,8 @@ def main(args) -> int:
         code = soak.finish()
         fig = soak.report(code)
     except (SoakFailed, AssertionError) as e:
-        print(f"chaos: FAILED: {e}\nchaos: see {out / 'cluster.log'} and {out / 'run' / 'logs'}", file=sys.stderr)
+        print(f"chaos: FAILED: {e}\nchaos: see {out / 'cluster.log'} and {out / 'run' / 'logs'}",
+              file=sys.stderr)
         return 1
     finally:
         if soak.run is not None:

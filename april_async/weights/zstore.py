@@ -56,7 +56,8 @@ MAX_KEYS_PER_REQUEST = 1 << 10  # keys named by one check/wait
 MAX_WAIT_MS = 24 * 3600 * 1000  # the longest get/wait a client may ask for (a day)
 MAX_BATCH = 256  # requests answered before deadlines are looked at again
 TICK_S = 0.05  # the service thread's longest sleep: how soon it notices ``close`` and deadlines
-CLOSE_POLL_MS = 200  # a client's longest wait between looks at ``close``: how soon a closed client's request ends
+CLOSE_POLL_MS = 200  # a client's longest wait between looks at ``close``: how soon a closed client's
+                     # request ends
 REPLY_GRACE_S = 2.0
 """How long a client waits past a blocking operation's own timeout: the service answers a timed-out
 waiter itself, and its typed ``timeout`` reply is the better message than "no answer"."""

@@ -31,8 +31,8 @@ pytestmark = [pytest.mark.partition, pytest.mark.slow,
 
 
 def soak(tmp_path: Path, *args: str, timeout_s: float) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "chaos.py"), "--hosts", "3", "--dir", str(tmp_path),
-                          *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "chaos.py"), "--hosts", "3", "--dir",
+                          str(tmp_path), *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     detail = f"{out.stdout[-4000:]}\n{out.stderr[-3000:]}"
     if out.returncode != 0 and (tmp_path / "run" / "logs").is_dir():
         for log in sorted((tmp_path / "run" / "logs").glob("*.log")):
@@ -47,9 +47,11 @@ def soak(tmp_path: Path, *args: str, timeout_s: float) -> dict:
 def check(fig: dict, faults: int) -> None:
     assert fig["faults"] == faults
     assert set(fig["faults_per_kind"]) == set(FAULT_KINDS)
-    assert all(n >= faults // len(FAULT_KINDS) for n in fig["faults_per_kind"].values()), fig["faults_per_kind"]
+    assert all(n >= faults // len(FAULT_KINDS)
+               for n in fig["faults_per_kind"].values()), fig["faults_per_kind"]
     assert fig["balanced"] and fig["duplicates"] == 0 and fig["staleness_violations"] == 0
-    assert fig["samples_admitted"] == fig["samples_delivered"] + fig["samples_retired"] + fig["samples_buffered"]
+    assert fig["samples_admitted"] == (fig["samples_delivered"] + fig["samples_retired"]
+                                       + fig["samples_buffered"])
     assert fig["samples_trained"] > 0 and fig["restarts_not_from_kills"] == {}
     assert fig["longest_unexcused_gap_s"] < STALL_S
 

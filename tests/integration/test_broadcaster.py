@@ -201,7 +201,8 @@ def test_a_member_answers_a_resent_announce_once_its_receive_ends(tmp_path):
     sub = WeightSubscriber("gen-0", "tcp://127.0.0.1:1", LINK, engine, peer_factory=ScriptedSession)
     root = WeightGroup.host("127.0.0.1", 0, timeout_s=TIMEOUT_S)
     specs, buf = flatten(policy(1))
-    spec = m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="gloo", timeout_s=TIMEOUT_S)
+    spec = m.GroupSpec(epoch=1, rank=0, world_size=2, store=root.store_address, backend="gloo",
+                       timeout_s=TIMEOUT_S)
     ann = m.WeightsAnnounce(version=1, tensors=specs, num_bytes=buf.numel(), bucket_bytes=1 << 16,
                             group=msgspec.structs.replace(spec, rank=1))
     try:
@@ -242,8 +243,8 @@ def test_a_member_gives_up_a_join_at_a_broadcaster_that_restarted(tmp_path):
         specs, buf = flatten(policy(version))
         group = m.GroupSpec(epoch=1, rank=1, world_size=2, store=root.store_address, backend="gloo",
                             timeout_s=timeout_s, key_prefix="k", rendezvous=root.rendezvous)
-        return buf, m.WeightsAnnounce(version=version, tensors=specs, num_bytes=buf.numel(), bucket_bytes=1 << 16,
-                                      group=group)
+        return buf, m.WeightsAnnounce(version=version, tensors=specs, num_bytes=buf.numel(),
+                                      bucket_bytes=1 << 16, group=group)
 
     try:
         sub.peer.inbox += [m.Welcome(broker_epoch="old", policy_version=0, heartbeat_interval_s=0.1,

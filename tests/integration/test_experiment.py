@@ -37,7 +37,8 @@ def test_the_smoke_size_runs_each_cell_for_its_window_and_reports(tmp_path):
     window = doc["settings"]["duration_s"]
     assert sorted(r["cell"] for r in doc["runs"]) == ["april-r2-eta4", "sync"]
     # the cells ran in the order drawn for the seed, recorded with the runs (issue 43)
-    assert [r["cell"] for r in doc["runs"]] == doc["orders"]["0"] and [r["order"] for r in doc["runs"]] == [0, 1]
+    assert ([r["cell"] for r in doc["runs"]] == doc["orders"]["0"]
+            and [r["order"] for r in doc["runs"]] == [0, 1])
     for run in doc["runs"]:
         assert run["status"] == "ok", run
         assert run["steps"] >= 2 and run["tokens_per_s"] > 0

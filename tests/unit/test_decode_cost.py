@@ -14,18 +14,20 @@ from april_async.experiments.decode_cost import experiment_runs, lease_lines, ru
 def write_run(d, steps, leases, batches, generators=2):
     """``steps``: (step, end time, wait_s, batch_id); ``leases``: (generator, sample, reason, decode_s, t)."""
     (d / "logs").mkdir(parents=True)
-    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": t, "wait_s": w, "batch_id": b}) + "\n"
-                                             for s, t, w, b in steps))
-    (d / "batches.jsonl").write_text("".join(json.dumps({"batch_id": b, "samples": [[sid, 0, 0] for sid in sids]})
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": t, "wait_s": w, "batch_id": b})
+                                             + "\n" for s, t, w, b in steps))
+    (d / "batches.jsonl").write_text("".join(json.dumps({"batch_id": b,
+                                                         "samples": [[sid, 0, 0] for sid in sids]})
                                              + "\n" for b, sids in batches.items()))
     for g in range(generators):
         lines = []
         for gen, sample, reason, decode_s, t in leases:
             if gen == g:  # the console form for one generator, JSON lines for the other
-                fields = dict(event="lease_done", lease=sample, sample=sample, group=0, reason=reason, tokens=5,
-                              decode_s=decode_s, t=t)
+                fields = dict(event="lease_done", lease=sample, sample=sample, group=0, reason=reason,
+                              tokens=5, decode_s=decode_s, t=t)
                 lines.append(json.dumps(fields) if g else
-                             "2026 [info ] lease_done " + " ".join(f"{k}={v}" for k, v in fields.items() if k != "event"))
+                             "2026 [info ] lease_done "
+                             + " ".join(f"{k}={v}" for k, v in fields.items() if k != "event"))
         (d / "logs" / f"n1-gen-{g}.log").write_text("\n".join(lines + ["something else busy_s=1"]) + "\n")
 
 
@@ -33,7 +35,8 @@ def test_leases_fall_in_the_step_they_ended_in_and_off_batch_time_is_counted(tmp
     run = tmp_path / "april"
     write_run(run, steps=[(1, 10.0, 9.0, 0), (2, 20.0, 4.0, 1)],
               leases=[(0, 1, "stop", 2.0, 5.0), (1, 2, "stop", 3.0, 6.0),  # step 1, in its batch
-                      (0, 3, "abort", 1.5, 10.5), (1, 4, "stop", 0.5, 12.0),  # step 2: 3 aborted, 4 finished late
+                      (0, 3, "abort", 1.5, 10.5), (1, 4, "stop", 0.5, 12.0),  # step 2: 3 aborted, 4 finished
+                                                                              # late
                       (0, 5, "stop", 2.5, 15.0), (1, 6, "stop", 9.0, 25.0)],  # 6 ends after the last step
               batches={0: [1, 2], 1: [5]})
     assert [r["sample"] for r in lease_lines(run / "logs" / "n1-gen-0.log")] == [1, 3, 5]

@@ -118,10 +118,12 @@ def test_each_figures_last_point_is_its_tables_value():
     its last value to the edge: the last point is the mean over every seed of the table's number."""
     from april_async.experiments.plot import eval_series, reward_series
 
-    cfg = Settings(name="t", base=Path("launch/addchain.toml"), cells=[{"mode": "sync"}], duration_s=30.0, ma_steps=2)
+    cfg = Settings(name="t", base=Path("launch/addchain.toml"), cells=[{"mode": "sync"}], duration_s=30.0,
+                   ma_steps=2)
     runs = []
     for seed, (steps, evals) in enumerate([(30, [[0.0, 0, 0.40], [15.0, 5, 0.50], [30.0, 10, 0.60]]),
-                                           (12, [[0.0, 0, 0.40], [11.0, 4, 0.30]]),  # its last checkpoint: early
+                                           (12, [[0.0, 0, 0.40], [11.0, 4, 0.30]]),  # its last checkpoint:
+                                                                                     # early
                                            (25, [[0.0, 0, 0.40], [20.0, 5, 0.55]])]):
         curve = [[float(i), 32 * (i + 1), 0.3 + 0.01 * i + 0.05 * seed] for i in range(steps)]
         runs.append({"cell": "sync", "seed": seed, "status": "ok", "curve": curve, "eval_curve": evals,

@@ -106,7 +106,8 @@ def test_censored_times_give_few_wrong_verdicts_and_find_a_real_difference():
         said = verdict(paired_interval(draw(1.0), draw(1.0), censor_at=censor), "lower")
         wrong += said in ("faster than sync", "slower than sync")
     verdicts = [verdict(paired_interval(draw(2.0), draw(1.0), censor_at=censor), "lower") for _ in range(500)]
-    print(f"no difference: {wrong / 1000:.3f} wrong; twice as slow: {verdicts.count('slower than sync') / 500:.2f}"
+    print(f"no difference: {wrong / 1000:.3f} wrong; twice as slow: "
+          f"{verdicts.count('slower than sync') / 500:.2f}"
           f" slower, {verdicts.count('faster than sync')} faster")
     assert wrong / 1000 <= 0.05
     assert verdicts.count("slower than sync") / 500 >= 0.5 and verdicts.count("faster than sync") == 0
@@ -126,7 +127,8 @@ def test_a_cell_that_is_half_of_sync_on_every_seed():
 
 
 def test_pairing_keeps_each_seeds_numbers_together():
-    sync = {0: 20.0, 1: 100.0, 2: 45.0, 3: 70.0, 4: 30.0}  # seeds differ a lot; the cell is 10 % faster on each
+    sync = {0: 20.0, 1: 100.0, 2: 45.0, 3: 70.0, 4: 30.0}  # seeds differ a lot; the cell is 10 % faster on
+                                                           # each
     cell = {s: 0.9 * v * (1.01 if s % 2 else 0.99) for s, v in sync.items()}
     iv = paired_interval(cell, sync)
     assert iv.hi < 1.0 and verdict(iv, "lower") == "faster than sync"
@@ -152,13 +154,15 @@ def test_a_level_never_reached_is_censored_at_the_window_and_counts_against_who_
     cell = {0: 21.0, 1: None, 2: None, 3: None, 4: None}
     dropped = paired_interval({s: v for s, v in cell.items() if v is not None}, sync)
     kept = paired_interval(cell, sync, censor_at=window)
-    assert dropped.pairs == 1 and dropped.ratio == pytest.approx(1.05) and kept.pairs == 5 and kept.censored_cell == 4
+    assert (dropped.pairs == 1 and dropped.ratio == pytest.approx(1.05) and kept.pairs == 5
+            and kept.censored_cell == 4)
     assert kept.ratio > 1.5 and verdict(kept, "lower") == "slower than sync"
     # censored seeds flatter the cell's side: a verdict in its favour is withheld
     late = {0: 50.0, 1: 55.0, 2: 58.0, 3: 52.0, 4: 57.0, 5: 54.0}
     fast = paired_interval({0: 10.0, 1: 11.0, 2: 12.0, 3: 10.0, 4: 11.0, 5: None}, late,
                            censor_at={s: (60.0, 60.0) for s in late})
-    assert fast.hi < 1.0 and verdict(fast, "lower").startswith("not distinguishable (1 censored seed of the cell")
+    assert fast.hi < 1.0 and verdict(fast, "lower").startswith("not distinguishable (1 censored seed of "
+                                                               "the cell")
     # neither reached it on a seed: that seed says nothing about the difference
     both = paired_interval({**cell, 5: None}, {**sync, 5: None}, censor_at={**window, 5: (60.0, 60.0)})
     assert both.pairs == 5 and both.neither == 1 and both.seeds == 6
@@ -169,7 +173,8 @@ def test_verdicts_at_the_edges():
     assert verdict(Interval(1.2, 1.0, 1.5, 4), "lower") == "not distinguishable"  # touches 1
     assert verdict(Interval(1.2, 1.01, 1.5, 4), "higher", ("higher", "lower")) == "higher than sync"
     assert verdict(Interval(0.8, 0.7, 0.9, 4, censored_sync=2), "lower") == "faster than sync"
-    assert verdict(Interval(1.3, 1.1, 1.5, 4, censored_sync=2), "lower").endswith("censored seeds of sync flatter it)")
+    assert verdict(Interval(1.3, 1.1, 1.5, 4, censored_sync=2), "lower").endswith("censored seeds of sync "
+                                                                                  "flatter it)")
 
 
 def test_every_claim_of_every_cell_against_sync_primary_ones_adjusted_and_its_table():
@@ -184,20 +189,21 @@ def test_every_claim_of_every_cell_against_sync_primary_ones_adjusted_and_its_ta
     rows = against_sync(["sync", "april-r2-eta4"], runs, [0.6], [0.7], window_s=50.0,
                         primary={"april-r2-eta4": ["tokens_per_s", "eval_final"]})
     got = {r["key"]: r for r in rows}
-    assert [r["claim"] for r in rows] == ["time to batch reward 0.6", "samples to batch reward 0.6", "trained tokens/s",
-                                          "time to held-out reward 0.7", "samples to held-out reward 0.7",
-                                          "held-out reward at the end"]
+    assert [r["claim"] for r in rows] == ["time to batch reward 0.6", "samples to batch reward 0.6",
+                                          "trained tokens/s", "time to held-out reward 0.7",
+                                          "samples to held-out reward 0.7", "held-out reward at the end"]
     assert got["t_0.6"]["verdict"] == "faster than sync" and got["t_0.6"]["pairs"] == 5
     assert got["tokens_per_s"]["family"] == "primary" and got["tokens_per_s"]["level"] == pytest.approx(0.975)
     assert got["tokens_per_s"]["verdict"] == "faster than sync"  # 1.3x on every seed
     assert got["t_0.6"]["family"] == "exploratory" and got["t_0.6"]["level"] == LEVEL
     # never reached by the cell: censored at the window (time) and at its samples, not dropped
     assert got["te_0.7"]["reached"] == [0, 5] and got["te_0.7"]["pairs"] == 5
-    assert got["te_0.7"]["ratio"] == pytest.approx(50.0 / 30.0) and got["te_0.7"]["verdict"] == "slower than sync"
+    assert (got["te_0.7"]["ratio"] == pytest.approx(50.0 / 30.0)
+            and got["te_0.7"]["verdict"] == "slower than sync")
     assert got["se_0.7"]["ratio"] == pytest.approx(1200 / 300.0)
     assert got["eval_final"]["verdict"] == "not distinguishable"
     table = paired_table(rows, {"april-r2-eta4": "april r=2 η=4"}, 5)
-    assert "| april r=2 η=4 | trained tokens/s | primary | 1.30× | [1.30, 1.30] (97.5 %) | 5 of 5 | faster than sync |" \
-        in table
-    assert "| april r=2 η=4 | time to held-out reward 0.7 | exploratory | 1.67× | [1.67, 1.67] | 5 of 5; reached: " \
-           "cell 0, sync 5 | slower than sync |" in table
+    assert "| april r=2 η=4 | trained tokens/s | primary | 1.30× | [1.30, 1.30] (97.5 %) | 5 of 5 | " \
+           "faster than sync |" in table
+    assert "| april r=2 η=4 | time to held-out reward 0.7 | exploratory | 1.67× | [1.67, 1.67] | 5 of 5; " \
+           "reached: cell 0, sync 5 | slower than sync |" in table

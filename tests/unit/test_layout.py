@@ -154,7 +154,8 @@ def test_import_rules(where, forbidden):
     assert not bad, bad
 
 
-TOOLS_MAY_USE_KIT = {("tools/chaos.py", "april_async.testing"), ("tools/chaos.py", "april_async.testing.soak")}
+TOOLS_MAY_USE_KIT = {("tools/chaos.py", "april_async.testing"),
+                     ("tools/chaos.py", "april_async.testing.soak")}
 """The one tool that borrows the kit: ``chaos.py --hosts N`` plays hosts with network namespaces and a
 stand-in ssh, which only a checkout has (it imports ``april_async.testing.soak`` in that branch alone)."""
 

@@ -203,14 +203,16 @@ def test_a_generator_starved_of_weights_hands_its_leases_back_and_offers_no_slot
     assert sorted(f.lease_id for f in handed) == [1, 2] and {f.reason for f in handed} == {"abort"}
     assert all(len(f.tokens) == 0 for f in handed)
     assert [h.capacity for h in hellos] == [0] and actor.waiting == deque()
-    assert actor.peer.sent.index(hellos[0]) > max(actor.peer.sent.index(f) for f in handed)  # after the leases
+    assert actor.peer.sent.index(hellos[0]) > max(actor.peer.sent.index(f) for f in handed)  # after the
+                                                                                            # leases
     actor.peer.sent.clear()
     engine.policy_version = 7  # an older version than the one it waits for: still starved
     turn(110.0)
     assert actor.peer.sent == [] and actor.offered() == 0
     engine.policy_version = 8
     turn(111.0)
-    assert [h.capacity for h in actor.peer.sent if isinstance(h, m.Hello)] == [2] and actor.starved_for is None
+    assert ([h.capacity for h in actor.peer.sent if isinstance(h, m.Hello)] == [2]
+            and actor.starved_for is None)
 
 
 def test_a_lease_that_waits_for_a_normal_fan_out_is_kept():
