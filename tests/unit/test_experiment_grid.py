@@ -107,3 +107,22 @@ def test_a_control_that_would_hide_what_runs_is_refused_naming_it(tmp_path, cell
 def test_the_same_knobs_twice_are_one_cell():
     assert Cell(mode="april", r=2.0, eta=4).name == "april-r2-eta4"
     assert Cell(mode="sync", groups_scale=2, given_name="sync-wide").label == "sync-wide"
+
+
+def test_primary_claims_are_named_before_the_runs_and_checked(tmp_path):
+    """Issue 43: an experiment names its primary claims (``<cell>:<claim>``) in its file; a cell or
+    a claim it does not have, or sync against itself, is a named error; ``te_sync_end`` becomes the
+    time to the held-out level sync's final reward made (fraction 1.0 of ``sync_levels``)."""
+    from april_async.experiments.cli import primary_keys
+
+    cells = '{ mode = "sync" }, { mode = "april", r = 2.0, eta = 4 }'
+    cfg = load(tmp_path, cells, 'sync_levels = [0.5, 1.0]\nprimary = ["april-r2-eta4:tokens_per_s", '
+                                '"april-r2-eta4:te_sync_end"]\n')
+    assert primary_keys(cfg, {}, {0.5: 0.39, 1.0: 0.445}) == {"april-r2-eta4": ["tokens_per_s", "te_0.445"]}
+    with pytest.raises(ExperimentError, match="needs sync's final level"):
+        primary_keys(cfg, {}, {})
+    for bad, named in (('"april-r2-eta8:tokens_per_s"', "is not <cell>:<claim>"),
+                       ('"april-r2-eta4:steps"', "is not <cell>:<claim>"),
+                       ('"sync:tokens_per_s"', "claims are of a cell against sync")):
+        with pytest.raises(ExperimentError, match=named):
+            load(tmp_path, cells, f"primary = [{bad}]\n")
