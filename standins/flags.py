@@ -10,7 +10,7 @@ DESCRIPTION = "A stand-in SGLang server for tests: SGLang's HTTP contract on top
 
 RUNTIME_FLAGS = ("--stream-interval", "--incremental-streaming-output", "--weight-update-session",
                  "--sglang-version", "--kv-tokens", "--group-timeout-s", "--health-check-timeout",
-                 "--step-delay-s")
+                 "--step-delay-s", "--no-load-snapshot")
 """The flags ``/standin/configure`` may set on a running server: what the server reads per request
 or per decode step. The others shape the process (the engine's slots and length, the checkpoint,
 the address, threads)."""
@@ -47,6 +47,10 @@ def parser(cls=argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
                     help="sleep after each decode step (tests that need requests to stay running)")
+    ap.add_argument("--no-load-snapshot", action="store_true",
+                    help="/v1/loads answers \"loads\": [], as SGLang does when its tokenizer manager's "
+                         "reader of the scheduler's shared-memory load snapshot is not attached "
+                         "(load_snapshot.py)")
     return ap
 
 

@@ -43,8 +43,9 @@ class StandIn:
         SGLang counts them) and the stand-in's ``/standin/state`` (every request it holds, the pause,
         weight version, a digest of the weights, weight-update groups and session, pending
         ``/standin/abort_next`` aborts, cache flushes)."""
-        loads, = HTTP.get(f"{self.url}/v1/loads", timeout=5.0).json()["loads"]
-        return {"running": loads["num_running_reqs"], "waiting": loads["num_waiting_reqs"],
+        rows = HTTP.get(f"{self.url}/v1/loads", timeout=5.0).json()["loads"]  # [] with --no-load-snapshot
+        return {"running": rows[0]["num_running_reqs"] if rows else None,
+                "waiting": rows[0]["num_waiting_reqs"] if rows else None,
                 **HTTP.get(f"{self.url}/standin/state", timeout=5.0).json()}
 
 

@@ -19,10 +19,14 @@ Endpoints:
     POST /abort_request                   by rid prefix, or ``abort_all``
     POST /pause_generation                mode abort | retract | in_place
     POST /continue_generation
-    GET  /model_info, /get_model_info, /server_info, /get_server_info
+    GET  /model_info, /get_model_info     the tokenizer manager's own: answered while the scheduler hangs
+    GET  /server_info, /get_server_info   waits for the scheduler (``get_internal_state``): held
+                                          while it hangs
     GET  /health, /health_generate        a one-token request through the scheduler (below)
     GET|POST /flush_cache
-    GET  /v1/loads, /get_load             running and waiting requests as the scheduler counts them
+    GET  /v1/loads, /get_load             running and waiting requests as the scheduler counts them;
+                                          ``"loads": []`` with ``--no-load-snapshot`` (a reader whose
+                                          shared memory is not attached)
     GET  /ready                           0.5.23 only: 503 while paused or after a failed health check
     POST /init_weights_update_group, /destroy_weights_update_group  (gloo on CPU; the group is
                                           formed with ``join_custom_group``, SGLang's recipe)
@@ -175,6 +179,14 @@ class HTTPError(Exception):
 def bad(message: str) -> HTTPError:
     """SGLang's answer to an invalid request."""
     return HTTPError(400, {"error": {"message": message}})
+
+
+def invalid(message: str) -> HTTPError:
+    """SGLang's answer to a body its request model rejects (a ``RequestValidationError``): not
+    FastAPI's 422, which ``http_server.py``'s ``validation_exception_handler`` overrides, but 400
+    with an ``ErrorResponse`` (``entrypoints/openai/protocol.py``); the same in 0.5.15 and 0.5.23."""
+    return HTTPError(400, {"object": "error", "message": message, "type": "Bad Request", "param": None,
+                           "code": 400})
 
 
 def refused(message: str) -> HTTPError:
@@ -856,8 +868,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def pause(self, body: dict) -> dict:
         mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise bad(f"mode must be abort, retract or in_place, got {mode!r}")
+        if mode not in ("abort", "retract", "in_place"):  # io_struct.py PauseGenerationReqInput: a Literal
+            raise invalid(f"1 validation error: mode: Input should be 'abort', 'retract' or 'in_place', "
+                          f"got {mode!r:.40}")
         with self.core.cv:  # taken between two decode steps: none runs after this
             self.core.paused = True
             if mode != "abort":  # abort mode stops only the tokenizer manager, not the scheduler
@@ -887,17 +900,25 @@ class Handler(BaseHTTPRequestHandler):
                 "weight_version": self.core.weight_version, "preferred_sampling_params": None}
 
     def server_info(self, body: dict) -> dict:
+        """``http_server.py`` ``server_info`` asks every scheduler for its internal state
+        (``get_internal_state``) and waits for the answer: a hung scheduler holds it."""
+        with self.core.cv:
+            self.core.cv.wait_for(lambda: not self.core.hung or self.core.stopping)
         return {"tp_size": 1, "dp_size": 1, "model_path": self.core.args.checkpoint,
                 "max_running_requests": self.core.args.slots, "weight_version": self.core.weight_version,
                 "version": self.core.args.sglang_version}
 
     def loads(self, body: dict) -> dict:
+        if self.core.args.no_load_snapshot:  # load_snapshot.py ShmLoadSnapshotReader.read_all: not attached
+            return {"version": self.core.args.sglang_version, "loads": []}
         running, waiting = self.core.loads()
         return {"version": self.core.args.sglang_version, "loads": [{
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
             "max_running_requests": self.core.args.slots}]}
 
     def get_load(self, body: dict) -> list:
+        if self.core.args.no_load_snapshot:  # the same reader behind it (0.5.15 http_server.py get_load)
+            return []
         running, waiting = self.core.loads()
         return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
 

@@ -34,6 +34,10 @@ class SGLangFanoutConfig(BaseModel):
     last bucket). For experiments that accept that, knowingly."""
     call_timeout_s: float = Field(30.0, gt=0)
     """Limit of every control call (info, pause, continue, begin/end, destroy)."""
+    probe_timeout_s: float = Field(5.0, gt=0)
+    """Limit of the liveness probe before each push (``/server_info``): it asks the scheduler
+    (``get_internal_state``), so a hung scheduler would hold every push for ``call_timeout_s``;
+    past this the server is left out of the push."""
     update_timeout_s: float = Field(600.0, gt=0)
     """Limit of one bucket's ``/update_weights_from_distributed`` call and of forming the group."""
     flush_timeout_s: float = Field(60.0, gt=0)

@@ -70,30 +70,38 @@ RESUME_BACKOFF_S = (0.5, 1.0, 2.0)
 """Waits before each retry of a ``/continue_generation`` that failed."""
 SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
 """SGLang versions this fan-out was checked against, each with the torch its wheel pins."""
+SGLANG_TORCH = {"0.5.15": "2.11.0", "0.5.15.post1": "2.11.0", "0.5.16": "2.11.0", "0.5.17": "2.11.0",
+                "0.5.18": "2.13.0", "0.5.19": "2.13.0", "0.5.20": "2.13.0", "0.5.21": "2.13.0",
+                "0.5.22": "2.14.1", "0.5.23": "2.14.1"}
+"""The torch each SGLang release pins (``Requires-Dist: torch==`` in its cp311 wheel's METADATA),
+checked or not: what the NCCL check reads, also for a server ``any_sglang_version`` admits."""
 TORCH_NCCL = {"2.11.0": (2, 28, 9), "2.13.0": (2, 29, 7), "2.14.1": (2, 30, 7)}
-"""The NCCL inside each torch release's CUDA wheels (its ``nvidia-nccl`` pin): what a server of a
-given SGLang version runs, since SGLang's endpoints report no NCCL or torch version of their own."""
+"""The NCCL inside each torch release's CUDA wheels (its ``nvidia-nccl-cu13`` pin, read from each
+wheel's METADATA): what a server of a given SGLang version runs, since SGLang's endpoints report no
+NCCL or torch version of their own."""
 
 
-def nccl_mismatch(local: tuple[int, ...] | None, local_torch: str, sglang_version: str) -> str | None:
+def nccl_mismatch(local: tuple | None, local_torch: str, sglang_version: str) -> str | None:
     """Why an NCCL group of this process and a server of ``sglang_version`` cannot form, or None.
 
     NCCL refuses a peer of another version ("Mismatched NCCL version detected") at the group's first
-    collective, after every server was paused for the push: so the versions are compared first. A
-    server whose SGLang version implies no torch (not in ``SUPPORTED_SGLANG``) passes unchecked."""
-    server_torch = SUPPORTED_SGLANG.get(sglang_version)
+    collective, after every server was paused for the push: so the versions are compared first, by
+    major, minor and patch (``torch.cuda.nccl.version()`` adds a fourth item, a suffix, to some
+    builds). A server whose SGLang version implies no known torch passes unchecked."""
+    server_torch = SGLANG_TORCH.get(sglang_version)
     theirs = TORCH_NCCL.get(server_torch or "")
-    if local is None or theirs is None or tuple(local) == theirs:
+    if local is None or theirs is None or tuple(local[:3]) == theirs:
         return None
-    ours = ".".join(map(str, local))
+    ours = ".".join(map(str, local[:3]))
     return (f"NCCL {ours} here (torch {local_torch}) and NCCL {'.'.join(map(str, theirs))} in the server "
             f"(SGLang {sglang_version} pins torch {server_torch}): NCCL joins no peer of another version. "
             f"On GPU nodes install april-async into SGLang's own environment, so both sides run torch "
             f"{server_torch} (docs/sglang.md, \"Installing SGLang\")")
 
 
-def _local_nccl() -> tuple[int, ...] | None:
-    """This process's NCCL version (None where torch has no NCCL: a CPU build)."""
+def _local_nccl() -> tuple | None:
+    """This process's NCCL version, (major, minor, patch) and maybe a suffix (None where torch has
+    no NCCL: a CPU build)."""
     try:
         return tuple(torch.cuda.nccl.version())
     except (AttributeError, RuntimeError):
@@ -200,7 +208,7 @@ class SGLangFanout:
             return True
         if url not in self.versions:
             try:
-                self.versions[url] = self._client(url).server_version()
+                self.versions[url] = self._client(url).server_version(timeout_s=self.cfg.probe_timeout_s)
             except SGLangError:
                 return True  # unreachable now: recovery fails and is tried again
         if self.versions[url] in SUPPORTED_SGLANG:
@@ -274,7 +282,8 @@ class SGLangFanout:
         self._recover(urls)
         # A server that does not answer is left out of this push: one dead server must not hold
         # every other back (nor keep one that an earlier push left paused, paused).
-        gone = {u: str(e) for u, e in _errors(self._each(urls, ServerClient.server_version)).items() if e}
+        gone = {u: str(e) for u, e in _errors(self._each(urls, ServerClient.server_version,
+                                                         timeout_s=self.cfg.probe_timeout_s)).items() if e}
         live = tuple(u for u in urls if u not in gone)
         failed: dict[str, str] = dict(gone)
         try:
@@ -325,7 +334,12 @@ class SGLangFanout:
         if mode != "none":
             note(_errors(self._each(urls, ServerClient.pause, mode, timeout_s=self.cfg.update_timeout_s)))
             if mode == "abort":  # the scheduler is not paused in this mode: its aborts take effect
-                note(_errors(self._each(ok(), ServerClient.drain, timeout_s=self.cfg.drain_timeout_s)))
+                drains = self._each(ok(), ServerClient.drain, timeout_s=self.cfg.drain_timeout_s)
+                note(_errors(drains))
+                unseen = [u for u, f in drains.items() if f.exception() is None and f.result() == 0]
+                if unseen:
+                    self.log.warning("loads_unknown", servers=unseen, why="\"loads\": [] (no load snapshot): "
+                                     "the drain relied on the abort pause's own loop")
             self._flush(ok(), note, retry=True)
         begun = self._each(ok(), ServerClient.begin_update)
         errors = _errors(begun)
@@ -409,9 +423,12 @@ class SGLangFanout:
             return
         loads = self._each(urls, ServerClient.loads)
         note(_errors(loads))
-        flushable, kept = [], {}
+        flushable, kept, unknown = [], {}, []
         for u, f in loads.items():
             if f.exception() is not None:
+                continue
+            if f.result() is None:  # "loads": [] is no snapshot, not an idle server: one plain try
+                unknown.append(u)
                 continue
             running, waiting = f.result()
             if running == 0 and (waiting == 0 or (flushes_while_paused(self.versions.get(u, ""))
@@ -424,6 +441,11 @@ class SGLangFanout:
                              why="the scheduler holds requests: a flush would fail")
         errors = _errors(self._each(flushable, ServerClient.flush_cache,
                                     timeout_s=self.cfg.flush_timeout_s if retry else 0.0))
+        tried = _errors(self._each(unknown, ServerClient.flush_cache, timeout_s=0.0))
+        if any(tried.values()):
+            self.log.warning("cache_kept", pause=self.cfg.pause,
+                             servers={u: str(e) for u, e in tried.items() if e},
+                             why="no load snapshot (\"loads\": []), and the one flush tried failed")
         if retry:
             note(errors)
         elif any(errors.values()):  # unpaused: a request came in between; the next push tries again

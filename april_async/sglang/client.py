@@ -80,13 +80,13 @@ class ServerClient:
             raise SGLangError(self.url, endpoint, f"refused: {_message(data)}", status=r.status_code)
         return data
 
-    def _get_either(self, endpoint: str, old: str) -> dict:
+    def _get_either(self, endpoint: str, old: str, *, timeout_s: float | None = None) -> dict:
         try:
-            data = self.call("GET", endpoint)
+            data = self.call("GET", endpoint, timeout_s=timeout_s)
         except SGLangError as e:
             if e.status != 404:
                 raise
-            data = self.call("GET", old)
+            data = self.call("GET", old, timeout_s=timeout_s)
         if not isinstance(data, dict):
             raise SGLangError(self.url, endpoint, f"expected a JSON object, got {data!r:.100}")
         return data
@@ -111,17 +111,24 @@ class ServerClient:
                                                         f"only with dp_size 1")
         return tp
 
-    def server_version(self) -> str:
-        """The SGLang version the server reports (``/server_info`` ``version``; "" when absent)."""
-        version = self._get_either("/server_info", "/get_server_info").get("version")
+    def server_version(self, *, timeout_s: float | None = None) -> str:
+        """The SGLang version the server reports (``/server_info`` ``version``; "" when absent).
+        ``/server_info`` asks the scheduler (``get_internal_state``), so a hung scheduler holds it
+        for its whole ``timeout_s``: a liveness probe passes a short one."""
+        version = self._get_either("/server_info", "/get_server_info", timeout_s=timeout_s).get("version")
         return version if isinstance(version, str) else ""
 
-    def loads(self) -> tuple[int, int]:
-        """Requests the scheduler holds, summed over data-parallel ranks: (running, waiting)."""
+    def loads(self) -> tuple[int, int] | None:
+        """Requests the scheduler holds, summed over data-parallel ranks: (running, waiting); None
+        when the server has no snapshot to show. ``"loads": []`` is not an idle server: it is what
+        0.5.15 and 0.5.23 answer when the tokenizer manager's reader of the scheduler's shared-memory
+        snapshot is not attached (``load_snapshot.py`` ``ShmLoadSnapshotReader.read_all``)."""
         data = self.call("GET", "/v1/loads", params={"include": "core"})
         rows = data.get("loads") if isinstance(data, dict) else None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise SGLangError(self.url, "/v1/loads", f"expected {{'loads': [...]}}, got {data!r:.100}")
+        if not rows:
+            return None
         running = waiting = 0
         for r in rows:
             run, wait = r.get("num_running_reqs"), r.get("num_waiting_reqs")
@@ -142,13 +149,19 @@ class ServerClient:
         """``abort_all`` again and again until ``/v1/loads`` reports nothing running or waiting
         (slime's ``abort_server_until_idle``): one abort can miss a request that reached the
         scheduler after it, and an abort does nothing to a request a pause holds. The number of
-        aborts sent; ``SGLangError`` when requests remain after ``timeout_s``."""
+        aborts sent; ``SGLangError`` when requests remain after ``timeout_s``. 0 when the server
+        shows no load snapshot (``"loads": []``): nothing could be checked, and what ended the
+        requests is the ``abort`` pause's own loop (``tokenizer_manager.py`` ``pause_generation``
+        aborts every request until none holds the model-update lock)."""
         deadline = time.monotonic() + timeout_s
         sent = 0
         while True:
             self.abort_all()
             sent += 1
-            running, waiting = self.loads()
+            loads = self.loads()
+            if loads is None:
+                return 0
+            running, waiting = loads
             if running + waiting == 0:
                 return sent
             if time.monotonic() >= deadline:

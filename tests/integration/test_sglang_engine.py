@@ -691,6 +691,57 @@ def test_drain_repeats_abort_all_until_nothing_runs_but_not_through_a_pause(stan
         client.close()
 
 
+def test_a_hung_scheduler_is_left_out_of_a_push_within_the_probe_timeout(ckpts, standins, store):
+    """The probe before each push (``/server_info``) asks the scheduler (0.5.23 ``server_info`` awaits
+    ``get_internal_state``): a hung one held every push for the 30 s call timeout. Now the push goes
+    on without it after ``probe_timeout_s``."""
+    good, hung = standins(), standins()
+    fanout = fanout_for(store, probe_timeout_s=1.0)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    try:
+        HTTP.post(f"{hung.url}/standin/hang", json={"hung": True}, timeout=10)
+        t0 = time.monotonic()
+        result = fanout.push({"g0": [good.url], "g1": [hung.url]}, 1, specs, buffer, 1 << 20)
+        took = time.monotonic() - t0
+        assert result["g0"] is None and "no answer within 1 s" in result["g1"], result
+        assert took < 10, f"the push waited {took:.1f} s on a hung scheduler"  # the call timeout is 30 s
+        assert HTTP.get(f"{good.url}/model_info").json()["weight_version"] == "1"
+    finally:
+        HTTP.post(f"{hung.url}/standin/hang", json={"hung": False}, timeout=10)
+        fanout.close()
+
+
+def test_loads_without_a_snapshot_are_not_read_as_an_idle_server(ckpts, standins, store):
+    """``"loads": []`` is what SGLang answers when its reader of the scheduler's snapshot is not
+    attached (``load_snapshot.py``), not an idle server. Read as (0, 0), a retract pause with a
+    request waiting on a 0.5.15 server retried its flush until ``flush_timeout_s`` and failed the
+    push; now one plain flush is tried, the cache is kept, and the push goes on."""
+    from april_async.sglang.client import ServerClient
+
+    server = standins("--step-delay-s", "0.02", "--no-load-snapshot")
+    client = ServerClient(server.url, timeout_s=10)
+    fanout = fanout_for(store, pause="retract", flush_timeout_s=2.0)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    try:
+        assert client.loads() is None
+        body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 400, "temperature": 0.0}}
+        thread = threading.Thread(target=lambda: HTTP.post(f"{server.url}/generate", timeout=120, json=body),
+                                  daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while server.state()["requests"] == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.05)
+        assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20) == {"gen": None}
+        assert flushes(server.url) == 0 and server.state()["weight_version"] == "1"
+        assert client.drain(timeout_s=5) == 0  # nothing to check it by: the abort pause's own loop ends them
+        thread.join(30)
+        assert server.state()["requests"] == 0
+    finally:
+        client.close()
+        fanout.close()
+
+
 def test_a_server_of_an_unchecked_sglang_version_is_refused_at_join(ckpts, standins, store):
     server = standins("--sglang-version", "0.5.99")
     specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())

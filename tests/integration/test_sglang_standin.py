@@ -188,7 +188,10 @@ def test_info_and_errors(server, ckpt):
     r = h.post("/generate", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "message" in r.json()["error"]
     r = h.post("/pause_generation", json={"mode": "sideways"})
-    assert r.status_code == 400
+    # A RequestValidationError: FastAPI's 422 turned into 400 with an ErrorResponse by
+    # http_server.py's validation_exception_handler (0.5.15.post1 and 0.5.23 alike).
+    assert r.status_code == 400 and r.json()["code"] == 400 and r.json()["type"] == "Bad Request"
+    assert r.json()["object"] == "error" and "'sideways'" in r.json()["message"]
     r = h.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": "1",
                                                    "rank_offset": 1, "world_size": 2, "group_name": "g-nccl"})
     assert r.status_code == 400 and r.json()["success"] is False  # nccl without CUDA
@@ -886,6 +889,36 @@ def test_health_generate_waits_for_the_scheduler_and_fails_while_paused_or_hung(
         h.post("/standin/hang", json={"hung": False})
     assert h.get("/health_generate").status_code == 200
     assert h.get("/standin/state").json()["healthy"] is True
+
+
+def test_server_info_waits_for_a_hung_scheduler_and_model_info_does_not(server):
+    """``http_server.py`` ``server_info`` (0.5.23) awaits ``get_internal_state`` from the scheduler:
+    a hung scheduler holds it, as long as the caller waits; ``/model_info`` is the tokenizer
+    manager's own and answers."""
+    h = server.http
+    h.post("/standin/hang", json={"hung": True})
+    try:
+        assert h.get("/model_info").status_code == 200
+        with pytest.raises(httpx.ReadTimeout):
+            h.get("/server_info", timeout=1.0)
+    finally:
+        h.post("/standin/hang", json={"hung": False})
+    assert h.get("/server_info", timeout=5.0).json()["tp_size"] == 1
+
+
+def test_loads_without_a_snapshot_are_an_empty_list_not_zeros(server):
+    """``load_snapshot.py`` ``ShmLoadSnapshotReader.read_all`` (0.5.15.post1 and 0.5.23): a reader
+    whose shared memory is not attached returns ``[]``, and ``/v1/loads`` answers 200 with
+    ``"loads": []`` (``/get_load``, 0.5.15's shim over it, ``[]``): no counts, not idle ones."""
+    h = server.http
+    assert h.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0
+    try:
+        assert h.post("/standin/configure", json={"argv": ["--no-load-snapshot"]}).status_code == 200
+        r = h.get("/v1/loads", params={"include": "core"})
+        assert r.status_code == 200 and r.json()["loads"] == [] and h.get("/get_load").json() == []
+    finally:
+        assert h.post("/standin/reset", json={}).status_code == 200
+    assert len(h.get("/v1/loads").json()["loads"]) == 1
 
 
 def test_a_hung_scheduler_stalls_streams_until_it_runs_again(server, ckpt):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from april_async.broadcaster.sglang import SUPPORTED_SGLANG, TORCH_NCCL
+from april_async.broadcaster.sglang import SGLANG_TORCH, SUPPORTED_SGLANG, TORCH_NCCL, nccl_mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PINS = {"0.5.15.post1": {"torch": "2.11.0", "transformers": "5.12.1"},
@@ -37,3 +37,23 @@ def test_bootstrap_pins_versions_the_project_accepts():
     for name in ("torch", "transformers"):
         assert reqs[name].specifier.contains(pinned[name]), (name, pinned[name], str(reqs[name]))
     assert pinned["torch"] in TORCH_NCCL
+
+
+def test_every_sglang_release_since_0_5_15_has_its_torch_and_nccl_known():
+    """Read from each wheel's METADATA (``Requires-Dist: torch==``; torch's ``nvidia-nccl-cu13==``):
+    the NCCL check covers the releases between the two checked ones too, which
+    ``any_sglang_version`` admits."""
+    assert [f"0.5.{n}" for n in range(16, 24)] == [v for v in SGLANG_TORCH if v.count(".") == 2][1:]
+    assert all(SGLANG_TORCH[v] == t for v, t in SUPPORTED_SGLANG.items())
+    assert all(t in TORCH_NCCL for t in SGLANG_TORCH.values())
+
+
+def test_the_nccl_check_compares_major_minor_patch_and_knows_every_release():
+    assert nccl_mismatch((2, 30, 7), "2.14.1", "0.5.23") is None
+    assert nccl_mismatch((2, 30, 7, "a"), "2.14.1", "0.5.22") is None  # a suffixed build: a 4-tuple
+    why = nccl_mismatch((2, 30, 7), "2.14.1", "0.5.19")  # 0.5.19 pins torch 2.13.0: NCCL 2.29.7
+    assert why is not None and "NCCL 2.30.7 here" in why and "NCCL 2.29.7 in the server" in why
+    assert "SGLang 0.5.19 pins torch 2.13.0" in why
+    assert nccl_mismatch((2, 28, 9, "x"), "2.11.0", "0.5.23").startswith("NCCL 2.28.9 here")
+    assert nccl_mismatch(None, "2.13.0", "0.5.23") is None  # a CPU build: no NCCL
+    assert nccl_mismatch((2, 1, 1), "2.13.0", "0.6.0") is None  # a release with no known pin: unchecked
