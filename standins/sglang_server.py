@@ -95,12 +95,17 @@ moved the running requests there; one held in place ends at /continue_generation
 while the scheduler holds requests (0.5.23 ignores waiting ones while paused); a failed flush
 after a weight update kills a 0.5.15 server (an assert in its scheduler) and fails the update on
 0.5.23; a second /begin_weight_update is refused while a session is open, an /end_weight_update
-without one is refused, and /continue_generation does not look at sessions.
+without one is refused, and /continue_generation does not look at sessions. Begin, end and the
+update call take the model-update write lock while not paused: each waits for every request in
+flight, and requests (and health probes) sent meanwhile wait behind it (``model_update_lock``).
+/continue_generation counts the continues that would have emptied the CUDA cache
+(``torch_empty_cache``, true unless sent false; the test hook /standin/flushes shows them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -248,6 +253,7 @@ class Core:
         self.paused = False
         self.pause_mode: str | None = None  # the scheduler's pause (retract | in_place); abort mode has none
         self.flushes = 0  # successful cache flushes, for the test hook /standin/flushes
+        self.empty_caches = 0  # continues that emptied the CUDA cache (torch_empty_cache), same hook
         self.gate: int | None = None  # while an update waits for in-flight requests: admit seq < gate only
         self.seq = self.lease = 0
         self.weight_version = args.weight_version
@@ -261,6 +267,28 @@ class Core:
         self.last_receive = time.monotonic()  # the tokenizer manager's last_receive_tstamp
         self.health_probes = 0  # health probes' requests that reached the scheduler's queue
         self.healthy = True  # server_status Up; False after a failed health probe (``/ready`` 503)
+
+    @contextlib.contextmanager
+    def model_update_lock(self):
+        """SGLang's model-update write lock (``utils/aio_rwlock.py`` ``RWLock``), as
+        ``tokenizer_control_mixin.py`` takes it for begin, end and every update call: only when
+        generation is not paused (while paused the call runs without it). Every ``/generate`` holds
+        the read lock for its life (``tokenizer_manager.py`` ``generate_request``), so the writer
+        waits for the requests in flight; and the lock prefers writers, so a request that comes
+        while it waits queues behind it (``gate``: only those sent before are admitted)."""
+        with self.cv:
+            took = not self.paused
+            if took:
+                self.gate = self.seq
+                self.cv.wait_for(lambda: self.paused or self.stopping or not (
+                    self.running or any(r.seq < self.gate for r in self.waiting)))
+        try:
+            yield
+        finally:
+            if took:
+                with self.cv:
+                    self.gate = None
+                    self.cv.notify_all()
 
     # ------------------------------------------------------------------ requests
 
@@ -277,6 +305,11 @@ class Core:
     def _admissible(self) -> bool:
         return bool(self.waiting) and (self.gate is None or self.waiting[0].seq < self.gate)
 
+    def _probe_admissible(self) -> bool:
+        """A health probe's request is a ``/generate`` too (``health_generate``): it queues behind a
+        waiting writer of the model-update lock like any other."""
+        return bool(self.health_probes) and self.gate is None
+
     def _end(self, req: Req, finish: dict) -> None:
         req.finish = finish
         self.rids.discard(req.rid)
@@ -288,10 +321,10 @@ class Core:
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self.stopping or (not self.hung and not self.paused and (
-                    self.running or self._admissible() or self.health_probes)))
+                    self.running or self._admissible() or self._probe_admissible())))
                 if self.stopping:
                     return
-                if self.health_probes:  # its one token comes back: the tokenizer manager hears from us
+                if self._probe_admissible():  # its one token comes back: the tokenizer manager hears from us
                     self.health_probes = 0
                     self.last_receive = time.monotonic()
                 while self._admissible() and len(self.running) < self.engine.slots:
@@ -572,12 +605,7 @@ class Core:
             if abort_first:
                 self.abort_all()
             t0 = time.monotonic()
-            try:
-                with self.cv:  # SGLang's writer lock: wait for the requests already in flight
-                    if not self.paused:
-                        self.gate = self.seq
-                        self.cv.wait_for(lambda: self.paused or self.stopping or not (
-                            self.running or any(r.seq < self.gate for r in self.waiting)))
+            with self.model_update_lock():
                 received = {}
                 try:
                     for n, dt, shape in zip(names, types, shapes):
@@ -599,10 +627,6 @@ class Core:
                         self.weight_version = version
                     busy = self.flush_blocked()
                     self.last_receive = time.monotonic()  # the scheduler's answer reaches the tokenizer
-            finally:
-                with self.cv:
-                    self.gate = None
-                    self.cv.notify_all()
         log(f"weights updated: {len(received)} tensors from group {name!r} in {time.monotonic() - t0:.2f} s, "
             f"weight_version {self.weight_version!r}")
         if flush and busy:  # weight_updater.py flush_cache_after_weight_update
@@ -882,6 +906,9 @@ class Handler(BaseHTTPRequestHandler):
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def resume(self, body: dict) -> dict:
+        # io_struct.py ContinueGenerationReqInput: torch_empty_cache defaults to true (0.5.15, 0.5.23)
+        if field_of(body, "torch_empty_cache", lambda v: isinstance(v, bool), "a boolean", True):
+            self.core.empty_caches += 1
         with self.core.cv:
             self.core.paused = False
             self.core.pause_mode = None
@@ -977,14 +1004,14 @@ class Handler(BaseHTTPRequestHandler):
     def begin_update(self, body: dict) -> dict:
         if body.get("selector", "all") != "all":
             raise refused(f"selector {body['selector']!r} is not supported by the stand-in (only \"all\")")
-        with self.core.update_lock:
+        with self.core.update_lock, self.core.model_update_lock():
             if self.core.session:
                 raise refused("a weight-update session is already open; call end_weight_update() first")
             self.core.session = True
         return {"success": True, "message": "Success"}
 
     def end_update(self, body: dict) -> dict:
-        with self.core.update_lock:
+        with self.core.update_lock, self.core.model_update_lock():
             if not self.core.session:
                 raise refused("no weight-update session is open; call begin_weight_update() first")
             self.core.session = False
@@ -1015,7 +1042,8 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/v1/loads": (GET, "", Handler.loads),
     "/get_load": (GET, "", Handler.get_load),
     "/ready": (GET, "session", Handler.ready),  # 0.5.23: 503 while paused; 0.5.15 has no /ready
-    "/standin/flushes": (GET, "", lambda h, b: {"flushes": h.core.flushes}),  # test hook, not SGLang's
+    "/standin/flushes": (GET, "", lambda h, b: {"flushes": h.core.flushes,  # test hook, not SGLang's
+                                                "empty_caches": h.core.empty_caches}),
     "/init_weights_update_group": (POST, "", lambda h, b: h.core.init_group(b)),
     "/destroy_weights_update_group": (POST, "", lambda h, b: h.core.destroy_group(b)),
     "/update_weights_from_distributed": (POST, "", lambda h, b: h.core.update_weights(b)),

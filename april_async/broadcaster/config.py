@@ -50,10 +50,11 @@ class SGLangFanoutConfig(BaseModel):
     """Join servers whose SGLang version is not in ``SUPPORTED_SGLANG`` (``broadcaster.sglang``);
     by default such a server is refused when the group forms, naming its version."""
     recover_interval_s: float = Field(30.0, gt=0)
-    """Seconds between recoveries of every SGLang server of the current members (an open
-    weight-update session ended, generation continued where no push left it paused on purpose),
-    off the loop: a server whose ``/continue_generation`` failed every retry, or that was
-    restarted, is not left paused until the next push or ``hello``. Two light calls per server."""
+    """Seconds between recoveries of the SGLang servers of the current members, off the loop: a
+    session this process opened and did not close is ended, a pause it sent and did not undo
+    (a ``/continue_generation`` that failed every retry) is undone, and a 0.5.23 server whose
+    ``/ready`` says paused is ended and continued. A server that needs neither gets one ``/ready``
+    (a flag check; none on 0.5.15) and nothing else (``SGLangFanout.recover``)."""
 
 
 class BroadcasterConfig(BaseModel):

@@ -9,11 +9,14 @@ push, top to bottom (``SGLangFanout.push``):
               of the old group (best effort), then ``/init_weights_update_group`` on every server
               at once (rank offsets from each server's ``tp_size``) while this process joins as
               rank 0 on the TCPStore it already hosts (``weights.custom_group``);
-    recover   once per server, the first time this process meets it and again after a push to
-              it failed (``recover``): end any session left open (by a previous broadcaster, or
-              an end that never arrived) and continue generation (SGLang has no query for either:
-              ``/end_weight_update``'s "no session" answer is expected); and, off the loop, every
-              ``recover_interval_s`` for every server (``recover_soon(again=True)``);
+    recover   what this process knows a server holds from it (a begin no end is known to have
+              closed, a pause no continue is known to have undone) or sees there (0.5.23's
+              ``/ready`` answers 503 while paused, read when first met and by the timer): end it
+              and continue it (``recover``); a server with no ``/ready`` (0.5.15) is continued
+              once, when first met. Nothing is sent to a server that needs nothing: on one that is
+              not paused an end takes SGLang's model-update write lock, which stops admission
+              until every running request ends. Off the loop, every ``recover_interval_s``
+              (``recover_soon(again=True)``);
     pause     ``/pause_generation`` in ``pause`` mode (``abort`` by default: in-flight requests end
               with their tokens and the generator resumes them on the new weights, so every
               token's version is exact); in ``abort`` mode, ``abort_all`` again until
@@ -138,7 +141,9 @@ class SGLangFanout:
         self.formed = 0  # groups formed so far (each gets a fresh name)
         self.paused: set[str] = set()  # servers left paused by a failed push
         self.versions: dict[str, str] = {}  # server -> its SGLang version, read when the group forms
-        self.recovered: set[str] = set()  # servers whose stale session and pause were cleared
+        self.met: set[str] = set()  # servers whose state was read the first time this process met them
+        self.sessions: set[str] = set()  # sent a begin that no end is known to have closed
+        self.pauses: set[str] = set()  # sent a pause that no continue is known to have undone
         self._prefix = f"april-{os.urandom(3).hex()}"
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bcast-sglang")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-recover")
@@ -159,8 +164,7 @@ class SGLangFanout:
     def recover_soon(self, urls, *, again: bool = False) -> Future:
         """``recover(urls)`` on a thread of its own, after any push in flight: for the broadcaster's
         loop, which must not wait on servers that may not answer for a call timeout or more.
-        ``again`` (the timer): each server is recovered even if it was before; not queued while the
-        last such recovery still runs."""
+        ``again`` (the timer): not queued while the last such recovery still runs."""
         if again:
             if self._timed is not None and not self._timed.done():
                 return self._timed
@@ -169,36 +173,62 @@ class SGLangFanout:
         return self._background.submit(self.recover, tuple(urls))
 
     def recover(self, urls, *, again: bool = False) -> dict[str, str | None]:
-        """End any weight-update session left open on ``urls`` and continue their generation —
-        what a broadcaster that died mid-push left behind (SGLang offers no query for either, so
-        both are sent unconditionally; "no session" is the usual answer). Each server once per
-        process, and again after a push to it failed (an end that did not arrive leaves a session
-        open, which refuses every later begin); per server None, or what failed (tried again next time).
-        A server of a version this fan-out was not checked against is left alone, as the group
-        refuses it. ``again``: what was recovered before is forgotten first, so every one of
-        ``urls`` is asked (a resume that failed, a server restarted since)."""
-        with self._lock:
-            if again:
-                self.recovered.difference_update(urls)
-            return self._recover(urls)
+        """End the weight-update sessions and undo the pauses that ``urls`` may hold from this
+        process or an earlier broadcaster, but only where one is known or shown: neither call is
+        free on a server that needs neither. On a server that is not paused, ``/end_weight_update``
+        takes SGLang's model-update write lock (``tokenizer_control_mixin.py``
+        ``_weight_update_session_call``), which waits for every ``/generate`` in flight (each holds
+        the read lock for its life) while new ones queue behind it (``utils/aio_rwlock.py`` prefers
+        writers): one recovery every ``recover_interval_s`` stopped admission on every server.
 
-    def _recover(self, urls) -> dict[str, str | None]:
-        urls = [u for u in urls if u not in self.recovered and self._supported(u)]
-        ended = self._each(urls, ServerClient.end_any_update)
-        errors = _errors(ended)
-        # Not one this process left paused on purpose (half-new weights): the push resumes it.
-        resumed = _errors(self._each([u for u in urls if errors[u] is None and u not in self.paused],
-                                     ServerClient.resume))
+        Per server, what is known: a begin this process sent with no end known to have closed it
+        (``sessions``), a pause it sent with no continue known to have undone it (``pauses``; one
+        left paused on purpose, ``paused``, stays so). What is shown: where SGLang answers
+        ``/ready`` (0.5.23: 503 while paused, or after a failed health check), a 503 read the first
+        time a server is met, or by the timer (``again``), is taken for a pause a dead broadcaster
+        may have left with a session open: while paused, end and continue take no write lock. A
+        server with no ``/ready`` (0.5.15, which has no sessions either) is continued once, when
+        first met: a continue takes no write lock there. Continues send ``torch_empty_cache:
+        false`` (SGLang's default empties the CUDA cache). Per server None, or what failed (tried
+        again next time). A server of a version this fan-out was not checked against is left
+        alone, as the group refuses it."""
+        with self._lock:
+            return self._recover(urls, again=again)
+
+    def _recover(self, urls, *, again: bool = False) -> dict[str, str | None]:
+        urls = [u for u in urls if self._supported(u)]
+        look = [u for u in urls if u not in self.met or again]
+        shown = _errors_and_results(self._each(look, ServerClient.ready))
         out: dict[str, str | None] = {}
-        for u in urls:
-            err = errors[u] or resumed.get(u)
+        end, resume = set(self.sessions.intersection(urls)), set(self.pauses.intersection(urls))
+        for u, (err, ready) in shown.items():
+            if err is not None:
+                out[u] = str(err)  # unreachable now: asked again next time
+                continue
+            if ready is False or (ready is None and u not in self.met):  # paused (or unknown: 0.5.15)
+                resume.add(u)
+                if ready is False:
+                    end.add(u)
+            self.met.add(u)
+        resume -= self.paused  # left paused on purpose (half-new weights): the push resumes it
+        end_errors = _errors_and_results(self._each(sorted(end), ServerClient.end_any_update))
+        for u, (err, _) in end_errors.items():
+            if err is None:
+                self.sessions.discard(u)
+        resumed = _errors(self._each(sorted(u for u in resume if end_errors.get(u, (None,))[0] is None),
+                                     ServerClient.resume))
+        for u in end | resume:
+            err = end_errors.get(u, (None,))[0] or resumed.get(u)
             out[u] = None if err is None else str(err)
             if err is None:
-                self.recovered.add(u)  # one left paused on purpose stays so (and in ``paused``)
-                self.log.info("recovered", server=u, session_was_open=ended[u].result(),
+                self.pauses.discard(u)
+                was_open = bool(end_errors.get(u, (None, False))[1])
+                self.log.info("recovered", server=u, session_was_open=was_open, continued=u in resume,
                               left_paused=u in self.paused)
             else:
                 self.log.warning("recover_failed", server=u, error=str(err))
+        for u in urls:
+            out.setdefault(u, None)
         return out
 
     def _supported(self, url: str) -> bool:
@@ -297,8 +327,6 @@ class SGLangFanout:
             failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in live})
         if any(u in failed for u in live):
             self._leave()  # re-formed at the next push
-        if failed:
-            self.recovered.difference_update(failed)  # an update session its end did not close: ended then
         out = {member: "; ".join(failed[u] for u in us if u in failed) or None for member, us in servers.items()}
         if failed:
             self.log.warning("push_failed", version=version, failed=failed, paused=sorted(self.paused))
@@ -332,6 +360,7 @@ class SGLangFanout:
 
         was_half = self.paused.intersection(urls)  # left paused by an earlier push: half new until one completes
         if mode != "none":
+            self.pauses.update(urls)  # sent: whatever comes back, it may have taken effect
             note(_errors(self._each(urls, ServerClient.pause, mode, timeout_s=self.cfg.update_timeout_s)))
             if mode == "abort":  # the scheduler is not paused in this mode: its aborts take effect
                 drains = self._each(ok(), ServerClient.drain, timeout_s=self.cfg.drain_timeout_s)
@@ -341,10 +370,12 @@ class SGLangFanout:
                     self.log.warning("loads_unknown", servers=unseen, why="\"loads\": [] (no load snapshot): "
                                      "the drain relied on the abort pause's own loop")
             self._flush(ok(), note, retry=True)
+        self.sessions.update(ok())  # sent: an answer that never came may hide an open session
         begun = self._each(ok(), ServerClient.begin_update)
         errors = _errors(begun)
         note(errors)
         with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
+        self.sessions.difference_update(u for u, f in begun.items() if errors[u] is None and not f.result())
         views = unflatten(tensors, buffer)
         sent = False  # once a bucket went out, a failed server's weights may be half new
         complete: set[str] = set()  # every bucket taken: the new weights whole, the version set
@@ -372,7 +403,9 @@ class SGLangFanout:
                     complete.update(ok())
         finally:  # an open session refuses every later begin: end it whatever happened
             if with_session:
-                note(_errors(self._each(with_session, ServerClient.end_update)))
+                ended = _errors(self._each(with_session, ServerClient.end_update))
+                note(ended)
+                self.sessions.difference_update(u for u, e in ended.items() if e is None)
         # A server that took some buckets but not the last holds half-new weights, even where its own
         # calls all succeeded: the loop stopped when another server's failed (they share the collective).
         # So does one an earlier push left so, until a push completes there.
@@ -407,6 +440,7 @@ class SGLangFanout:
         while pending:
             errors = _errors(self._each(pending, ServerClient.resume))
             out.update(errors)
+            self.pauses.difference_update(u for u, e in errors.items() if e is None)
             pending = [u for u, e in errors.items() if e is not None]
             delay = next(delays, None) if pending else None
             if delay is None:
@@ -457,6 +491,17 @@ class SGLangFanout:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients.values():
             c.close()
+
+
+def _errors_and_results(futures: dict[str, Future]) -> dict[str, tuple[SGLangError | None, object]]:
+    """Wait for every call; each one's (``SGLangError`` or None, result or None)."""
+    out: dict[str, tuple[SGLangError | None, object]] = {}
+    for url, f in futures.items():
+        try:
+            out[url] = (None, f.result())
+        except SGLangError as e:
+            out[url] = (e, None)
+    return out
 
 
 def _errors(futures: dict[str, Future]) -> dict[str, SGLangError | None]:

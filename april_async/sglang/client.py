@@ -18,7 +18,8 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
                                       waiting too unless paused)
     POST /abort_request               ``{"rid"}`` or ``{"abort_all": true}``
     POST /pause_generation            ``{"mode": "abort" | "retract" | "in_place"}``
-    POST /continue_generation         ``{}``
+    POST /continue_generation         ``{"torch_empty_cache": false}``
+    GET  /ready                       0.5.23 only: 503 while paused or after a failed health check
     POST /init_weights_update_group   master_address, master_port, rank_offset, world_size,
                                       group_name, backend
     POST /destroy_weights_update_group  group_name
@@ -173,7 +174,23 @@ class ServerClient:
         self.call("POST", "/pause_generation", {"mode": mode}, timeout_s=timeout_s)
 
     def resume(self) -> None:
-        self.call("POST", "/continue_generation", {})
+        """``/continue_generation``, without emptying the CUDA cache (``torch_empty_cache`` defaults
+        to true in 0.5.15 and 0.5.23: ``torch.cuda.empty_cache()`` at every continue)."""
+        self.call("POST", "/continue_generation", {"torch_empty_cache": False})
+
+    def ready(self) -> bool | None:
+        """``/ready`` (0.5.23): True on 200; False on 503, which SGLang answers while generation is
+        paused and after a failed health check (``tokenizer_manager.py`` ``is_ready``); None where
+        the server has no such route (0.5.15). A flag check: it does not reach the scheduler."""
+        try:
+            self.call("GET", "/ready")
+        except SGLangError as e:
+            if e.status == 404:
+                return None
+            if e.status == 503:
+                return False
+            raise
+        return True
 
     def flush_cache(self, *, timeout_s: float, interval_s: float = 0.5) -> int:
         """``/flush_cache`` until it succeeds (slime's order: after the pause, before the

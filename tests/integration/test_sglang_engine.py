@@ -941,9 +941,9 @@ def test_a_continue_that_drops_after_the_last_bucket_is_retried_and_no_server_st
 
 def test_an_end_that_never_arrived_is_ended_by_the_next_push(ckpts, standins, store, monkeypatch):
     """0.5.23 refuses every begin while a session is open: the next push ends it first (recovery runs
-    again for a server whose push failed, not once per process)."""
+    for a session this process opened and no end is known to have closed)."""
     server = standins("--weight-update-session")
-    flaky(monkeypatch, "end_update", fail={2})  # the first ends any session left over, at the first meeting
+    flaky(monkeypatch, "end_update", fail={1})  # the push's own end (the first meeting ends nothing: ready)
     specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
     fanout = fanout_for(store)
     try:
@@ -1102,25 +1102,106 @@ def test_a_server_no_continue_reaches_is_called_down_and_recovered_later(ckpts, 
         assert o.finish == "length" and len(o.tokens) == n, (i, o.finish, len(o.tokens))
 
 
-def test_timed_recovery_asks_every_server_again_and_is_cheap_when_nothing_is_wrong(standins, store, monkeypatch):
-    """``recover_soon(again=True)`` (the broadcaster's timer) recovers servers it recovered before: a
-    server paused since (a resume that failed, a restart) is continued; on a healthy one it is
-    two calls."""
-    server = standins()
+def test_timed_recovery_acts_only_where_a_pause_or_session_is_known_or_shown(standins, store, monkeypatch):
+    """``recover_soon(again=True)`` (the broadcaster's timer) ends and continues a server only where
+    this process left a session or a pause, or where 0.5.23's ``/ready`` shows one (503 while
+    paused); a healthy server gets a ``/ready`` and nothing else. A 0.5.15 server (no ``/ready``) is
+    continued once, when first met, and otherwise only for a pause this process sent. Continues
+    leave the CUDA cache alone (``torch_empty_cache: false``)."""
+    v23, v15 = standins("--weight-update-session"), standins()
+    urls = [v23.url, v15.url]
     fanout = fanout_for(store)
+
+    def empty_caches():  # counted since each server started, which may be before this test
+        return [HTTP.get(f"{u}/standin/flushes").json()["empty_caches"] for u in urls]
+    before = empty_caches()
     try:
-        assert fanout.recover([server.url]) == {server.url: None}
-        HTTP.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
-        assert fanout.recover([server.url]) == {}  # once per process: not asked again
-        assert server.state()["paused"]
-        assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
-        assert not server.state()["paused"]
-        calls = flaky(monkeypatch, "resume", fail=set())
+        resumes = flaky(monkeypatch, "resume", fail=set())
         ends = flaky(monkeypatch, "end_any_update", fail=set())
-        assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
-        assert (calls, ends) == ([server.url], [server.url])
+        assert fanout.recover(urls) == {v23.url: None, v15.url: None}
+        assert (resumes, ends) == ([v15.url], [])  # 0.5.23 said ready; 0.5.15 cannot say: one continue
+        HTTP.post(f"{v23.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        HTTP.post(f"{v15.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        assert fanout.recover_soon(urls, again=True).result(10) == {v23.url: None, v15.url: None}
+        assert not v23.state()["paused"], "/ready said paused, and the timer did not continue it"
+        assert v15.state()["paused"], "a pause this process did not send was undone without being shown"
+        assert (resumes[1:], ends) == ([v23.url], [v23.url])
+        HTTP.post(f"{v15.url}/continue_generation", json={}, timeout=10).raise_for_status()
+        del resumes[:], ends[:]
+        assert fanout.recover_soon(urls, again=True).result(10) == {v23.url: None, v15.url: None}
+        assert (resumes, ends) == ([], []), "a healthy server was ended or continued"
+        assert [a - b for a, b in zip(empty_caches(), before)] == [0, 1]  # the test's own continue
     finally:
         fanout.close()
+
+
+def test_a_timed_recovery_never_stops_admission_on_a_healthy_server(standins, store):
+    """On a server that is not paused, ``/end_weight_update`` takes the model-update write lock
+    (``tokenizer_control_mixin.py``), which waits for every request in flight while new ones queue
+    behind it (``utils/aio_rwlock.py``): the former recovery, an end and a continue to every server
+    every ``recover_interval_s``, stopped admission there until the longest request ended. A long
+    request streams through timed recoveries, and a new one-token ``/generate`` is answered within a
+    second throughout."""
+    server = standins("--weight-update-session", "--step-delay-s", "0.02")
+    fanout = fanout_for(store)
+    waits: list[float] = []
+    recoveries = 0
+    try:
+        assert fanout.recover([server.url]) == {server.url: None}
+        long = generating(server.url, n=200)  # ~4 s of decoding
+        while long.is_alive():
+            timed = fanout.recover_soon([server.url], again=True)
+            t0 = time.monotonic()
+            r = HTTP.post(f"{server.url}/generate", timeout=30, json={
+                "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+            waits.append(time.monotonic() - t0)
+            assert r.status_code == 200, r.text
+            assert timed.result(30) == {server.url: None}
+            recoveries += 1
+            time.sleep(0.2)
+    finally:
+        fanout.close()
+    assert recoveries >= 3 and max(waits) < 1.0, \
+        f"{recoveries} recoveries, a new request waited {max(waits):.2f} s"
+
+
+def test_begin_and_end_wait_for_requests_in_flight_and_new_requests_wait_behind_them(standins):
+    """The stand-in takes SGLang's model-update write lock as 0.5.23 does: begin and end, when not
+    paused, wait for the ``/generate`` calls in flight (``tokenizer_control_mixin.py``
+    ``_weight_update_session_call``; each request holds the read lock for its life,
+    ``tokenizer_manager.py`` ``generate_request``), and a request sent meanwhile waits behind the
+    writer (``utils/aio_rwlock.py``: writers first). While paused, they take no lock."""
+    server = standins("--weight-update-session", "--step-delay-s", "0.02")
+    done: dict[str, float] = {}
+
+    def timed(name, fn):
+        def run():
+            fn()
+            done[name] = time.monotonic()
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    long = generating(server.url, n=100)  # ~2 s
+    long_done = timed("long", lambda: long.join(60))
+    begin = timed("begin", lambda: HTTP.post(f"{server.url}/begin_weight_update", json={}, timeout=60))
+    time.sleep(0.3)
+    assert "begin" not in done and "long" not in done  # the begin waits for the long request...
+    short = timed("short", lambda: HTTP.post(f"{server.url}/generate", timeout=60, json={
+        "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}))
+    for t in (long_done, begin, short):  # ...and the short one, sent after it, waits behind it
+        t.join(60)
+    # the begin was answered as the long request ended (its answer may reach this process a moment
+    # before the long one's), and the short request after the begin
+    assert abs(done["begin"] - done["long"]) < 0.2 and done["begin"] <= done["short"], done
+    assert HTTP.post(f"{server.url}/end_weight_update", json={}, timeout=10).status_code == 200
+    generating(server.url, n=100)
+    HTTP.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+    t0 = time.monotonic()
+    assert HTTP.post(f"{server.url}/begin_weight_update", json={}, timeout=10).status_code == 200
+    assert HTTP.post(f"{server.url}/end_weight_update", json={}, timeout=10).status_code == 200
+    assert time.monotonic() - t0 < 1.0  # paused: no lock, though a request is held in place
+    HTTP.post(f"{server.url}/continue_generation", json={}, timeout=10).raise_for_status()
 
 
 class _Hub:
@@ -1148,7 +1229,7 @@ def test_the_broadcaster_recovers_its_sglang_servers_on_a_timer(standins):
 
     with pytest.raises(ValueError):
         SGLangFanoutConfig(recover_interval_s=0)
-    server = standins()
+    server = standins("--weight-update-session")  # 0.5.23: /ready shows a pause this process did not send
     cfg = BroadcasterConfig(store_port=0, backend="gloo", sglang=SGLangFanoutConfig(recover_interval_s=5.0))
     actor = BroadcasterActor(cfg, _Hub(), NoBroker)
     try:
