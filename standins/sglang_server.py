@@ -30,7 +30,9 @@ Endpoints:
     GET  /ready                           0.5.23 only: 503 while paused or after a failed health check
     POST /init_weights_update_group, /destroy_weights_update_group  (gloo on CPU; the group is
                                           formed with ``join_custom_group``, SGLang's recipe)
-    POST /update_weights_from_distributed one broadcast from rank 0 per tensor, in ``names`` order
+    POST /update_weights_from_distributed one broadcast from rank 0 per tensor, in ``names`` order,
+                                          or (``load_format = "flattened_bucket"``) one of them all,
+                                          back to back (0.5.23 refuses a misaligned layout first)
     POST /begin_weight_update, /end_weight_update   only with ``--weight-update-session``
                                           (0.5.23); without it they answer 404 (0.5.15)
     POST /update_weight_version
@@ -83,7 +85,7 @@ Left out: batches of requests (lists of prompts, ``n`` > 1), ``text`` input and 
 be -1 or past the prompt), ``ignore_eos``, ``min_new_tokens`` > 0, penalties, ``min_p``, stop
 strings and constrained decoding (their SGLang fields are accepted only at their neutral values),
 tensor parallelism > 1, data parallelism, LoRA, multimodal input, every other weight-loading
-path (``load_format``, from disk, from tensors), and prefix caching (``cached_tokens`` is 0).
+path (from disk, from tensors), and prefix caching (``cached_tokens`` is 0).
 Pause modes ``retract`` and ``in_place`` both keep each request's KV cache in the stand-in. A
 /generate that arrives while paused waits before the engine, as SGLang's tokenizer manager holds
 it before its scheduler sees it: it does not count as in flight for a cache flush (/flush_cache,
@@ -108,6 +110,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import queue
 import select
@@ -587,8 +590,10 @@ class Core:
         flush = field_of(body, "flush_cache", lambda v: isinstance(v, bool), "a boolean", True)
         abort_first = field_of(body, "abort_all_requests", lambda v: isinstance(v, bool), "a boolean", False)
         version = field_of(body, "weight_version", lambda v: isinstance(v, str), "a string")
-        if body.get("load_format") is not None:
-            raise refused(f"load_format {body['load_format']!r} is not supported by the stand-in")
+        # weight_updater.py: "flattened_bucket" is the one load format of its own; any other takes
+        # the per-tensor path
+        load_format = field_of(body, "load_format", lambda v: isinstance(v, str), "a string")
+        bucketed = load_format == "flattened_bucket"
         if not len(names) == len(dtypes) == len(shapes):
             raise refused(f"names, dtypes and shapes differ in length "
                           f"({len(names)}, {len(dtypes)}, {len(shapes)})")
@@ -604,15 +609,27 @@ class Core:
                 raise refused(f"Failed to update weights: no weight update group named {name!r}.")
             if abort_first:
                 self.abort_all()
+            if bucketed:
+                spans = self.bucket_spans(names, types, shapes)  # refused before any receive is posted
             t0 = time.monotonic()
             with self.model_update_lock():
                 received = {}
                 try:
-                    for n, dt, shape in zip(names, types, shapes):
-                        t = torch.empty(shape, dtype=dt)
-                        dist.broadcast(t, src=0, group=pg)
-                        received[n] = t
+                    if bucketed:  # one broadcast of the whole bucket, then views into it
+                        flat = torch.empty(spans[-1][1] if spans else 0, dtype=torch.uint8)
+                        dist.broadcast(flat, src=0, group=pg)
+                        for n, dt, shape, (a, b) in zip(names, types, shapes, spans):
+                            # 0.5.15: a misaligned one fails here, after the receive
+                            received[n] = flat[a:b].view(dt).reshape(shape)
+                    else:
+                        for n, dt, shape in zip(names, types, shapes):
+                            t = torch.empty(shape, dtype=dt)
+                            dist.broadcast(t, src=0, group=pg)
+                            received[n] = t
                 except Exception as e:
+                    if bucketed:
+                        raise refused(f"Failed to update parameter online: {e}. The full weights of the "
+                                      f"ModelRunner are partially updated. Please discard the whole weights.")
                     raise refused(f"Failed to update weights: receiving tensor {len(received) + 1} "
                                   f"({names[len(received)]!r}) failed: {e}.")
                 for n, t in received.items():
@@ -639,6 +656,26 @@ class Core:
         if version is not None:
             message += f" Weight version updated to {version}."
         return {"success": True, "message": message}
+
+    def bucket_spans(self, names: list[str], types: list[torch.dtype], shapes: list[list[int]]
+                     ) -> list[tuple[int, int]]:
+        """Where each tensor of a ``flattened_bucket`` lies in its one flat uint8 broadcast: back to
+        back in ``names`` order, no padding (``weight_sync/tensor_bucket.py``). 0.5.23 checks the
+        layout before it posts the receive (``FlattenedTensorBucket.empty``: an empty bucket, or an
+        offset that is not a multiple of its tensor's element size, is a ``ValueError`` answered as
+        "Failed to receive weights: ..."); 0.5.15 does not, and fails at the view after receiving."""
+        spans, offset = [], 0
+        strict = self.args.sglang_version.startswith("0.5.23")
+        for n, dt, shape in zip(names, types, shapes):
+            if strict and offset % dt.itemsize:
+                raise refused(f"Failed to receive weights: Unaligned received tensor {n}: "
+                              f"byte offset {offset}, dtype {dt}")
+            size = math.prod(shape) * dt.itemsize
+            spans.append((offset, offset + size))
+            offset += size
+        if strict and not spans:
+            raise refused("Failed to receive weights: Cannot create empty tensor bucket")
+        return spans
 
     def stop(self) -> None:
         with self.cv:

@@ -12,7 +12,10 @@ Two measurements, side by side in one run:
   JSON events, a second process, the client's loop — on this machine. It says nothing about real
   SGLang's speed, which runs on a GPU.
 - weights: ``SGLangFanout.push`` of the model to 1 and 2 stand-ins over gloo: the first push
-  (which forms the group) and the median of the next ones, with the effective rate.
+  (which forms the group) and the median of the next ones, with the effective rate, each bucket as
+  one broadcast (``load_format = "flattened_bucket"``) and one broadcast per tensor, side by side.
+
+    .venv/bin/python tools/bench_sglang.py --push-only --model 0.5B   # the push of a 0.5B-shaped model
 """
 
 from __future__ import annotations
@@ -71,8 +74,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--pushes", type=int, default=5)
+    p.add_argument("--model", choices=sorted(MODELS), default="5M",
+                   help="the model's shape (april_async.model.shapes.BENCH_MODELS)")
+    p.add_argument("--push-only", action="store_true", help="the weights pushes alone, no decoding")
+    p.add_argument("--bucket-mb", type=int, default=32, help="the push's buckets ([broadcaster] bucket_mb)")
     args = p.parse_args()
-    cfg = SMOKE if args.smoke else MODELS["5M"]
+    cfg = SMOKE if args.smoke else MODELS[args.model]
     n, tokens, pushes = (4, 8, 2) if args.smoke else (args.requests, args.tokens, args.pushes)
     torch.set_num_threads(1)  # the stand-in runs its engine on one thread too
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,19 +92,21 @@ def main() -> int:
         print(f"model {params:.1f}M params, {n} requests x {tokens} tokens, greedy, torch {torch.__version__}, "
               f"1 thread per engine")
 
-        embedded_s, made = decode(TorchEngine(model, slots=n, max_seq_len=seq), requests(n, tokens))
-        assert made == n * tokens, made
-        print(f"\n{'decode':<34} {'seconds':>8} {'tokens/s':>9} {'vs embedded':>12}")
-        print(f"{'embedded (in process)':<34} {embedded_s:8.2f} {made / embedded_s:9.0f} {1.0:12.2f}")
+        if not args.push_only:
+            embedded_s, made = decode(TorchEngine(model, slots=n, max_seq_len=seq), requests(n, tokens))
+            assert made == n * tokens, made
+            print(f"\n{'decode':<34} {'seconds':>8} {'tokens/s':>9} {'vs embedded':>12}")
+            print(f"{'embedded (in process)':<34} {embedded_s:8.2f} {made / embedded_s:9.0f} {1.0:12.2f}")
         standin = ["--slots", str(n), "--max-seq-len", str(seq)]
         # Two servers: one streams cumulatively (and answers whole), one incrementally; both then
         # take the weight pushes. A stand-in starts in seconds (a process importing torch).
         servers = [start_standin(ckpt, Path(tmp), *standin, name="s0"),
                    start_standin(ckpt, Path(tmp), *standin, "--incremental-streaming-output", name="s1")]
         try:
-            for label, server, stream in [("sglang, streamed (cumulative)", servers[0], True),
-                                          ("sglang, streamed (incremental)", servers[1], True),
-                                          ("sglang, whole answers", servers[0], False)]:
+            for label, server, stream in [] if args.push_only else [
+                    ("sglang, streamed (cumulative)", servers[0], True),
+                    ("sglang, streamed (incremental)", servers[1], True),
+                    ("sglang, whole answers", servers[0], False)]:
                 engine = SGLangEngine(SGLangEngineConfig(servers=[server.url], slots_per_server=n, stream=stream),
                                       instance="bench")
                 try:
@@ -113,22 +122,30 @@ def main() -> int:
                                   wait_for_workers=False)
             specs, buffer = flatten(model.state_dict())
             mb = buffer.numel() / 1e6
-            print(f"\n{'weights push (' + f'{mb:.1f} MB' + ')':<34} {'first s':>8} {'median s':>9} {'MB/s':>8}")
+            head = f"weights push ({mb:.1f} MB, {len(specs)} tensors, {args.bucket_mb} MB buckets)"
+            print(f"\n{head:<50} {'first s':>8} {'median s':>9} {'MB/s':>8} {'vs per tensor':>14}")
             for k in (1, 2):
-                fanout = SGLangFanout(SGLangFanoutConfig(), store=store, store_host="127.0.0.1", store_port=port,
-                                      backend="gloo", timeout_s=60)
-                try:
-                    times = []
-                    for v in range(1, pushes + 2):
-                        t0 = time.perf_counter()
-                        result = fanout.push({f"g{i}": [servers[i].url] for i in range(k)}, 100 * k + v, specs,
-                                             buffer, 32 << 20)
-                        times.append(time.perf_counter() - t0)
-                        assert all(err is None for err in result.values()), result
-                finally:
-                    fanout.close()
-                steady = statistics.median(times[1:])
-                print(f"{f'to {k} stand-in(s)':<34} {times[0]:8.3f} {steady:9.3f} {mb / steady:8.0f}")
+                medians = {}
+                for flat in (False, True):  # the same servers, one after the other
+                    fanout = SGLangFanout(SGLangFanoutConfig(flattened_bucket=flat), store=store,
+                                          store_host="127.0.0.1", store_port=port, backend="gloo",
+                                          timeout_s=600)
+                    try:
+                        times = []
+                        for v in range(1, pushes + 2):
+                            t0 = time.perf_counter()
+                            version = 1000 * k + 100 * flat + v
+                            result = fanout.push({f"g{i}": [servers[i].url] for i in range(k)}, version,
+                                                 specs, buffer, args.bucket_mb << 20)
+                            times.append(time.perf_counter() - t0)
+                            assert all(err is None for err in result.values()), result
+                    finally:
+                        fanout.close()
+                    steady = medians[flat] = statistics.median(times[1:])
+                    how = "one broadcast a bucket" if flat else "one broadcast a tensor"
+                    label = f"to {k} stand-in(s), {how}"
+                    print(f"{label:<50} {times[0]:8.3f} {steady:9.3f} {mb / steady:8.0f} "
+                          f"{medians[False] / steady:14.2f}")
         finally:
             for s in servers:
                 s.kill()

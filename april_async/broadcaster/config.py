@@ -32,6 +32,10 @@ class SGLangFanoutConfig(BaseModel):
     """With ``pause = "none"``, push in several buckets anyway: tokens decoded between two buckets come
     from a mix of both versions and are tagged with the old one (SGLang sets the version at the
     last bucket). For experiments that accept that, knowingly."""
+    flattened_bucket: bool = True
+    """Push each bucket as one broadcast (SGLang's ``load_format = "flattened_bucket"``: the bucket's
+    tensors back to back) where every server of the group runs a release it was read in
+    (``SUPPORTED_SGLANG``); false, or any other server: one broadcast per tensor."""
     call_timeout_s: float = Field(30.0, gt=0)
     """Limit of every control call (info, pause, continue, begin/end, destroy)."""
     probe_timeout_s: float = Field(5.0, gt=0)

@@ -30,8 +30,10 @@ push, top to bottom (``SGLangFanout.push``):
     buckets   for each bucket of whole tensors (``bucket_mb``), one
               ``/update_weights_from_distributed`` call per server (HF names, dtypes, shapes; the
               last bucket sets ``weight_version``), sent from worker threads while this thread
-              broadcasts the bucket's tensors from rank 0, one collective each, in ``names`` order
-              — what the server posts receives for;
+              broadcasts the bucket from rank 0 — what the server posts receives for: as one
+              collective of its tensors' bytes back to back (``load_format = "flattened_bucket"``,
+              ``packed_bucket``) where every server runs a release this was read against, else one
+              collective per tensor, in ``names`` order;
     resume    ``/end_weight_update`` (in a ``finally``: an open session refuses every later begin),
               then ``/continue_generation``, retried with back-off, on every server whose weights
               are whole: all new (every bucket taken, even if the end or a continue failed) or
@@ -53,6 +55,7 @@ past ``push``. The push runs on the broadcaster's collective thread, not its loo
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -66,7 +69,7 @@ from april_async.logs import get_logger
 from april_async.sglang.api import TORN_PREFIX, SGLangError
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
-from april_async.weights.flat import tensor_buckets, unflatten
+from april_async.weights.flat import DTYPES, tensor_buckets, unflatten
 from april_async.wire.messages import TensorSpec
 
 RESUME_BACKOFF_S = (0.5, 1.0, 2.0)
@@ -377,6 +380,9 @@ class SGLangFanout:
         with_session = [u for u, f in begun.items() if errors[u] is None and f.result()]  # False: no sessions
         self.sessions.difference_update(u for u, f in begun.items() if errors[u] is None and not f.result())
         views = unflatten(tensors, buffer)
+        # One broadcast per bucket (load_format "flattened_bucket", 0.5.15.post1 and 0.5.23) where every
+        # server of the collective runs a release it was read in; else one per tensor.
+        flat = self.cfg.flattened_bucket and all(self.versions.get(u) in SUPPORTED_SGLANG for u in urls)
         sent = False  # once a bucket went out, a failed server's weights may be half new
         complete: set[str] = set()  # every bucket taken: the new weights whole, the version set
         try:
@@ -386,14 +392,19 @@ class SGLangFanout:
                 last = i == len(parts) - 1
                 specs = [tensors[j] for j in part]
                 sent = True
+                if flat:  # the bucket's tensors in SGLang's packed layout, sent as one collective
+                    specs, packed = packed_bucket(specs, buffer)
                 calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
                                               dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
                                               group_name=self.group_name, flush_cache=False,
                                               weight_version=str(version) if last else torn,
+                                              load_format="flattened_bucket" if flat else None,
                                               timeout_s=self.cfg.update_timeout_s) for u in urls}
                 try:
-                    for t in specs:
+                    for t in [] if flat else specs:
                         dist.broadcast(views[t.name], src=0, group=self.pg)
+                    if flat:
+                        dist.broadcast(packed, src=0, group=self.pg)
                 except Exception as e:  # a collective that failed or timed out: every server of the group
                     failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls if u not in failed})
                     leave_custom_group(self.pg)  # the servers' receives end rather than wait out their timeout
@@ -491,6 +502,21 @@ class SGLangFanout:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients.values():
             c.close()
+
+
+def packed_bucket(specs: list[TensorSpec], buffer: torch.Tensor) -> tuple[list[TensorSpec], torch.Tensor]:
+    """A bucket of whole tensors as SGLang's ``flattened_bucket`` receives it: their bytes back to
+    back with no padding, in the order the call names them (``weight_sync/tensor_bucket.py``), each
+    at an offset that is a multiple of its element size (0.5.23's ``FlattenedTensorBucket.empty``
+    refuses any other before it posts the receive). Larger elements first makes every offset
+    aligned. The tensors in that order, and the bytes: a slice of ``buffer`` where they already lie
+    so in it (one dtype: the usual case), else a packed copy."""
+    order = sorted(specs, key=lambda t: -DTYPES[t.dtype].itemsize)  # stable: layout order within a dtype
+    sizes = [math.prod(t.shape) * DTYPES[t.dtype].itemsize for t in order]
+    start = order[0].offset
+    if all(t.offset == start + sum(sizes[:i]) for i, t in enumerate(order)):
+        return order, buffer[start:start + sum(sizes)]
+    return order, torch.cat([buffer[t.offset:t.offset + n] for t, n in zip(order, sizes)])
 
 
 def _errors_and_results(futures: dict[str, Future]) -> dict[str, tuple[SGLangError | None, object]]:

@@ -249,11 +249,13 @@ class ServerClient:
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str, flush_cache: bool, weight_version: str | None,
-                                timeout_s: float) -> None:
+                                timeout_s: float, load_format: str | None = None) -> None:
+        """``load_format = "flattened_bucket"``: every tensor comes as one broadcast of their bytes back
+        to back, in ``names`` order; None: one broadcast per tensor."""
         self.call("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "abort_all_requests": False, "weight_version": weight_version},
-            timeout_s=timeout_s, expect_success=True)
+            "flush_cache": flush_cache, "abort_all_requests": False, "weight_version": weight_version,
+            "load_format": load_format}, timeout_s=timeout_s, expect_success=True)
 
 
 def _message(data: Any) -> str:

@@ -422,6 +422,41 @@ def test_a_push_updates_every_server_in_buckets_and_generation_follows(ckpts, st
         fanout.close()
 
 
+def test_flattened_buckets_leave_the_weights_per_tensor_pushes_leave_and_only_on_checked_releases(
+        ckpts, standins, store, monkeypatch):
+    """Each bucket goes as one broadcast (``load_format = "flattened_bucket"``) where every server of the
+    group runs a release the fan-out was read against (0.5.15.post1, 0.5.23), one per tensor
+    otherwise (``flattened_bucket = false``, or a server ``any_sglang_version`` admitted): the same
+    weights either way."""
+    from april_async.sglang.client import ServerClient
+
+    formats: list[str | None] = []
+    real = ServerClient.update_from_distributed
+
+    def spy(client, **kwargs):
+        formats.append(kwargs.get("load_format"))
+        return real(client, **kwargs)
+    monkeypatch.setattr(ServerClient, "update_from_distributed", spy)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    weights = {}
+    for label, flags, settings, want in [
+            ("flat", ("--weight-update-session",), {}, {"flattened_bucket"}),
+            ("per-tensor", (), {"flattened_bucket": False}, {None}),
+            ("unchecked", ("--sglang-version", "0.5.99"), {"any_sglang_version": True}, {None})]:
+        server = standins(*flags)
+        before = server.state()["weights"]
+        fanout = fanout_for(store, **settings)
+        formats.clear()
+        try:
+            assert fanout.push({"gen": [server.url]}, 1, specs, buffer, 64 * 1024) == {"gen": None}
+        finally:
+            fanout.close()
+        assert len(formats) > 1 and set(formats) == want, (label, formats)  # several buckets each
+        weights[label] = server.state()["weights"]
+        assert weights[label] != before, label
+    assert weights["flat"] == weights["per-tensor"] == weights["unchecked"]
+
+
 def test_an_update_in_flight_splits_a_response_between_two_exact_versions(ckpts, standins, store):
     server = standins(*OUTLIVE)
     fanout = fanout_for(store)

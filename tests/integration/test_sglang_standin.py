@@ -503,6 +503,55 @@ def test_weight_update_over_gloo(server, ckpt):
         del store
 
 
+@pytest.mark.parametrize("version", ["0.5.15.post1", "0.5.23"])
+def test_a_flattened_bucket_is_one_broadcast_and_a_misaligned_one_is_refused_as_each_release_does(
+        ckpt, tmp_path, version):
+    """``load_format = "flattened_bucket"`` (``weight_sync/tensor_bucket.py``): every tensor of the call
+    comes as one uint8 broadcast, back to back in ``names`` order with no padding. 0.5.23 checks the
+    layout before it posts the receive (``FlattenedTensorBucket.empty``): a tensor at an offset that
+    is not a multiple of its element size is refused at once ("Failed to receive weights"), and
+    nothing is received. 0.5.15 receives the bucket first and fails at the view ("Failed to update
+    parameter online")."""
+    flags = ("--sglang-version", version) + (("--weight-update-session",) if version == "0.5.23" else ())
+    s = Standin(ckpt.path, tmp_path / "standin.log", "--max-seq-len", "256", *flags)
+    pg, store = form_group(s, "standin-flat")
+    session = version == "0.5.23"
+    try:
+        if session:
+            assert s.http.post("/begin_weight_update", json={}).status_code == 200
+        fresh = new_model(11, ckpt.eos)
+        state = {n: t.detach().float().contiguous() for n, t in fresh.state_dict().items()}
+        names = list(state)
+        fut = in_thread(s.http.post, "/update_weights_from_distributed", json={
+            "names": names, "dtypes": ["float32"] * len(names),
+            "shapes": [list(state[n].shape) for n in names], "group_name": "standin-flat",
+            "flush_cache": False, "weight_version": "1", "load_format": "flattened_bucket"})
+        dist.broadcast(torch.cat([state[n].reshape(-1).view(torch.uint8) for n in names]), src=0, group=pg)
+        r = fut.result(30)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        # a bfloat16 of 3 elements (6 bytes) puts the float32 after it at byte offset 6
+        odd = {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [2]],
+               "group_name": "standin-flat", "flush_cache": False, "load_format": "flattened_bucket"}
+        fut = in_thread(s.http.post, "/update_weights_from_distributed", json=odd)
+        if session:
+            r = fut.result(10)  # answered without a broadcast from here: no receive was posted
+            assert r.status_code == 400 and r.json()["message"].startswith(
+                "Failed to receive weights: Unaligned received tensor b: byte offset 6"), r.text
+        else:
+            dist.broadcast(torch.zeros(14, dtype=torch.uint8), src=0, group=pg)
+            r = fut.result(30)
+            assert r.status_code == 400
+            assert r.json()["message"].startswith("Failed to update parameter online")
+        if session:
+            assert s.http.post("/end_weight_update", json={}).status_code == 200
+        check_greedy(s, fresh, ckpt.eos, "1")  # the refused bucket changed nothing, and the group still works
+    finally:
+        leave_custom_group(pg)
+        del store
+        s.http.close()
+        s.stop()
+
+
 def test_weight_update_session(session_server, ckpt):
     s = session_server
     pg, store = form_group(s, "standin-test-b")
