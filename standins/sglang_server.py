@@ -255,6 +255,7 @@ class Core:
         self.rids: set[str] = set()
         self.paused = False
         self.pause_mode: str | None = None  # the scheduler's pause (retract | in_place); abort mode has none
+        self.frozen_loads: tuple[int, int] | None = None  # /v1/loads while the scheduler is paused
         self.flushes = 0  # successful cache flushes, for the test hook /standin/flushes
         self.empty_caches = 0  # continues that emptied the CUDA cache (torch_empty_cache), same hook
         self.gate: int | None = None  # while an update waits for in-flight requests: admit seq < gate only
@@ -432,13 +433,23 @@ class Core:
         return bool(self.running) or any(not r.parked for r in self.waiting)
 
     def loads(self) -> tuple[int, int]:
-        """(running, waiting) as SGLang's scheduler counts them for ``/v1/loads``: a retract pause
-        moved its running requests to the waiting queue; parked requests are not there yet."""
+        """(running, waiting) as SGLang's scheduler holds them now: a retract pause moved its
+        running requests to the waiting queue; parked requests are not there yet."""
         with self.cv:
             running, waiting = len(self.running), sum(not r.parked for r in self.waiting)
             if self.pause_mode == "retract":
                 running, waiting = 0, waiting + running
             return running, waiting
+
+    def published_loads(self) -> tuple[int, int]:
+        """What ``/v1/loads`` shows: the snapshot the scheduler last wrote to shared memory
+        (``load_snapshot.py``). It writes one after its batches and when idle
+        (``Scheduler.publish_load_snapshot`` from ``process_batch_result`` and ``on_idle``), and its
+        event loop skips both while paused (``if self._engine_paused: continue``): from a
+        ``retract`` or ``in_place`` pause until ``/continue_generation`` the counts are the ones from
+        before the pause. An ``abort`` pause does not pause the scheduler."""
+        with self.cv:
+            return self.frozen_loads if self.frozen_loads is not None else self.loads()
 
     def state(self) -> dict:
         """TEST HOOK (``/standin/state``), not SGLang: everything a client can change on this server,
@@ -502,6 +513,7 @@ class Core:
             self.args = self.startup_args
             self.weight_version = self.args.weight_version
             self.paused, self.pause_mode, self.gate, self.session = False, None, None, False
+            self.frozen_loads = None
             self.hung, self.healthy = False, True
             self.fail_next.clear()
             self.flushes = 0
@@ -935,6 +947,8 @@ class Handler(BaseHTTPRequestHandler):
         with self.core.cv:  # taken between two decode steps: none runs after this
             self.core.paused = True
             if mode != "abort":  # abort mode stops only the tokenizer manager, not the scheduler
+                if self.core.pause_mode is None:  # the last snapshot the scheduler wrote
+                    self.core.frozen_loads = self.core.loads()
                 self.core.pause_mode = mode
         if mode == "abort":
             for req in self.core.abort_all():
@@ -949,6 +963,7 @@ class Handler(BaseHTTPRequestHandler):
         with self.core.cv:
             self.core.paused = False
             self.core.pause_mode = None
+            self.core.frozen_loads = None
             for req in [r for r in self.core.running.values() if r.doomed]:
                 self.core.engine.abort(req.lease)
                 del self.core.running[req.lease]
@@ -975,7 +990,7 @@ class Handler(BaseHTTPRequestHandler):
     def loads(self, body: dict) -> dict:
         if self.core.args.no_load_snapshot:  # load_snapshot.py ShmLoadSnapshotReader.read_all: not attached
             return {"version": self.core.args.sglang_version, "loads": []}
-        running, waiting = self.core.loads()
+        running, waiting = self.core.published_loads()
         return {"version": self.core.args.sglang_version, "loads": [{
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
             "max_running_requests": self.core.args.slots}]}
@@ -983,7 +998,7 @@ class Handler(BaseHTTPRequestHandler):
     def get_load(self, body: dict) -> list:
         if self.core.args.no_load_snapshot:  # the same reader behind it (0.5.15 http_server.py get_load)
             return []
-        running, waiting = self.core.loads()
+        running, waiting = self.core.published_loads()
         return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
 
     def ready(self, body: dict) -> None:

@@ -463,9 +463,23 @@ class SGLangFanout:
     def _flush(self, urls: list[str], note, *, retry: bool) -> None:
         """``/flush_cache`` on each of ``urls`` whose scheduler can flush now (a failed flush
         is harmless only as a plain call; see the module docstring), retried until it succeeds
-        when ``retry``; the others keep their prefix cache, logged."""
+        when ``retry``; the others keep their prefix cache, logged.
+
+        Whether it can is read from what is true after the pause, not from ``/v1/loads`` alone: a
+        paused scheduler (``retract``, ``in_place``) writes no load snapshot, so its counts are the
+        ones from before the pause (``load_snapshot.py``). After a ``retract`` nothing runs, and
+        0.5.23's paused flush ignores what waits: those servers are flushed whatever the counts
+        say. Otherwise the pre-pause counts are the truth for a flush: ``in_place`` moves nothing,
+        and what a 0.5.15 retract moved to the waiting queue fails its flush."""
         if not urls:
             return
+        if self.cfg.pause == "retract":
+            sure = [u for u in urls if flushes_while_paused(self.versions.get(u, ""))]
+            note(_errors(self._each(sure, ServerClient.flush_cache,
+                                    timeout_s=self.cfg.flush_timeout_s if retry else 0.0)))
+            urls = [u for u in urls if u not in sure]
+            if not urls:
+                return
         loads = self._each(urls, ServerClient.loads)
         note(_errors(loads))
         flushable, kept, unknown = [], {}, []

@@ -894,8 +894,8 @@ def test_abort_while_the_scheduler_is_paused(v23_server, ckpt):
         seen.get(timeout=10)
         assert s.http.post("/pause_generation", json={"mode": mode}).status_code == 200
         try:
-            if mode == "retract":
-                wait_loads(s, (0, 1))
+            # what the scheduler published before the pause: a paused scheduler writes no snapshot
+            assert loads(s) == (1, 0), mode
             s.http.post("/abort_request", json={"rid": rid})
             time.sleep(0.3)
             assert fut.done() == (mode == "retract"), mode
@@ -953,6 +953,27 @@ def test_server_info_waits_for_a_hung_scheduler_and_model_info_does_not(server):
     finally:
         h.post("/standin/hang", json={"hung": False})
     assert h.get("/server_info", timeout=5.0).json()["tp_size"] == 1
+
+
+def test_loads_keep_the_counts_from_before_a_pause_of_the_scheduler_until_it_runs_again(v23_server, ckpt):
+    """``load_snapshot.py``: the scheduler writes its load snapshot from ``process_batch_result`` and
+    ``on_idle``, which its event loop skips while paused (``scheduler.py``: ``if self._engine_paused:
+    continue``). So from a ``retract`` or ``in_place`` pause until ``/continue_generation``,
+    ``/v1/loads`` shows the counts from before it, though a retract moved the request to the waiting
+    queue and an abort ended it; an ``abort`` pause does not pause the scheduler."""
+    s = v23_server
+    fut, seen = stream_in_thread(s, {**gen(LONG, LONG_N, temperature=0.0), "rid": "frozen;"})
+    seen.get(timeout=10)
+    assert s.http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    try:
+        assert loads(s) == (1, 0)
+        assert s.http.post("/flush_cache").status_code == 200  # 0.5.23: nothing runs, the waiting ignored
+        s.http.post("/abort_request", json={"rid": "frozen;"})
+        assert fut.result(10)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert loads(s) == (1, 0)  # ended, and still counted
+    finally:
+        s.http.post("/continue_generation", json={})
+    wait_loads(s, (0, 0))
 
 
 def test_loads_without_a_snapshot_are_an_empty_list_not_zeros(server):
