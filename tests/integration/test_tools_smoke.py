@@ -110,4 +110,6 @@ def test_bench_sglang_prints_each_path_against_the_embedded_engine():
                          "sglang, whole answers"}
     assert float(rows["embedded (in process)"][2]) == 1.0 and all(float(r[1]) > 0 for r in rows.values())
     pushes = [line.split() for line in out.splitlines() if line.startswith("to ")]
-    assert [p[1] for p in pushes] == ["1", "2"] and all(float(p[-1]) > 0 for p in pushes)
+    # to 1 and 2 stand-ins, each bucket as one broadcast ("flattened_bucket") and one per tensor
+    assert [(p[1], p[6]) for p in pushes] == [("1", "tensor"), ("1", "bucket"), ("2", "tensor"), ("2", "bucket")]
+    assert all(float(p[-3]) > 0 and float(p[-1]) > 0 for p in pushes)  # median seconds, ratio to per tensor
