@@ -28,6 +28,7 @@ Endpoints:
                                           ``"loads": []`` with ``--no-load-snapshot`` (a reader whose
                                           shared memory is not attached)
     GET  /ready                           0.5.23 only: 503 while paused or after a failed health check
+    GET  /ping                            0.5.23: 503 only after a failed health check; 0.5.15: 200
     POST /init_weights_update_group, /destroy_weights_update_group  (gloo on CPU; the group is
                                           formed with ``join_custom_group``, SGLang's recipe)
     POST /update_weights_from_distributed one broadcast from rank 0 per tensor, in ``names`` order,
@@ -1001,6 +1002,12 @@ class Handler(BaseHTTPRequestHandler):
         running, waiting = self.core.published_loads()
         return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
 
+    def ping(self, body: dict) -> None:
+        """``http_server.py`` ``sagemaker_health``: on 0.5.23 ``is_healthy()`` alone, so 200 while
+        paused and 503 after a failed health check; 0.5.15 answers 200 always."""
+        unhealthy = self.core.args.weight_update_session and not self.core.healthy
+        self.send(503 if unhealthy else 200, None)
+
     def ready(self, body: dict) -> None:
         self.send(503 if self.core.paused or not self.core.healthy else 200, None)
 
@@ -1094,6 +1101,7 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/v1/loads": (GET, "", Handler.loads),
     "/get_load": (GET, "", Handler.get_load),
     "/ready": (GET, "session", Handler.ready),  # 0.5.23: 503 while paused; 0.5.15 has no /ready
+    "/ping": (GET, "", Handler.ping),
     "/standin/flushes": (GET, "", lambda h, b: {"flushes": h.core.flushes,  # test hook, not SGLang's
                                                 "empty_caches": h.core.empty_caches}),
     "/init_weights_update_group": (POST, "", lambda h, b: h.core.init_group(b)),

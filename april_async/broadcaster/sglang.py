@@ -189,7 +189,9 @@ class SGLangFanout:
         left paused on purpose, ``paused``, stays so). What is shown: where SGLang answers
         ``/ready`` (0.5.23: 503 while paused, or after a failed health check), a 503 read the first
         time a server is met, or by the timer (``again``), is taken for a pause a dead broadcaster
-        may have left with a session open: while paused, end and continue take no write lock. A
+        may have left with a session open, where ``/ping`` says healthy (its 503 comes only after a
+        failed health check, which also makes ``/ready`` 503): while paused, end and continue take
+        no write lock; on an unhealthy server only the continue is sent. A
         server with no ``/ready`` (0.5.15, which has no sessions either) is continued once, when
         first met: a continue takes no write lock there. Continues send ``torch_empty_cache:
         false`` (SGLang's default empties the CUDA cache). Per server None, or what failed (tried
@@ -202,6 +204,10 @@ class SGLangFanout:
         urls = [u for u in urls if self._supported(u)]
         look = [u for u in urls if u not in self.met or again]
         shown = _errors_and_results(self._each(look, ServerClient.ready))
+        # /ready is 503 while paused and also after a failed health check: /ping, healthy alone, tells
+        # which (an end on a server that is not paused takes the write lock)
+        unready = [u for u, (err, ready) in shown.items() if err is None and ready is False]
+        healthy = _errors_and_results(self._each(unready, ServerClient.healthy))
         out: dict[str, str | None] = {}
         end, resume = set(self.sessions.intersection(urls)), set(self.pauses.intersection(urls))
         for u, (err, ready) in shown.items():
@@ -209,8 +215,8 @@ class SGLangFanout:
                 out[u] = str(err)  # unreachable now: asked again next time
                 continue
             if ready is False or (ready is None and u not in self.met):  # paused (or unknown: 0.5.15)
-                resume.add(u)
-                if ready is False:
+                resume.add(u)  # a continue takes no write lock: harmless on a server not paused
+                if ready is False and healthy[u] == (None, True):  # healthy, so the 503 is a pause
                     end.add(u)
             self.met.add(u)
         resume -= self.paused  # left paused on purpose (half-new weights): the push resumes it

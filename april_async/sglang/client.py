@@ -20,6 +20,7 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
     POST /pause_generation            ``{"mode": "abort" | "retract" | "in_place"}``
     POST /continue_generation         ``{"torch_empty_cache": false}``
     GET  /ready                       0.5.23 only: 503 while paused or after a failed health check
+    GET  /ping                        0.5.23: 503 only after a failed health check (200 while paused)
     POST /init_weights_update_group   master_address, master_port, rank_offset, world_size,
                                       group_name, backend
     POST /destroy_weights_update_group  group_name
@@ -177,6 +178,17 @@ class ServerClient:
         """``/continue_generation``, without emptying the CUDA cache (``torch_empty_cache`` defaults
         to true in 0.5.15 and 0.5.23: ``torch.cuda.empty_cache()`` at every continue)."""
         self.call("POST", "/continue_generation", {"torch_empty_cache": False})
+
+    def healthy(self) -> bool:
+        """``/ping``: False only where 0.5.23 answers 503 after a failed health check
+        (``is_healthy``; 200 while paused); 0.5.15 answers 200 always. A flag check."""
+        try:
+            self.call("GET", "/ping")
+        except SGLangError as e:
+            if e.status == 503:
+                return False
+            raise
+        return True
 
     def ready(self) -> bool | None:
         """``/ready`` (0.5.23): True on 200; False on 503, which SGLang answers while generation is

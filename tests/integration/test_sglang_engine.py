@@ -1170,6 +1170,37 @@ def test_timed_recovery_acts_only_where_a_pause_or_session_is_known_or_shown(sta
         fanout.close()
 
 
+def test_an_unhealthy_server_that_is_not_paused_gets_no_end(standins, store, monkeypatch):
+    """0.5.23's ``/ready`` is 503 after a failed health check as well as while paused
+    (``tokenizer_manager.py`` ``is_ready``); ``/ping`` (``is_healthy`` alone) tells them apart. An end
+    on a server that is not paused takes the write lock, so it goes only where the 503 is a pause;
+    the continue, which takes no lock, goes either way."""
+    server = standins("--weight-update-session", *QUICK_HEALTH)
+    fanout = fanout_for(store)
+    try:
+        assert fanout.recover([server.url]) == {server.url: None}
+        HTTP.post(f"{server.url}/standin/hang", json={"hung": True}, timeout=10)
+        try:
+            assert HTTP.get(f"{server.url}/health_generate", timeout=10).status_code == 503
+        finally:
+            HTTP.post(f"{server.url}/standin/hang", json={"hung": False}, timeout=10)
+        assert [HTTP.get(f"{server.url}{path}").status_code for path in ("/ready", "/ping")] == [503, 503]
+        resumes = flaky(monkeypatch, "resume", fail=set())
+        ends = flaky(monkeypatch, "end_any_update", fail=set())
+        assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
+        assert (resumes, ends) == ([server.url], [])
+        HTTP.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        assert HTTP.get(f"{server.url}/health_generate", timeout=10).status_code == 503  # paused: fails too
+        HTTP.post(f"{server.url}/continue_generation", json={}, timeout=10).raise_for_status()
+        assert HTTP.get(f"{server.url}/health_generate", timeout=10).status_code == 200  # healthy again
+        HTTP.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+        assert HTTP.get(f"{server.url}/ping").status_code == 200  # paused, healthy: the 503 is the pause
+        assert fanout.recover_soon([server.url], again=True).result(10) == {server.url: None}
+        assert (resumes[1:], ends) == ([server.url], [server.url]) and not server.state()["paused"]
+    finally:
+        fanout.close()
+
+
 def test_a_timed_recovery_never_stops_admission_on_a_healthy_server(standins, store):
     """On a server that is not paused, ``/end_weight_update`` takes the model-update write lock
     (``tokenizer_control_mixin.py``), which waits for every request in flight while new ones queue

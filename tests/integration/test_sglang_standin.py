@@ -924,6 +924,11 @@ def test_health_generate_waits_for_the_scheduler_and_fails_while_paused_or_hung(
     assert time.monotonic() - t0 >= 1.0  # --health-check-timeout 1
     if which == "v23_server":
         assert h.get("/ready").status_code == 503
+        # http_server.py sagemaker_health (0.5.23): is_healthy() alone, so a pause is no 503 there,
+        # but the failed check just now is
+        assert h.get("/ping").status_code == 503
+    else:
+        assert h.get("/ping").status_code == 200  # 0.5.15: always 200
     h.post("/continue_generation", json={})
     assert h.get("/health_generate").status_code == 200
     h.post("/standin/hang", json={"hung": True})
@@ -938,6 +943,7 @@ def test_health_generate_waits_for_the_scheduler_and_fails_while_paused_or_hung(
         h.post("/standin/hang", json={"hung": False})
     assert h.get("/health_generate").status_code == 200
     assert h.get("/standin/state").json()["healthy"] is True
+    assert h.get("/ping").status_code == 200
 
 
 def test_server_info_waits_for_a_hung_scheduler_and_model_info_does_not(server):
