@@ -202,43 +202,37 @@ class SGLangFanout:
 
     def _recover(self, urls, *, again: bool = False) -> dict[str, str | None]:
         urls = [u for u in urls if self._supported(u)]
-        look = [u for u in urls if u not in self.met or again]
-        shown = _errors_and_results(self._each(look, ServerClient.ready))
+        shown = self._each([u for u in urls if u not in self.met or again], ServerClient.ready)
+        unreachable = {u: e for u, e in _errors(shown).items() if e is not None}  # asked again next time
+        ready = {u: f.result() for u, f in shown.items() if u not in unreachable}
         # /ready is 503 while paused and also after a failed health check: /ping, healthy alone, tells
         # which (an end on a server that is not paused takes the write lock)
-        unready = [u for u, (err, ready) in shown.items() if err is None and ready is False]
-        healthy = _errors_and_results(self._each(unready, ServerClient.healthy))
-        out: dict[str, str | None] = {}
+        pinged = self._each([u for u, r in ready.items() if r is False], ServerClient.healthy)
+        pinged_errors = _errors(pinged)
         end, resume = set(self.sessions.intersection(urls)), set(self.pauses.intersection(urls))
-        for u, (err, ready) in shown.items():
-            if err is not None:
-                out[u] = str(err)  # unreachable now: asked again next time
-                continue
-            if ready is False or (ready is None and u not in self.met):  # paused (or unknown: 0.5.15)
+        for u, r in ready.items():
+            if r is False or (r is None and u not in self.met):  # paused (or unknown: 0.5.15)
                 resume.add(u)  # a continue takes no write lock: harmless on a server not paused
-                if ready is False and healthy[u] == (None, True):  # healthy, so the 503 is a pause
+                if r is False and pinged_errors[u] is None and pinged[u].result():  # so the 503 is a pause
                     end.add(u)
             self.met.add(u)
         resume -= self.paused  # left paused on purpose (half-new weights): the push resumes it
-        end_errors = _errors_and_results(self._each(sorted(end), ServerClient.end_any_update))
-        for u, (err, _) in end_errors.items():
-            if err is None:
-                self.sessions.discard(u)
-        resumed = _errors(self._each(sorted(u for u in resume if end_errors.get(u, (None,))[0] is None),
+        ended = self._each(sorted(end), ServerClient.end_any_update)
+        end_errors = _errors(ended)
+        self.sessions.difference_update(u for u, e in end_errors.items() if e is None)
+        resumed = _errors(self._each(sorted(u for u in resume if end_errors.get(u) is None),
                                      ServerClient.resume))
+        out: dict[str, str | None] = {u: str(e) for u, e in unreachable.items()}
         for u in end | resume:
-            err = end_errors.get(u, (None,))[0] or resumed.get(u)
+            err = end_errors.get(u) or resumed.get(u)
             out[u] = None if err is None else str(err)
             if err is None:
                 self.pauses.discard(u)
-                was_open = bool(end_errors.get(u, (None, False))[1])
-                self.log.info("recovered", server=u, session_was_open=was_open, continued=u in resume,
-                              left_paused=u in self.paused)
+                self.log.info("recovered", server=u, session_was_open=u in ended and ended[u].result(),
+                              continued=u in resume, left_paused=u in self.paused)
             else:
                 self.log.warning("recover_failed", server=u, error=str(err))
-        for u in urls:
-            out.setdefault(u, None)
-        return out
+        return {u: out.get(u) for u in urls}
 
     def _supported(self, url: str) -> bool:
         """Whether ``url`` runs an SGLang version this fan-out was checked against (read once;
@@ -407,10 +401,11 @@ class SGLangFanout:
                                               load_format="flattened_bucket" if flat else None,
                                               timeout_s=self.cfg.update_timeout_s) for u in urls}
                 try:
-                    for t in [] if flat else specs:
-                        dist.broadcast(views[t.name], src=0, group=self.pg)
                     if flat:
                         dist.broadcast(packed, src=0, group=self.pg)
+                    else:
+                        for t in specs:
+                            dist.broadcast(views[t.name], src=0, group=self.pg)
                 except Exception as e:  # a collective that failed or timed out: every server of the group
                     failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls if u not in failed})
                     leave_custom_group(self.pg)  # the servers' receives end rather than wait out their timeout
@@ -479,16 +474,11 @@ class SGLangFanout:
         and what a 0.5.15 retract moved to the waiting queue fails its flush."""
         if not urls:
             return
-        if self.cfg.pause == "retract":
-            sure = [u for u in urls if flushes_while_paused(self.versions.get(u, ""))]
-            note(_errors(self._each(sure, ServerClient.flush_cache,
-                                    timeout_s=self.cfg.flush_timeout_s if retry else 0.0)))
-            urls = [u for u in urls if u not in sure]
-            if not urls:
-                return
-        loads = self._each(urls, ServerClient.loads)
+        sure = ([u for u in urls if flushes_while_paused(self.versions.get(u, ""))]
+                if self.cfg.pause == "retract" else [])
+        loads = self._each([u for u in urls if u not in sure], ServerClient.loads)
         note(_errors(loads))
-        flushable, kept, unknown = [], {}, []
+        flushable, kept, unknown = list(sure), {}, []
         for u, f in loads.items():
             if f.exception() is not None:
                 continue
@@ -537,17 +527,6 @@ def packed_bucket(specs: list[TensorSpec], buffer: torch.Tensor) -> tuple[list[T
     if all(t.offset == start + sum(sizes[:i]) for i, t in enumerate(order)):
         return order, buffer[start:start + sum(sizes)]
     return order, torch.cat([buffer[t.offset:t.offset + n] for t, n in zip(order, sizes)])
-
-
-def _errors_and_results(futures: dict[str, Future]) -> dict[str, tuple[SGLangError | None, object]]:
-    """Wait for every call; each one's (``SGLangError`` or None, result or None)."""
-    out: dict[str, tuple[SGLangError | None, object]] = {}
-    for url, f in futures.items():
-        try:
-            out[url] = (None, f.result())
-        except SGLangError as e:
-            out[url] = (e, None)
-    return out
 
 
 def _errors(futures: dict[str, Future]) -> dict[str, SGLangError | None]:

@@ -134,8 +134,8 @@ def _experiment(args, docs_page: Path) -> int:
             run[f"se_{lv:g}"] = samples_to_eval(curve, run.get("curve"), lv) if curve else None
     edges, eval_edges = length_edges(runs), length_edges(runs, key="eval_length_hist")
     aggregated = aggregate(cells, runs, levels, eval_levels, edges, eval_edges)
-    sim_file = (cfg.docs / "sim.json") if args.from_docs else out / "sim.json"  # --docs keeps a copy beside
-                                                                                # runs.json
+    # --docs keeps a copy of the simulator's table beside runs.json
+    sim_file = (cfg.docs / "sim.json") if args.from_docs else out / "sim.json"
     sim_rows = json.loads(sim_file.read_text())["cells"] if sim_file.is_file() else None
     text = tables(cfg, aggregated, sim_rows, notes)
     if eval_levels:

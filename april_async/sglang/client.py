@@ -179,30 +179,27 @@ class ServerClient:
         to true in 0.5.15 and 0.5.23: ``torch.cuda.empty_cache()`` at every continue)."""
         self.call("POST", "/continue_generation", {"torch_empty_cache": False})
 
+    def _flag(self, endpoint: str) -> int:
+        """The status of a GET that SGLang answers from a flag of its tokenizer manager: 200, or the
+        503 or 404 it may say instead (anything else is an ``SGLangError``)."""
+        try:
+            self.call("GET", endpoint)
+        except SGLangError as e:
+            if e.status in (404, 503):
+                return e.status
+            raise
+        return 200
+
     def healthy(self) -> bool:
         """``/ping``: False only where 0.5.23 answers 503 after a failed health check
         (``is_healthy``; 200 while paused); 0.5.15 answers 200 always. A flag check."""
-        try:
-            self.call("GET", "/ping")
-        except SGLangError as e:
-            if e.status == 503:
-                return False
-            raise
-        return True
+        return self._flag("/ping") != 503
 
     def ready(self) -> bool | None:
         """``/ready`` (0.5.23): True on 200; False on 503, which SGLang answers while generation is
         paused and after a failed health check (``tokenizer_manager.py`` ``is_ready``); None where
         the server has no such route (0.5.15). A flag check: it does not reach the scheduler."""
-        try:
-            self.call("GET", "/ready")
-        except SGLangError as e:
-            if e.status == 404:
-                return None
-            if e.status == 503:
-                return False
-            raise
-        return True
+        return {200: True, 503: False, 404: None}[self._flag("/ready")]
 
     def flush_cache(self, *, timeout_s: float, interval_s: float = 0.5) -> int:
         """``/flush_cache`` until it succeeds (slime's order: after the pause, before the
