@@ -10,7 +10,7 @@ DESCRIPTION = "A stand-in SGLang server for tests: SGLang's HTTP contract on top
 
 RUNTIME_FLAGS = ("--stream-interval", "--incremental-streaming-output", "--weight-update-session",
                  "--sglang-version", "--kv-tokens", "--group-timeout-s", "--health-check-timeout",
-                 "--step-delay-s", "--no-load-snapshot")
+                 "--step-delay-s", "--no-load-snapshot", "--nccl-semantics")
 """The flags ``/standin/configure`` may set on a running server: what the server reads per request
 or per decode step. The others shape the process (the engine's slots and length, the checkpoint,
 the address, threads)."""
@@ -51,6 +51,11 @@ def parser(cls=argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="/v1/loads answers \"loads\": [], as SGLang does when its tokenizer manager's "
                          "reader of the scheduler's shared-memory load snapshot is not attached "
                          "(load_snapshot.py)")
+    ap.add_argument("--nccl-semantics", action="store_true",
+                    help="accept weight-update groups of backend gloo_nccl_semantics "
+                         "(standins/nccl_semantics.py): gloo under NCCL's host-side behaviour, where a "
+                         "broadcast's source returns whether or not anyone receives and only a watchdog at "
+                         "the group's timeout ends it")
     return ap
 
 

@@ -37,6 +37,8 @@ Endpoints:
     POST /begin_weight_update, /end_weight_update   only with ``--weight-update-session``
                                           (0.5.23); without it they answer 404 (0.5.15)
     POST /update_weight_version
+    POST /standin/refuse_updates          TEST HOOK (not SGLang): the next ``count`` update calls are
+                                          refused before their receive is posted
     POST /standin/abort_next              TEST HOOK (not SGLang): the next ``count`` requests end
                                           with an abort of ``status_code`` 400/503/500
     GET  /standin/state                   TEST HOOK (not SGLang): what a test can leave behind
@@ -135,6 +137,7 @@ from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM
 from april_async.model.tokenizer import checkpoint_eos_ids
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
+from standins import nccl_semantics
 from standins.flags import RUNTIME_DESTS, RUNTIME_FLAGS, parse_args
 
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -268,6 +271,7 @@ class Core:
         self.session = False
         self.eos = checkpoint_eos_ids(Path(args.checkpoint))  # as SGLang's ModelConfig gathers them
         self.fail_next: deque[dict] = deque()  # test hook: status-coded aborts for the next requests
+        self.refuse_next = 0  # test hook: update calls refused before their receive (/standin/refuse_updates)
         self.hung = False  # test hook (/standin/hang): the scheduler stopped; nothing decodes
         self.last_receive = time.monotonic()  # the tokenizer manager's last_receive_tstamp
         self.health_probes = 0  # health probes' requests that reached the scheduler's queue
@@ -465,7 +469,8 @@ class Core:
             return {"requests": len(self.running) + len(self.waiting), "paused": self.paused,
                     "weight_version": self.weight_version, "weights": weights.hexdigest(),
                     "groups": sorted(self.groups), "session": self.session,
-                    "abort_next": len(self.fail_next), "flushes": self.flushes, "hung": self.hung,
+                    "abort_next": len(self.fail_next), "refuse_next": self.refuse_next,
+                    "flushes": self.flushes, "hung": self.hung,
                     "healthy": self.healthy, "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s)),
                     "settings": self.settings()}
 
@@ -517,6 +522,7 @@ class Core:
             self.frozen_loads = None
             self.hung, self.healthy = False, True
             self.fail_next.clear()
+            self.refuse_next = 0
             self.flushes = 0
             FAULTS.set(0.0, 0.0, 0, [], "either")
             self.cv.notify_all()
@@ -562,6 +568,11 @@ class Core:
                 raise ValueError(f"a group named {name!r} already exists")
             if backend == "nccl" and not torch.cuda.is_available():
                 raise RuntimeError("backend nccl needs CUDA, which this stand-in does not have (use gloo)")
+            if backend == nccl_semantics.BACKEND:  # a stand-in's backend: known only under its flag
+                if not self.args.nccl_semantics:
+                    raise RuntimeError(f"Unknown c10d backend type {backend.upper()} (start the stand-in "
+                                       f"with --nccl-semantics)")
+                nccl_semantics.register()
             t0 = time.monotonic()
             pg = join_custom_group(backend=backend, world_size=world, rank=rank, group_name=name,
                                    timeout_s=self.args.group_timeout_s,
@@ -620,6 +631,10 @@ class Core:
             pg = self.groups.get(name)
             if pg is None:
                 raise refused(f"Failed to update weights: no weight update group named {name!r}.")
+            if self.refuse_next:  # the test hook: as weight_updater.py refuses, before any receive
+                self.refuse_next -= 1
+                raise refused("Failed to receive weights: refused before the receive (test hook "
+                              "/standin/refuse_updates)")
             if abort_first:
                 self.abort_all()
             if bucketed:
@@ -925,6 +940,16 @@ class Handler(BaseHTTPRequestHandler):
                                        for _ in range(count))
         return {"success": True, "pending": len(self.core.fail_next)}
 
+    def refuse_updates(self, body: dict) -> dict:
+        """TEST HOOK, not SGLang: the next ``count`` ``/update_weights_from_distributed`` calls are
+        refused (400) before the receive is posted, as ``weight_updater.py`` refuses a call without an
+        open session, for an unknown group or a misaligned flattened bucket: the sender's broadcast
+        then has no receiver."""
+        count = field_of(body, "count", lambda v: is_int(v) and v >= 0, "a count", 1)
+        with self.core.cv:
+            self.core.refuse_next = count
+        return {"success": True, "pending": count}
+
     def abort_request(self, body: dict) -> str:
         rid = field_of(body, "rid", lambda v: isinstance(v, str), "a string", "")
         if field_of(body, "abort_all", lambda v: isinstance(v, bool), "a boolean", False):
@@ -1111,6 +1136,7 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/end_weight_update": (POST, "session", Handler.end_update),
     "/update_weight_version": (POST, "", Handler.update_version),
     "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
+    "/standin/refuse_updates": (POST, "", Handler.refuse_updates),  # a test hook, not SGLang
     "/standin/state": (GET, "", lambda h, b: h.core.state()),  # a test hook, not SGLang
     "/standin/reset": (POST, "", lambda h, b: h.core.reset()),  # a test hook, not SGLang
     "/standin/configure": (POST, "", lambda h, b: h.core.configure(b)),  # a test hook, not SGLang

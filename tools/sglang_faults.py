@@ -16,7 +16,14 @@ on them all along. Meanwhile, at random:
 - a server is killed (``kill -9``) and started again on its port two pushes later, once per 50
   pushes (at least once);
 - a server's scheduler hangs (``/standin/hang``) for two seconds longer than the engine's
-  ``hung_after_s``, once per 50 pushes (at least once).
+  ``hung_after_s``, once per 50 pushes (at least once);
+- a server refuses a bucket before posting its receive (``/standin/refuse_updates``, as SGLang's
+  ``weight_updater.py`` refuses one), before one push in ten.
+
+The weight-update groups have NCCL's host-side semantics (``standins/nccl_semantics.py``; ``--gloo``
+for plain gloo): a broadcast nobody receives returns on rank 0 and is ended only by a watchdog at
+the group's timeout, which here must never fire. A prober sends a one-token ``/generate`` to each
+server in turn all along, and times it.
 
 Then every fault stops, one settling push goes out (a run's next version would), and it checks:
 
@@ -25,7 +32,10 @@ Then every fault stops, one settling push goes out (a run's next version would),
 - **lost**: leases whose end never came back (0); a lease ended early (``abort``) is a partial
   handed back with its tokens, not lost, and is counted apart;
 - **bad tags**: tokens whose version tag is not the version of the weights that made them (0):
-  each token must be the greedy choice of the checkpoint its tag names, given the tokens before it.
+  each token must be the greedy choice of the checkpoint its tag names, given the tokens before it;
+- **watchdog**: broadcasts the watchdog had to end (0): each would have ended the broadcaster;
+- **waits on a recovery**: probe ``/generate`` calls that waited more than a second while a timed
+  recovery ran, and no push, kill or hang did (0).
 
 Prints the figures and writes them to ``<dir>/faults.json``; exits 1 if a check failed.
 """
@@ -58,6 +68,7 @@ from april_async.engines.sglang_engine import SGLangEngine  # noqa: E402
 from april_async.model.decoder import CausalLM, ModelConfig  # noqa: E402
 from april_async.runtime import free_port  # noqa: E402
 from april_async.weights.flat import flatten  # noqa: E402
+from standins import nccl_semantics  # noqa: E402
 from standins.launch import HTTP, StandIn, start_standin  # noqa: E402
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -110,6 +121,36 @@ class Leases:
 
     def open(self) -> int:
         return sum(le.finish is None for le in self.all.values())
+
+
+class Prober:
+    """One-token ``/generate`` calls to each server in turn, on a thread, each one timed: what a new
+    request waits for admission while the rest goes on."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.waits: list[tuple[float, float]] = []  # (sent, answered), monotonic
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True, name="prober")
+
+    def run(self) -> None:
+        k = 0
+        while not self.stop.is_set():
+            url = self.urls[k % len(self.urls)]
+            k += 1
+            t0 = time.monotonic()
+            try:
+                body = {"input_ids": [1, 2, 3], "rid": f"probe-{k}",
+                        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+                HTTP.post(f"{url}/generate", json=body, timeout=60)
+            except httpx.HTTPError:  # a server killed meanwhile
+                continue
+            self.waits.append((t0, time.monotonic()))
+            self.stop.wait(0.05)
+
+
+def overlaps(a: tuple[float, float], spans: list[tuple[float, float]]) -> bool:
+    return any(s < a[1] and a[0] < e for s, e in spans)
 
 
 def bad_tags(leases: list[Lease], models: list[CausalLM]) -> tuple[int, int, list[dict]]:
@@ -172,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drop", type=float, default=0.1, help="at most this share of a server's control calls dropped")
     ap.add_argument("--delay-s", type=float, default=0.1, help="control calls delayed by up to this")
-    ap.add_argument("--calm", action="store_true", help="no kills, no hangs (with --drop 0: no faults at all)")
+    ap.add_argument("--calm", action="store_true",
+                    help="no kills, no hangs, no refusals (with --drop 0: no faults at all)")
+    ap.add_argument("--gloo", action="store_true", help="plain gloo groups instead of NCCL's semantics")
     ap.add_argument("--dir", type=Path, default=None, help="checkpoints, logs and faults.json (default: a temp dir)")
     args = ap.parse_args(argv)
     root = args.dir or Path(tempfile.mkdtemp(prefix="sglang-faults-"))
@@ -191,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         models.append(m)
     weights = [flatten(m.state_dict()) for m in models]
     flags = {0: ("--weight-update-session",), 1: ()}  # 0.5.23, 0.5.15.post1
+    backend = "gloo"
+    if not args.gloo:
+        nccl_semantics.register()
+        backend = nccl_semantics.BACKEND
+        flags = {i: (*f, "--nccl-semantics") for i, f in flags.items()}
     ports = [free_port(), free_port()]
     servers = [start_standin(root / "v0", root, *FLAGS, *flags[i], name=f"server{i}", port=ports[i], wait=False)
                for i in (0, 1)]  # both start at once (from this thread: each process ends with its starter)
@@ -203,13 +251,28 @@ def main(argv: list[str] | None = None) -> int:
                           wait_for_workers=False)
     fanout = SGLangFanout(SGLangFanoutConfig(call_timeout_s=2, update_timeout_s=5, flush_timeout_s=3,
                                              drain_timeout_s=3, recover_interval_s=1.0),
-                          store=store, store_host="127.0.0.1", store_port=store_port, backend="gloo", timeout_s=5)
+                          store=store, store_host="127.0.0.1", store_port=store_port, backend=backend,
+                          timeout_s=5)
     engine = SGLangEngine(SGLangEngineConfig(
         servers=urls, slots_per_server=LEASES, call_timeout_s=2, connect_timeout_s=1, stream_idle_s=30,
         health_interval_s=0.3, dead_after=2, abort_wait_s=2, max_resumes=10_000, generate_probe_interval_s=0.5,
         generate_probe_timeout_s=3, hung_after_s=8), instance="faults")
     leases = Leases(engine, random.Random(args.seed + 1))
     leases.thread.start()
+    prober = Prober(urls)
+    prober.thread.start()
+    recoveries: list[tuple[float, float]] = []  # when each timed recovery ran
+    quiet_not: list[tuple[float, float]] = []  # pushes, kills and hangs: what may hold a request anyway
+    recover = fanout.recover
+
+    def timed_recover(urls_, *, again=False):
+        t0 = time.monotonic()
+        try:
+            return recover(urls_, again=again)
+        finally:
+            if again:
+                recoveries.append((t0, time.monotonic()))
+    fanout.recover = timed_recover  # what recover_soon runs
 
     stop_timer = threading.Event()
 
@@ -226,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     kills = {k: rng.randrange(2) for k in at[:events]}
     hangs = {k: rng.randrange(2) for k in at[events:]}
     restarts: dict[int, int] = {}
-    fig = {"pushes": n, "pushes_failed": 0, "faults_set": 0, "kills": 0, "hangs": 0}
+    fig = {"pushes": n, "pushes_failed": 0, "faults_set": 0, "kills": 0, "hangs": 0, "refusals": 0,
+           "backend": backend}
+    watchdog_before = len(nccl_semantics.WATCHDOG)
+    down: dict[int, float] = {}  # server -> when it was killed
     for k in range(1, n + 1):
         for i in (0, 1):
             post(servers[i], "/standin/faults", {})
@@ -235,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
             post(servers[i], "/standin/faults", {"drop": rng.uniform(0, args.drop), "delay_s": args.delay_s,
                                                  "seed": rng.randrange(1 << 30)})
             fig["faults_set"] += 1
+        if not args.calm and rng.random() < 0.1:
+            post(servers[rng.randrange(2)], "/standin/refuse_updates", {"count": 1})
+            fig["refusals"] += 1
         if k in kills and servers[kills[k]].proc.poll() is None:
+            down[kills[k]] = time.monotonic()
             servers[kills[k]].kill()
             restarts[k + 2] = kills[k]
             fig["kills"] += 1
@@ -243,13 +313,19 @@ def main(argv: list[str] | None = None) -> int:
             i = restarts.pop(k)
             servers[i] = start_standin(root / "v0", root, *FLAGS, *flags[i], name=f"server{i}", port=ports[i],
                                        wait=False)
+            threading.Thread(target=lambda i=i, t=down.pop(i): (wait_up(servers[i]),
+                                                                 quiet_not.append((t, time.monotonic()))),
+                             daemon=True).start()
         if k in hangs and servers[hangs[k]].proc.poll() is None:
             i = hangs[k]
             post(servers[i], "/standin/hang", {"hung": True})
             threading.Timer(engine.cfg.hung_after_s + 2.0, post, (servers[i], "/standin/hang", {"hung": False})).start()
+            quiet_not.append((time.monotonic(), time.monotonic() + engine.cfg.hung_after_s + 3.0))
             fig["hangs"] += 1
         specs, buffer = weights[k % 2]
+        t_push = time.monotonic()
         result = fanout.push({"gen": urls}, k, specs, buffer, BUCKET_BYTES)
+        quiet_not.append((t_push, time.monotonic()))
         fig["pushes_failed"] += result["gen"] is not None
         engine.refresh_versions()  # what the broadcaster's heartbeat makes the generator do
         time.sleep(rng.uniform(0.0, 0.1))
@@ -269,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     specs, buffer = weights[(n + 1) % 2]
     settle = fanout.push({"gen": urls}, n + 1, specs, buffer, BUCKET_BYTES)
     stop_timer.set()
+    prober.stop.set()
+    prober.thread.join(70)
     fanout.recover(urls, again=True)
     engine.refresh_versions()
     leases.submitting = False
@@ -295,6 +373,15 @@ def main(argv: list[str] | None = None) -> int:
         "requests_moved": counters["moved"], "requests_resumed": counters["resumed"],
         "requests_ended_early": counters["lost"],
         "versions_tagged": sorted({v for le in ended for v in le.versions})[-3:],
+        "watchdog": len(nccl_semantics.WATCHDOG) - watchdog_before,
+        "recoveries": len(recoveries),
+        "probes": len(prober.waits),
+        "probe_wait_max_s": round(max((b - a for a, b in prober.waits), default=0.0), 3),
+        "waits_on_a_recovery": sum(1 for w in prober.waits if w[1] - w[0] > 1.0 and overlaps(w, recoveries)
+                                   and not overlaps(w, quiet_not)),
+        "probe_wait_max_on_a_recovery_s": round(max((b - a for a, b in prober.waits
+                                                     if overlaps((a, b), recoveries)
+                                                     and not overlaps((a, b), quiet_not)), default=0.0), 3),
         "s": round(time.monotonic() - t_start, 1),
     })
     phase("checked")
@@ -303,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in servers:
         s.kill()
     phase("closed")
-    problems = [f"{key} = {fig[key]}" for key in ("paused", "sessions_open", "leases_lost", "bad_tags") if fig[key]]
+    checks = ("paused", "sessions_open", "leases_lost", "bad_tags", "watchdog", "waits_on_a_recovery")
+    problems = [f"{key} = {fig[key]}" for key in checks if fig[key]]
     if fig["settling_push"] != "ok":
         problems.append(f"the settling push failed: {fig['settling_push']}")
     if not checked:

@@ -50,6 +50,17 @@ class SGLangFanoutConfig(BaseModel):
     drain_timeout_s: float = Field(60.0, gt=0)
     """How long ``abort_all`` is repeated in ``abort`` mode until ``/v1/loads`` reports nothing
     running or waiting, before the push to that server fails."""
+    broadcast_floor_s: float = Field(20.0, gt=0)
+    """The fixed part of each bucket's deadline: a bucket's broadcast ends when every server answered
+    its ``/update_weights_from_distributed`` call and the collective completed, or fails at
+    ``broadcast_floor_s`` + its bytes at ``broadcast_min_mb_per_s``, whichever comes first. Under NCCL
+    a broadcast no server receives never fails by itself (only the group's watchdog ends it, by
+    default with this process), so the deadline is what bounds a push; it is never past 90 % of the
+    group's timeout (``[broadcaster] timeout_s``), where the watchdog would act first. With
+    ``pause = "none"`` a server posts its receive only once SGLang's model-update lock is free, after
+    every request in flight: those waits count here."""
+    broadcast_min_mb_per_s: float = Field(50.0, gt=0)
+    """The slowest rate a bucket is allowed (MB/s) on top of ``broadcast_floor_s``."""
     any_sglang_version: bool = False
     """Join servers whose SGLang version is not in ``SUPPORTED_SGLANG`` (``broadcaster.sglang``);
     by default such a server is refused when the group forms, naming its version."""

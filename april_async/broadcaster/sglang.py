@@ -59,7 +59,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
@@ -253,10 +253,10 @@ class SGLangFanout:
     # ------------------------------------------------------------------ group
 
     def _leave(self) -> None:
+        self._tear_down()  # this end first: an abort, so that nothing queued can hold it
         if self.group_name is not None:
             _errors(self._each(self.urls, ServerClient.destroy_group, self.group_name))  # best effort: may be gone
-        leave_custom_group(self.pg)
-        self.pg, self.group_name, self.urls = None, None, ()
+        self.group_name, self.urls = None, ()
 
     def _form(self, urls: tuple[str, ...]) -> None:
         """A new group of rank 0 and every server's workers; ``SGLangError`` naming what failed."""
@@ -400,17 +400,8 @@ class SGLangFanout:
                                               weight_version=str(version) if last else torn,
                                               load_format="flattened_bucket" if flat else None,
                                               timeout_s=self.cfg.update_timeout_s) for u in urls}
-                try:
-                    if flat:
-                        dist.broadcast(packed, src=0, group=self.pg)
-                    else:
-                        for t in specs:
-                            dist.broadcast(views[t.name], src=0, group=self.pg)
-                except Exception as e:  # a collective that failed or timed out: every server of the group
-                    failed.update({u: f"broadcast failed: {type(e).__name__}: {e}" for u in urls if u not in failed})
-                    leave_custom_group(self.pg)  # the servers' receives end rather than wait out their timeout
-                    self.pg = None
-                note(_errors(calls))
+                sending = [packed] if flat else [views[t.name] for t in specs]
+                failed.update(self._broadcast(sending, calls, i))
                 if last:
                     complete.update(ok())
         finally:  # an open session refuses every later begin: end it whatever happened
@@ -427,6 +418,8 @@ class SGLangFanout:
                            f"weights half new, {left}") if sent else
                           f"weights half new since an earlier push, and this one did not complete: {left}"
                        for u in half if u not in failed})
+        failed.update({u: f"{failed[u]}; weights half new, {left}" for u in half
+                       if "half new" not in failed[u]})
         if mode == "none":
             self._flush(ok(), note, retry=False)
         else:
@@ -442,6 +435,62 @@ class SGLangFanout:
                                retries=len(RESUME_BACKOFF_S), next_try_s=self.cfg.recover_interval_s,
                                why="generation not continued: its generator calls it down after hung_after_s")
         return failed
+
+    def _broadcast(self, tensors: list[torch.Tensor], calls: dict[str, Future],
+                   bucket: int) -> dict[str, str]:
+        """Broadcast ``tensors`` from rank 0 while each server's ``/update_weights_from_distributed``
+        call (``calls``) posts the receives; what failed, per server. The wait is bounded: it ends
+        when every call answered and every collective completed, or at the first call that failed (a
+        server that refused the bucket before its receive never posts it: SGLang's
+        ``weight_updater.py`` refuses without an open session, an unknown group, a misaligned
+        flattened bucket), or at the bucket's deadline (``deadline_s``). Either failure tears the group
+        down: abort first (NCCL's ``ncclCommAbort``; a queued broadcast no server receives never ends
+        by itself under NCCL, and destroying the group waits for it), then leave it; the next push
+        forms a new one. Where nothing failed nothing is torn down."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        deadline_s = self.deadline_s(nbytes)
+        t0 = time.monotonic()
+        works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in tensors]
+        pending = set(calls.values())
+        while True:
+            left = deadline_s - (time.monotonic() - t0)
+            done, pending = wait(pending, timeout=max(0.0, left), return_when=FIRST_EXCEPTION)
+            answered = _errors({u: f for u, f in calls.items() if f in done})
+            errors = {u: str(e) for u, e in answered.items() if e is not None}
+            if errors or pending or left <= 0:
+                break
+            if all(w.is_completed() for w in works):  # every server took it and rank 0's side is done
+                return {}
+            time.sleep(0.001)  # answered, but a collective still finishing: rare, short
+        why = (f"bucket {bucket} abandoned when another server refused it: the group is torn down"
+               if errors else
+               f"no answer to bucket {bucket} within its deadline ({deadline_s:.1f} s for {nbytes} bytes)")
+        late = {u: why for u, f in calls.items() if f in pending and u not in errors}
+        if not errors and not late:
+            late = {u: f"bucket {bucket}'s broadcast not done within its deadline ({deadline_s:.1f} s)"
+                    for u in calls}
+        self.log.warning("broadcast_abandoned", bucket=bucket, bytes=nbytes, deadline_s=round(deadline_s, 2),
+                         s=round(time.monotonic() - t0, 3), refused=errors, unanswered=sorted(late))
+        self._tear_down()
+        return {**errors, **late}
+
+    def deadline_s(self, nbytes: int) -> float:
+        """How long one bucket of ``nbytes`` may take (``broadcast_floor_s``, ``broadcast_min_mb_per_s``),
+        never past 90 % of the group's timeout, where NCCL's watchdog would act first."""
+        sized = self.cfg.broadcast_floor_s + nbytes / (self.cfg.broadcast_min_mb_per_s * 1e6)
+        return min(sized, 0.9 * self.timeout_s)
+
+    def _tear_down(self) -> None:
+        """Abort this end of the group (a queued collective ends now, as ``ncclCommAbort`` ends it),
+        then leave it; the servers are told by ``_leave`` (``/destroy_weights_update_group``), at the
+        latest when the next push forms a new group."""
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception as e:  # noqa: BLE001 - a backend without abort: leaving is all there is
+                self.log.warning("abort_failed", error=f"{type(e).__name__}: {e}")
+            leave_custom_group(self.pg)
+            self.pg = None
 
     def _resume(self, urls: list[str]) -> dict[str, SGLangError | None]:
         """``/continue_generation`` on each of ``urls``, retried after ``RESUME_BACKOFF_S``: a pause

@@ -39,6 +39,7 @@ from april_async.engines.torch_engine import TorchEngine
 from april_async.model.decoder import CausalLM, ModelConfig
 from april_async.testing.fake_broker import NoBroker
 from april_async.testing.procs import free_port
+from standins import nccl_semantics
 from standins.launch import HTTP, StandinPool, start_standin
 from april_async.weights.flat import flatten
 
@@ -1385,3 +1386,40 @@ def test_a_server_with_half_new_weights_stays_paused_until_a_push_completes_ther
     for s in (a, b):
         state = s.state()
         assert not state["paused"] and state["weight_version"] == "4", state
+
+
+def test_a_refused_bucket_under_nccl_semantics_ends_the_push_within_its_deadline(ckpts, standins, store):
+    """``weight_updater.py`` refuses a bucket before posting its receive (no open session, an
+    unknown group, a misaligned flattened bucket). Under NCCL rank 0's broadcast is queued and
+    returns, and only the watchdog, at the group's timeout, ends it (by default with the process);
+    destroying the group waits for it (``ProcessGroupNCCL::shutdown``). The stand-ins' groups here
+    have those semantics (``--nccl-semantics``, ``standins/nccl_semantics.py``). Before: the push
+    took the whole group timeout and the watchdog fired. Now: the refusal ends the bucket, the group
+    is aborted, and the next push forms a new one and succeeds."""
+    nccl_semantics.register()
+    watchdog_before = len(nccl_semantics.WATCHDOG)
+    flags = ("--nccl-semantics", "--group-timeout-s", "4", "--weight-update-session")
+    a, b = standins(*flags), standins(*flags)
+    s, port = store
+    fanout = SGLangFanout(SGLangFanoutConfig(broadcast_floor_s=1.0), store=s, store_host="127.0.0.1",
+                          store_port=port, backend=nccl_semantics.BACKEND, timeout_s=4)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    gen = {"gen-a": [a.url], "gen-b": [b.url]}
+    try:
+        assert fanout.push(gen, 1, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
+        HTTP.post(f"{a.url}/standin/refuse_updates", json={"count": 1}, timeout=10)
+        t0 = time.monotonic()
+        result = fanout.push(gen, 2, specs, buffer, 64 * 1024)
+        took = time.monotonic() - t0
+        refused_at = time.monotonic()
+        assert "refused before the receive" in result["gen-a"] and result["gen-b"] is not None, result
+        assert took < fanout.deadline_s(64 * 1024) + 1.0, f"the push took {took:.1f} s"
+        assert fanout.push(gen, 3, specs, buffer, 64 * 1024) == {"gen-a": None, "gen-b": None}
+        # outlive the group's timeout: nothing was left queued for the watchdog
+        time.sleep(max(0.0, refused_at + 4.5 - time.monotonic()))
+        assert nccl_semantics.WATCHDOG[watchdog_before:] == []
+    finally:
+        fanout.close()
+    for srv in (a, b):
+        state = srv.state()
+        assert not state["paused"] and not state["session"] and state["weight_version"] == "3", state
