@@ -89,7 +89,12 @@ be -1 or past the prompt), ``ignore_eos``, ``min_new_tokens`` > 0, penalties, ``
 strings and constrained decoding (their SGLang fields are accepted only at their neutral values),
 tensor parallelism > 1, data parallelism, LoRA, multimodal input, every other weight-loading
 path (from disk, from tensors), and prefix caching (``cached_tokens`` is 0).
-Pause modes ``retract`` and ``in_place`` both keep each request's KV cache in the stand-in. A
+A ``retract`` pause releases each running request's KV into the prefix cache and queues it again
+(``scheduler.py`` ``pause_generation``: ``retract_all``); at ``/continue_generation`` it is
+prefilled again, over what the cache still holds of it: with a flush in between, the weights then
+loaded compute all of it; without one, it goes on over the keys and values the old weights wrote
+(the stand-in models the prefix cache for retracted requests only). ``in_place`` keeps each
+request's KV where it is, whatever is flushed. A
 /generate that arrives while paused waits before the engine, as SGLang's tokenizer manager holds
 it before its scheduler sees it: it does not count as in flight for a cache flush (/flush_cache,
 or the flush after a weight update) nor in ``/v1/loads``, and an abort does not reach it.
@@ -260,6 +265,7 @@ class Core:
         self.paused = False
         self.pause_mode: str | None = None  # the scheduler's pause (retract | in_place); abort mode has none
         self.frozen_loads: tuple[int, int] | None = None  # /v1/loads while the scheduler is paused
+        self.retracted_flushed = False  # a flush since the retract: the cache holds none of their old KV
         self.flushes = 0  # successful cache flushes, for the test hook /standin/flushes
         self.empty_caches = 0  # continues that emptied the CUDA cache (torch_empty_cache), same hook
         self.gate: int | None = None  # while an update waits for in-flight requests: admit seq < gate only
@@ -439,9 +445,12 @@ class Core:
 
     def loads(self) -> tuple[int, int]:
         """(running, waiting) as SGLang's scheduler holds them now: a retract pause moved its
-        running requests to the waiting queue; parked requests are not there yet."""
+        running requests to the waiting queue; parked requests are not there yet, nor those that
+        came while a writer waits for the model-update lock (they wait for the read lock in the
+        tokenizer manager, ``gate``)."""
         with self.cv:
-            running, waiting = len(self.running), sum(not r.parked for r in self.waiting)
+            running = len(self.running)
+            waiting = sum(not r.parked and (self.gate is None or r.seq < self.gate) for r in self.waiting)
             if self.pause_mode == "retract":
                 running, waiting = 0, waiting + running
             return running, waiting
@@ -671,6 +680,9 @@ class Core:
                     if version is not None:
                         self.weight_version = version
                     busy = self.flush_blocked()
+                    if flush and not busy:  # weight_updater.py flush_cache_after_weight_update
+                        self.flushes += 1
+                        self.retracted_flushed = self.pause_mode == "retract"
                     self.last_receive = time.monotonic()  # the scheduler's answer reaches the tokenizer
         log(f"weights updated: {len(received)} tensors from group {name!r} in {time.monotonic() - t0:.2f} s, "
             f"weight_version {self.weight_version!r}")
@@ -976,6 +988,7 @@ class Handler(BaseHTTPRequestHandler):
                 if self.core.pause_mode is None:  # the last snapshot the scheduler wrote
                     self.core.frozen_loads = self.core.loads()
                 self.core.pause_mode = mode
+                self.core.retracted_flushed = False
         if mode == "abort":
             for req in self.core.abort_all():
                 req.answered.wait(30)
@@ -987,6 +1000,8 @@ class Handler(BaseHTTPRequestHandler):
         if field_of(body, "torch_empty_cache", lambda v: isinstance(v, bool), "a boolean", True):
             self.core.empty_caches += 1
         with self.core.cv:
+            if self.core.pause_mode == "retract" and self.core.retracted_flushed:
+                self.core.engine._recompute()  # prefilled again, over nothing the old weights wrote
             self.core.paused = False
             self.core.pause_mode = None
             self.core.frozen_loads = None
@@ -1079,9 +1094,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def flush_cache(self, body: dict) -> str:
         self.core.last_receive = time.monotonic()  # the scheduler's answer, either way
-        if self.core.flush_blocked():
-            raise HTTPError(400, "Flush cache failed.\n")
-        self.core.flushes += 1
+        with self.core.cv:
+            if self.core.flush_blocked():
+                raise HTTPError(400, "Flush cache failed.\n")
+            self.core.flushes += 1
+            self.core.retracted_flushed = self.core.pause_mode == "retract"
         return ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
                 "requests, the operation will not be performed.)\n")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from april_async.config import Endpoint, LinkConfig, LogConfig
 
@@ -23,11 +23,20 @@ class SGLangFanoutConfig(BaseModel):
     pause: Literal["abort", "retract", "in_place", "none"] = "abort"
     """``/pause_generation`` mode around an update. ``abort``: requests in flight end with their
     tokens and are resumed on the new weights (exact per-token versions; the prefix cache is
-    flushed). ``retract``/``in_place``: they wait and go on with the new weights, their later
-    tokens tagged with the version the server reports. ``none``: no pause (SGLang's own lock then
-    waits for every request in flight to end before loading); the update must then fit one bucket
-    (``bucket_mb``), else requests would decode between buckets on half-new weights under the old
-    version's tag, and the push is refused unless ``allow_torn_updates``."""
+    flushed). ``retract``: they wait, are prefilled again by the new weights over a flushed cache
+    and go on, their later tokens tagged with the version the server reports (on 0.5.15, whose
+    flush fails while they wait, they are ended and resumed as in ``abort``). ``in_place``: they
+    wait and go on over the keys and values the old weights wrote, which SGLang keeps by design:
+    their later tokens are mixed, and what they leave in the prefix cache is reused uncounted by
+    later requests that share their prefix; refused unless ``allow_stale_kv``. ``none``: no pause
+    (SGLang's own lock then waits for every request in flight to end before loading, and the last
+    bucket flushes the cache); the update must then fit one bucket (``bucket_mb``), else requests
+    would decode between buckets on half-new weights under the old version's tag, and the push is
+    refused unless ``allow_torn_updates``."""
+    allow_stale_kv: bool = False
+    """Allow ``pause = "in_place"``, knowing what it keeps: requests held through an update decode on
+    over the old weights' keys and values (mixed tokens, counted by version as the embedded engine's
+    in-flight loads are), and the prefix cache keeps serving those keys and values afterwards."""
     allow_torn_updates: bool = False
     """With ``pause = "none"``, push in several buckets anyway: tokens decoded between two buckets come
     from a mix of both versions and are tagged with the old one (SGLang sets the version at the
@@ -61,6 +70,15 @@ class SGLangFanoutConfig(BaseModel):
     every request in flight: those waits count here."""
     broadcast_min_mb_per_s: float = Field(50.0, gt=0)
     """The slowest rate a bucket is allowed (MB/s) on top of ``broadcast_floor_s``."""
+
+    @model_validator(mode="after")
+    def _in_place_needs_stale_kv(self) -> SGLangFanoutConfig:
+        if self.pause == "in_place" and not self.allow_stale_kv:
+            raise ValueError("pause = \"in_place\" keeps every held request's keys and values from the old "
+                             "weights (SGLang cannot flush them), so its later tokens, and later requests "
+                             "that reuse its prefix from the cache, decode over old weights: use \"abort\" "
+                             "or \"retract\", or set [broadcaster.sglang] allow_stale_kv = true")
+        return self
     any_sglang_version: bool = False
     """Join servers whose SGLang version is not in ``SUPPORTED_SGLANG`` (``broadcaster.sglang``);
     by default such a server is refused when the group forms, naming its version."""

@@ -21,11 +21,14 @@ push, top to bottom (``SGLangFanout.push``):
               with their tokens and the generator resumes them on the new weights, so every
               token's version is exact); in ``abort`` mode, ``abort_all`` again until
               ``/v1/loads`` reports nothing running or waiting (``ServerClient.drain``);
-    flush     ``/flush_cache`` retried until it succeeds (slime's order), on each server whose
-              scheduler can flush now: idle, or (0.5.23) paused with nothing running; else the
-              prefix cache is kept and logged (``cache_kept``). ``flush_cache`` is never set on
-              an update call: a failed one kills a 0.5.15 server. In ``none`` mode the flush comes
-              after the buckets, once, where the server is idle;
+    flush     ``/flush_cache`` retried until it succeeds (slime's order; ``_flush``): after an
+              ``abort`` pause everything ended; after a ``retract`` what waits is ended first where
+              it blocks the flush (0.5.15); ``in_place`` (only with ``allow_stale_kv``) keeps the
+              cache where requests are held. A resumed request is thus prefilled by the new weights
+              over an empty cache. In ``none`` mode the last bucket's call sets ``flush_cache``: it
+              runs under SGLang's model-update write lock, which waited for every request, so the
+              scheduler is idle (a failed flush there kills a 0.5.15 server; a pausing mode never
+              sets it);
     session   ``/begin_weight_update`` (SGLang 0.5.23; older servers have none);
     buckets   for each bucket of whole tensors (``bucket_mb``), one
               ``/update_weights_from_distributed`` call per server (HF names, dtypes, shapes; the
@@ -372,7 +375,7 @@ class SGLangFanout:
                 if unseen:
                     self.log.warning("loads_unknown", servers=unseen, why="\"loads\": [] (no load snapshot): "
                                      "the drain relied on the abort pause's own loop")
-            self._flush(ok(), note, retry=True)
+            self._flush(ok(), note)
         self.sessions.update(ok())  # sent: an answer that never came may hide an open session
         begun = self._each(ok(), ServerClient.begin_update)
         errors = _errors(begun)
@@ -396,7 +399,7 @@ class SGLangFanout:
                     specs, packed = packed_bucket(specs, buffer)
                 calls = {u: self._pool.submit(self._client(u).update_from_distributed, names=[t.name for t in specs],
                                               dtypes=[t.dtype for t in specs], shapes=[list(t.shape) for t in specs],
-                                              group_name=self.group_name, flush_cache=False,
+                                              group_name=self.group_name, flush_cache=mode == "none" and last,
                                               weight_version=str(version) if last else torn,
                                               load_format="flattened_bucket" if flat else None,
                                               timeout_s=self.cfg.update_timeout_s) for u in urls}
@@ -420,9 +423,7 @@ class SGLangFanout:
                        for u in half if u not in failed})
         failed.update({u: f"{failed[u]}; weights half new, {left}" for u in half
                        if "half new" not in failed[u]})
-        if mode == "none":
-            self._flush(ok(), note, retry=False)
-        else:
+        if mode != "none":
             # Weights all new (every bucket taken, whatever failed after: end, continue) or all old.
             whole = [u for u in urls if u not in half]
             resumed = self._resume(whole)
@@ -510,50 +511,65 @@ class SGLangFanout:
             time.sleep(delay)
         return out
 
-    def _flush(self, urls: list[str], note, *, retry: bool) -> None:
-        """``/flush_cache`` on each of ``urls`` whose scheduler can flush now (a failed flush
-        is harmless only as a plain call; see the module docstring), retried until it succeeds
-        when ``retry``; the others keep their prefix cache, logged.
+    def _flush(self, urls: list[str], note) -> None:
+        """The prefix cache flush after the pause, before any bucket (slime's order), decided from
+        what is true after the pause, not from ``/v1/loads`` alone: a paused scheduler (``retract``,
+        ``in_place``) writes no load snapshot, so during the pause its counts are the ones from
+        before it (``load_snapshot.py``). A flush is only ever a plain ``/flush_cache``, retried (a
+        failed one is harmless there; see the module docstring).
 
-        Whether it can is read from what is true after the pause, not from ``/v1/loads`` alone: a
-        paused scheduler (``retract``, ``in_place``) writes no load snapshot, so its counts are the
-        ones from before the pause (``load_snapshot.py``). After a ``retract`` nothing runs, and
-        0.5.23's paused flush ignores what waits: those servers are flushed whatever the counts
-        say. Otherwise the pre-pause counts are the truth for a flush: ``in_place`` moves nothing,
-        and what a 0.5.15 retract moved to the waiting queue fails its flush."""
+        - ``abort``: everything was ended (drained, or where there is no load snapshot by the abort
+          pause's own loop, which returns once no request holds the model-update lock): retried
+          until it succeeds, else the push to that server fails. Resumed requests are new ones,
+          prefilled by the new weights over an empty cache.
+        - ``retract``: ``_flush_retracted``, which must succeed too.
+        - ``in_place`` (only with ``allow_stale_kv``): requests held in place keep the keys and
+          values the old weights wrote, and a flush fails while they run; the pre-pause counts are
+          the truth here (``in_place`` moves nothing): flushed where nothing runs, else the cache is
+          kept, logged (``cache_kept``)."""
         if not urls:
             return
-        sure = ([u for u in urls if flushes_while_paused(self.versions.get(u, ""))]
-                if self.cfg.pause == "retract" else [])
-        loads = self._each([u for u in urls if u not in sure], ServerClient.loads)
+        if self.cfg.pause == "retract":
+            self._flush_retracted(urls, note)
+            return
+        if self.cfg.pause == "abort":
+            note(_errors(self._each(urls, ServerClient.flush_cache, timeout_s=self.cfg.flush_timeout_s)))
+            return
+        loads = self._each(urls, ServerClient.loads)
         note(_errors(loads))
-        flushable, kept, unknown = list(sure), {}, []
+        flushable, kept = [], {}
         for u, f in loads.items():
             if f.exception() is not None:
                 continue
-            if f.result() is None:  # "loads": [] is no snapshot, not an idle server: one plain try
-                unknown.append(u)
-                continue
-            running, waiting = f.result()
-            if running == 0 and (waiting == 0 or (flushes_while_paused(self.versions.get(u, ""))
-                                                  and self.cfg.pause != "none")):
+            counts = f.result()  # None: no snapshot ("loads": []), not an idle server: one plain try
+            if counts is None or counts[0] == 0 and (counts[1] == 0
+                                                     or flushes_while_paused(self.versions.get(u, ""))):
                 flushable.append(u)
             else:
-                kept[u] = {"running": running, "waiting": waiting}
+                kept[u] = {"running": counts[0], "waiting": counts[1]}
+        errors = _errors(self._each(flushable, ServerClient.flush_cache, timeout_s=0.0))
+        kept.update({u: str(e) for u, e in errors.items() if e is not None})
         if kept:
             self.log.warning("cache_kept", pause=self.cfg.pause, servers=kept,
-                             why="the scheduler holds requests: a flush would fail")
-        errors = _errors(self._each(flushable, ServerClient.flush_cache,
-                                    timeout_s=self.cfg.flush_timeout_s if retry else 0.0))
-        tried = _errors(self._each(unknown, ServerClient.flush_cache, timeout_s=0.0))
-        if any(tried.values()):
-            self.log.warning("cache_kept", pause=self.cfg.pause,
-                             servers={u: str(e) for u, e in tried.items() if e},
-                             why="no load snapshot (\"loads\": []), and the one flush tried failed")
-        if retry:
-            note(errors)
-        elif any(errors.values()):  # unpaused: a request came in between; the next push tries again
-            self.log.warning("cache_kept", pause=self.cfg.pause, servers={u: str(e) for u, e in errors.items() if e})
+                             why="requests held in place keep the old weights' keys and values: no flush")
+
+    def _flush_retracted(self, urls: list[str], note) -> None:
+        """The flush after a ``retract`` pause, which must succeed: a retracted request is prefilled
+        again at the continue over whatever the prefix cache still holds of it, which the old weights
+        wrote. Nothing runs after a retract; what waits (the retracted requests) fails a flush on
+        releases whose paused flush counts waiting requests (0.5.15, and any version not known to
+        ignore them): there they are ended first, by an abort, which reaches a paused scheduler's
+        queue; they come back with their tokens, and their generators resume them on the new
+        weights. 0.5.23's paused flush ignores them. Then ``/flush_cache`` until it succeeds, else
+        the push to that server fails before any bucket."""
+        strict = [u for u in urls if not flushes_while_paused(self.versions.get(u, ""))]
+        ended = _errors(self._each(strict, ServerClient.abort_all))
+        note(ended)
+        if strict:
+            self.log.info("retracted_ended", servers=strict,
+                          why="their flush fails while retracted requests wait")
+        flushable = [u for u in urls if ended.get(u) is None]
+        note(_errors(self._each(flushable, ServerClient.flush_cache, timeout_s=self.cfg.flush_timeout_s)))
 
     def close(self) -> None:
         self._background.shutdown(wait=False, cancel_futures=True)

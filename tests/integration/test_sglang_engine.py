@@ -689,14 +689,16 @@ def test_a_restarted_fanout_ends_a_session_left_open_and_continues_the_server(st
 @pytest.mark.parametrize("mode,flags,busy,flushed", [
     ("abort", (), True, 1),  # 0.5.15, abort: drained, then flushed
     ("retract", ("--weight-update-session",), True, 1),  # 0.5.23 flushes while retracted requests wait
-    ("retract", (), True, 0),  # 0.5.15 would fail the flush (and die on one after an update): kept
+    ("retract", (), True, 1),  # 0.5.15 fails a flush while they wait: they are ended first, then flushed
     ("in_place", ("--weight-update-session",), False, 1),
+    ("in_place", ("--weight-update-session",), True, 0),  # held in place: the cache is kept (allow_stale_kv)
     ("none", (), False, 1),
+    ("none", (), True, 1),  # the last bucket's flush, under the write lock that waited for the request
 ])
 def test_the_cache_is_flushed_in_every_pause_mode_where_the_server_can(ckpts, standins, store, mode, flags, busy,
                                                                        flushed):
     server = standins("--step-delay-s", "0.02", *flags)
-    fanout = fanout_for(store, pause=mode)
+    fanout = fanout_for(store, pause=mode, allow_stale_kv=mode == "in_place")
     specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
     try:
         if busy:
@@ -749,14 +751,15 @@ def test_a_hung_scheduler_is_left_out_of_a_push_within_the_probe_timeout(ckpts, 
 
 def test_loads_without_a_snapshot_are_not_read_as_an_idle_server(ckpts, standins, store):
     """``"loads": []`` is what SGLang answers when its reader of the scheduler's snapshot is not
-    attached (``load_snapshot.py``), not an idle server. Read as (0, 0), a retract pause with a
-    request waiting on a 0.5.15 server retried its flush until ``flush_timeout_s`` and failed the
-    push; now one plain flush is tried, the cache is kept, and the push goes on."""
+    attached (``load_snapshot.py``), not an idle server. Read as (0, 0), a pause with a request held
+    in it retried its flush until ``flush_timeout_s`` and failed the push; now one plain flush is
+    tried, the cache is kept, and the push goes on. (Only ``in_place`` reads the counts now: after
+    ``abort`` everything ended, and after ``retract`` what blocks the flush is ended first.)"""
     from april_async.sglang.client import ServerClient
 
     server = standins("--step-delay-s", "0.02", "--no-load-snapshot")
     client = ServerClient(server.url, timeout_s=10)
-    fanout = fanout_for(store, pause="retract", flush_timeout_s=2.0)
+    fanout = fanout_for(store, pause="in_place", allow_stale_kv=True, flush_timeout_s=2.0)
     specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
     try:
         assert client.loads() is None
@@ -1423,3 +1426,46 @@ def test_a_refused_bucket_under_nccl_semantics_ends_the_push_within_its_deadline
     for srv in (a, b):
         state = srv.state()
         assert not state["paused"] and not state["session"] and state["weight_version"] == "3", state
+
+
+@pytest.mark.parametrize("mode,flags", [("abort", ()), ("retract", ()),
+                                        ("retract", ("--weight-update-session",))],
+                         ids=["abort-0.5.15", "retract-0.5.15", "retract-0.5.23"])
+def test_no_token_after_a_pause_decodes_over_keys_and_values_the_old_weights_wrote(ckpts, standins, store,
+                                                                                    mode, flags):
+    """A ``retract`` releases each running request's KV into the prefix cache, and the continue
+    prefills it again over what the cache kept (``scheduler.py`` ``retract_all``; the stand-in models
+    that cache for retracted requests). On 0.5.15 a flush fails while they wait, so before, the
+    cache was kept and each retracted request went on over the old weights' keys and values, its
+    tokens tagged with the new version. Now every token tagged v is what checkpoint v's own forward
+    of the whole sequence chooses (greedy), for requests that ran through the update."""
+    server = standins(*OUTLIVE, *flags)
+    fanout = fanout_for(store, pause=mode)
+    engine = make_engine(server.url)
+    specs, buffer = flatten(CausalLM.from_pretrained(ckpts / "v1").state_dict())
+    pushed: list = []
+
+    def push_once(got):
+        if not pushed and all(len(o.tokens) >= 8 for o in got.values()):
+            pushed.append(threading.Thread(target=lambda: pushed.append(
+                fanout.push({"gen": [server.url]}, 1, specs, buffer, 1 << 20)), daemon=True))
+            pushed[0].start()
+    try:
+        got = drive(engine, [request(i, PROMPTS[i], 150) for i in range(4)], each_step=push_once)
+        pushed[0].join(30)
+        assert pushed[1:] == [{"gen": None}], pushed
+    finally:
+        engine.close()
+        fanout.close()
+    models = [CausalLM.from_pretrained(ckpts / f"v{v}").eval() for v in (0, 1)]
+    spanned = 0
+    for lease, out in got.items():
+        assert set(out.versions) <= {0, 1} and len(out.versions) == len(out.tokens), out.versions
+        spanned += 0 in out.versions and 1 in out.versions
+        seq = PROMPTS[lease] + out.tokens
+        with torch.no_grad():
+            logits = [m(torch.tensor([seq]))[0][0] for m in models]
+        for i, (tok, v) in enumerate(zip(out.tokens, out.versions)):
+            row = logits[v][len(PROMPTS[lease]) + i - 1]
+            assert row.max() - row[tok] <= 1e-4, (lease, i, v, out.versions)
+    assert spanned >= 1, {k: o.versions for k, o in got.items()}
