@@ -1053,3 +1053,44 @@ def test_configure_sets_runtime_flags_as_if_started_with_them_until_a_reset(serv
     finally:
         assert h.post("/standin/reset", json={}).status_code == 200
     assert h.get("/standin/state").json()["settings"] == started and h.get("/ready").status_code == 404
+
+
+def test_a_retracted_request_is_prefilled_again_over_what_the_cache_kept(ckpt, tmp_path):
+    """``managers/scheduler.py`` ``pause_generation`` (``retract_all``): a retract releases each
+    running request's KV into the prefix cache and queues the request again; at the continue it is
+    prefilled over what the cache still holds. Without a flush between, that is the keys and values
+    the old weights wrote, and the request goes on over them under the new weights' tag; with one
+    (0.5.23 flushes while retracted requests wait: ``Scheduler.flush_cache``), the new weights
+    compute all of it, as a fresh greedy run of the whole sequence does."""
+    s = Standin(ckpt.path, tmp_path / "standin-retract.log", "--max-seq-len", "256", "--step-delay-s", "0.02",
+                "--weight-update-session", "--weight-version", "v0")
+    fresh = new_model(7, ckpt.eos)
+    pg, store = form_group(s, "retract-test")
+    try:
+        for flush, model, version in ((False, fresh, "v1"), (True, ckpt.model, "v2")):
+            fut, seen = stream_in_thread(s, gen(LONG, 60, temperature=0.0))
+            for _ in range(3):
+                seen.get(timeout=10)
+            assert s.http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+            if flush:
+                assert s.http.post("/flush_cache").status_code == 200
+            assert s.http.post("/begin_weight_update", json={}).status_code == 200
+            r = push_weights(s, pg, "retract-test", model.state_dict(), version, flush=False)
+            assert r.status_code == 200
+            assert s.http.post("/end_weight_update", json={}).status_code == 200
+            assert s.http.post("/continue_generation", json={}).status_code == 200
+            before, after = [], []
+            for event in fut.result(30):  # cumulative: each event holds every token so far
+                new = event["output_ids"][len(before) + len(after):]
+                (after if event["meta_info"]["weight_version"] == version else before).extend(new)
+            assert before and after, (before, after)
+            want = greedy(model, LONG + before, len(after), ckpt.eos)[0]
+            if flush:
+                assert after == want  # prefilled again by the new weights
+            else:
+                assert after != want  # went on over the old weights' keys and values
+    finally:
+        leave_custom_group(pg)
+        del store
+        s.http.close()
+        assert s.stop() == 0
