@@ -381,6 +381,19 @@ def test_bad_engine_settings_are_refused():
         SGLangEngine(SGLangEngineConfig())
 
 
+def test_in_place_needs_allow_stale_kv_and_a_bucket_deadline_stays_under_the_watchdog():
+    with pytest.raises(ValueError, match="allow_stale_kv"):
+        SGLangFanoutConfig(pause="in_place")
+    assert SGLangFanoutConfig(pause="in_place", allow_stale_kv=True).pause == "in_place"
+    cfg = SGLangFanoutConfig(broadcast_floor_s=20, broadcast_min_mb_per_s=50)
+    fanout = SGLangFanout(cfg, store=None, store_host="127.0.0.1", store_port=0, backend="gloo", timeout_s=60)
+    try:
+        assert fanout.deadline_s(32 * 10**6) == pytest.approx(20.64)  # 20 s + 32 MB at 50 MB/s
+        assert fanout.deadline_s(10**10) == pytest.approx(54.0)  # never past 90 % of the group's timeout
+    finally:
+        fanout.close()
+
+
 # ---------------------------------------------------------------------- weights
 
 
