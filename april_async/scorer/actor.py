@@ -7,8 +7,9 @@ answer ``scored`` with the reward, or with ``error="<kind>: <detail>"`` when the
 finite number (``bad_reward``). The broker retires the sample's group and counts it by that kind;
 the scorer counts each kind too, and carries on. A response the reward could read no answer in
 (it raised ``Unparsed``) is answered with reward 0 and counted as ``unparsed`` (apart from
-``scored``). Requests are answered one at a time, in order; the loop keeps polling the broker
-(heartbeats) while a reward runs.
+``scored``). Requests go to a pool of ``workers`` reward processes, each to the first free one in
+the order they came, and are answered as each ends (a slow call holds only its own worker); the
+loop keeps polling the broker (heartbeats) while rewards run.
 
 Start:  april scorer --config run.toml   (section [scorer])
 """
@@ -40,10 +41,10 @@ class ScorerActor:
         paths = sorted({cfg.reward, *cfg.rewards.values(), *BUILTIN_TASK_REWARDS.values()})
         for path in paths:
             load_reward(path)  # a bad path fails here, at start, naming it
-        self.worker = RewardWorker(paths, timeout_s=cfg.timeout_s)
+        self.workers = [RewardWorker(paths, timeout_s=cfg.timeout_s) for _ in range(cfg.workers)]
         self.counts: Counter[str] = Counter({k: 0 for k in OUTCOME_KINDS})
         self.queue: deque[tuple[str, m.ScoreRequest]] = deque()
-        self.current: tuple[str, m.ScoreRequest] | None = None
+        self.running: dict[int, tuple[str, m.ScoreRequest]] = {}  # worker index -> its call
         self._stats_at, self._stats_logged = time.monotonic(), dict(self.counts)
         self.peer = peer_factory(self._on_connect)
 
@@ -54,44 +55,54 @@ class ScorerActor:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
-        self.log.info("serving", reward=self.cfg.reward, rewards=self.cfg.rewards, timeout_s=self.cfg.timeout_s)
+        self.log.info("serving", reward=self.cfg.reward, rewards=self.cfg.rewards, timeout_s=self.cfg.timeout_s,
+                      workers=len(self.workers))
         try:
             while not stop:
-                busy = self.current is not None or bool(self.queue)
+                busy = bool(self.running) or bool(self.queue)
                 msg = self.peer.poll(0.0 if busy else self.cfg.link.heartbeat_interval_s / 4)
                 if msg is not None and isinstance(msg.body, m.ScoreRequest):
                     self.queue.append((msg.msg_id, msg.body))
                 self._advance(WAIT_SLICE_S)
                 self._log_stats()
         finally:
-            self.worker.close()
+            for worker in self.workers:
+                worker.close()
         self.peer.send(m.Bye(reason="shutdown"))
         self.peer.close()
-        self.log.info("stopped", restarts=self.worker.restarts, **self.counts)
+        self.log.info("stopped", restarts=self.restarts, **self.counts)
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self.workers)
 
     def _advance(self, wait_s: float) -> None:
-        """Start the next queued request if none runs; answer the running one if it is done."""
-        if self.current is None and self.queue:
-            self.current = self.queue.popleft()
-            outcome = self._submit(self.current[1])
+        """Hand queued requests to free workers, in order; answer every call that ended, waiting up
+        to ``wait_s`` in all for the first."""
+        for i, worker in enumerate(self.workers):
+            while not worker.busy and self.queue:
+                call = self.queue.popleft()
+                outcome = self._submit(worker, call[1])
+                if outcome is None:
+                    self.running[i] = call
+                else:  # could not even be prepared: answered now, the worker is still free
+                    self._answer(call, outcome)
+        for n, i in enumerate(sorted(self.running)):
+            outcome = self.workers[i].wait(wait_s if n == 0 else 0.0)
             if outcome is not None:
-                self._answer(outcome)
-                return
-        if self.current is not None and (outcome := self.worker.wait(wait_s)) is not None:
-            self._answer(outcome)
+                self._answer(self.running.pop(i), outcome)
 
-    def _submit(self, req: m.ScoreRequest) -> Outcome | None:
-        """Hand ``req`` to the worker; an outcome now when it cannot even be prepared."""
+    def _submit(self, worker: RewardWorker, req: m.ScoreRequest) -> Outcome | None:
+        """Hand ``req`` to ``worker``; an outcome now when it cannot even be prepared."""
         try:
             x = self._input(req)
         except Exception as e:  # a tokenizer that cannot decode these ids: the sample's error
             return Outcome(error=f"reward_error: cannot decode the tokens ({type(e).__name__}: {e})")
-        self.worker.submit(reward_path(req.task, default=self.cfg.reward, overrides=self.cfg.rewards), x)
+        worker.submit(reward_path(req.task, default=self.cfg.reward, overrides=self.cfg.rewards), x)
         return None
 
-    def _answer(self, outcome: Outcome) -> None:
-        msg_id, req = self.current
-        self.current = None
+    def _answer(self, call: tuple[str, m.ScoreRequest], outcome: Outcome) -> None:
+        msg_id, req = call
         self.peer.send(self._scored(req, outcome), parent_id=msg_id)
 
     def _scored(self, req: m.ScoreRequest, outcome: Outcome) -> m.Scored:
@@ -118,13 +129,15 @@ class ScorerActor:
         self._stats_at = now
         if dict(self.counts) != self._stats_logged:
             self._stats_logged = dict(self.counts)
-            self.log.info("progress", queued=len(self.queue), restarts=self.worker.restarts, **self.counts)
+            self.log.info("progress", queued=len(self.queue), running=len(self.running), restarts=self.restarts,
+                          **self.counts)
 
     # ------------------------------------------------------------------ one request, blocking
 
     def score(self, req: m.ScoreRequest) -> m.Scored:
         """Score one request to completion (at most ``timeout_s`` plus a worker start)."""
-        outcome = self._submit(req)
+        worker = self.workers[0]
+        outcome = self._submit(worker, req)
         if outcome is None:
-            outcome = self.worker.result()
+            outcome = worker.result()
         return self._scored(req, outcome)

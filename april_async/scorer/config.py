@@ -25,6 +25,10 @@ class ScorerConfig(BaseModel):
     """A reward call running longer is killed (with its worker) and answered ``reward_timeout``."""
     capacity: int = Field(16, ge=1)
     """Score requests taken at once."""
+    workers: int = Field(2, ge=1, le=64)
+    """Reward worker processes, each running one call at a time: requests are handed to the first
+    free one in the order they came, so a slow call (a tool's wait, a hard answer to verify) holds
+    only its own worker, not every request queued behind it. Answers go back as each call ends."""
     log: LogConfig = LogConfig()
 
     @field_validator("reward")

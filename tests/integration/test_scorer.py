@@ -52,6 +52,11 @@ def reward_length(x: RewardInput) -> float:
     return len(x.response_text)
 
 
+def reward_slow(x: RewardInput) -> float:
+    time.sleep(3.0)  # a slow tool, or a hard answer to verify
+    return 0.5
+
+
 def reward_unparsed(x: RewardInput) -> float:
     raise Unparsed(f"nothing in {x.response_text!r}")
 
@@ -164,3 +169,39 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
     assert codes == {"scorer-0": 0}, cluster.dump_logs()
     log = cluster.logs["scorer-0"].read_text()
     assert re.search(r"stopped .*bad_reward=1 .*reward_error=2 .*reward_timeout=1 .*scored=4 .*unparsed=1", log), log[-2000:]
+
+
+def test_a_slow_reward_holds_only_its_own_worker(tmp_path):
+    """Two workers (the default): the rewards queued behind a slow one are answered while it runs,
+    and it is answered too, last."""
+    cluster = Cluster(tmp_path)
+    link = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
+    hub = Hub(cluster.endpoint, link=link)
+    try:
+        cluster.scorer(**{"timeout_s": 10.0, "workers": 2, "rewards.slow": f"{HERE}:reward_slow",
+                          "rewards.len": f"{HERE}:reward_length"})
+        identity, hello = None, None
+        deadline = time.monotonic() + 30
+        while hello is None and time.monotonic() < deadline:
+            for ident, msg in hub.poll(0.1):
+                if isinstance(msg.body, m.Hello):
+                    identity, hello = ident, msg.body
+        assert hello is not None, cluster.dump_logs()
+        requests = [score_request(1, "slow", "x")] + [score_request(i, "len", "ab" * i) for i in range(2, 8)]
+        for req in requests:
+            hub.send(identity, req)
+        order: list[int] = []
+        answers: dict[int, m.Scored] = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < len(requests) and time.monotonic() < deadline:
+            hub.send(identity, m.Heartbeat())
+            for _, msg in hub.poll(0.05):
+                if isinstance(msg.body, m.Scored):
+                    answers[msg.body.sample_id] = msg.body
+                    order.append(msg.body.sample_id)
+        assert len(answers) == len(requests), cluster.dump_logs()
+        assert order[-1] == 1 and sorted(order[:-1]) == list(range(2, 8)), order
+        assert answers[1].reward == 0.5 and all(answers[i].reward == 2 * i for i in range(2, 8))
+    finally:
+        cluster.stop_all()
+        hub.close()
