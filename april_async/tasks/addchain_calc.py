@@ -1,0 +1,84 @@
+"""``addchain`` with a calculator: the environment of the tool-using addition chains (issue 45).
+
+The policy may hand part of a chain to a tool. A turn that ends in a call, its last line::
+
+    calc(17+8x3)
+
+is answered with the observation ``= 41`` and the conversation goes on; a turn that writes the
+final answer (``#### 57``) ends it, with the math-answer reward of that answer. So a model can
+write ``calc(17+8x5)``, read ``= 57`` and answer ``#### 57`` in two turns instead of five lines.
+
+The calculator reads the task's own notation and nothing else: a sum of terms, each a whole number
+or ``NxK`` (N added K times), e.g. ``17+8x5`` or ``25+8+8``. Anything else is answered with a
+typed error as the observation (``error: bad_expression: ...``), not a crash: the policy sees it
+and may try again. A turn that neither calls nor answers, a turn cut by its budget, and the turn at
+the limit (``meta["max_turns"]``, else ``MAX_TURNS``) end the conversation with the reward of what
+the last turn answered (0 when nothing).
+"""
+
+from __future__ import annotations
+
+import re
+
+from april_async.agents.env import Continue, Done, Step, Trajectory
+from april_async.tasks import math_answer
+
+MAX_TURNS = 8
+MAX_DIGITS = 12
+"""The longest number the calculator reads (a larger one is a ``bad_expression``)."""
+_CALL = re.compile(r"calc\(([^()\n]*)\)\s*$")
+
+
+class CalcError(ValueError):
+    """An expression the calculator does not read; the message says why."""
+
+
+def evaluate(expression: str) -> int:
+    """``"17+8x5"`` -> 57. A sum of whole numbers and ``NxK`` terms; ``CalcError`` otherwise."""
+    text = expression.replace(" ", "")
+    if not text:
+        raise CalcError("empty expression")
+    total = 0
+    for term in text.split("+"):
+        parts = term.split("x")
+        if len(parts) > 2 or not all(p.isdigit() for p in parts):
+            raise CalcError(f"{term!r} is not a number or NxK")
+        if any(len(p) > MAX_DIGITS for p in parts):
+            raise CalcError(f"{term!r} has a number of more than {MAX_DIGITS} digits")
+        total += int(parts[0]) * (int(parts[1]) if len(parts) == 2 else 1)
+    return total
+
+
+def call_in(text: str) -> str | None:
+    """The expression of the call that ends ``text`` (its last line is ``calc(...)``), or None."""
+    match = _CALL.search(text)
+    return match.group(1) if match else None
+
+
+class CalcEnvironment:
+    """The environment of ``addchain`` with the calculator tool (see the module docstring)."""
+
+    def __init__(self, max_turns: int = MAX_TURNS):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, not {max_turns}")
+        self.max_turns = max_turns
+
+    def step(self, trajectory: Trajectory) -> Step:
+        text = trajectory.last_text
+        limit = int(trajectory.meta.get("max_turns", self.max_turns))
+        expression = call_in(text)
+        calls_on = (expression is not None and math_answer.extract_answer(text) is None
+                    and trajectory.finish_reason == "stop" and trajectory.turn + 1 < limit)
+        if not calls_on:
+            return Done(self._reward(trajectory))
+        try:
+            return Continue(f"= {evaluate(expression)}")
+        except CalcError as e:
+            return Continue(f"error: bad_expression: {e}")
+
+    @staticmethod
+    def _reward(trajectory: Trajectory) -> float:
+        if "answer" not in trajectory.meta:
+            raise KeyError(f"task {trajectory.task!r}: meta has no 'answer' "
+                           f"(keys: {sorted(trajectory.meta)})")
+        return math_answer.score(trajectory.last_text, trajectory.meta["answer"])
