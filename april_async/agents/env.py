@@ -20,6 +20,7 @@ No torch here: the scorer and the broker's planner import it.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from collections import OrderedDict
@@ -106,6 +107,33 @@ class BadStep(ValueError):
 @runtime_checkable
 class Environment(Protocol):
     def step(self, trajectory: Trajectory) -> Step: ...
+
+
+class EnvironmentConfigError(ValueError):
+    """An environment path that cannot be loaded; the message names the path."""
+
+
+def load_environment(path: str) -> Environment:
+    """``package.module:Name`` -> an environment: ``Name`` is a class (made with no arguments) or an
+    object with a ``step`` method. A bad path is an ``EnvironmentConfigError`` naming it."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise EnvironmentConfigError(f"environment {path!r} must look like 'package.module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise EnvironmentConfigError(f"environment {path!r}: cannot import {module_name!r} ({e})") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise EnvironmentConfigError(f"environment {path!r}: {module_name} has no {attr!r}")
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as e:  # its constructor is user code
+            raise EnvironmentConfigError(f"environment {path!r}: {attr}() raised {type(e).__name__}: {e}") from None
+    if not callable(getattr(obj, "step", None)):
+        raise EnvironmentConfigError(f"environment {path!r}: {attr} has no step(trajectory) method")
+    return obj
 
 
 class RewardEnvironment:

@@ -1,4 +1,5 @@
-"""The reward worker: reward functions run in a child process, one call at a time, with a time limit.
+"""The reward worker: reward functions and environment steps run in a child process, one call at a
+time, with a time limit.
 
 A reward is user code: it may raise, hang, or return something that is not a number. The scorer
 never runs it in its own process: it hands each call to a ``RewardWorker`` and polls for the
@@ -6,6 +7,11 @@ outcome between its other work (so heartbeats keep flowing while a reward runs).
 deadline gets the worker killed and replaced; a worker that dies is replaced too. Each outcome
 is a reward, a reward of 0 for a response the reward could not parse (it raised ``Unparsed``), or
 an error ``"<kind>: <detail>"`` with kind one of ``ERROR_KINDS``.
+
+A call is a reward's when it carries a ``RewardInput``, an environment's step when it carries a
+``Trajectory`` (``april_async.agents.env``): the step's outcome is a reward (``Done``) or an
+observation (``Continue``: ``Outcome.observation``), and its errors have kinds of their own
+(``env_error``, ``env_timeout``, ``bad_step``).
 
 The child is started with ``spawn`` (a clean interpreter: nothing of the scorer's sockets), imports
 every configured reward once at start, and exits when the scorer goes away (its pipe closes, and
@@ -22,15 +28,18 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from april_async.agents.env import BadStep, Done, Trajectory, checked, load_environment
 from april_async.runtime import die_with_parent
 from april_async.scorer.rewards import RewardInput, Unparsed, load_reward
 
-ERROR_KINDS = ("reward_error", "reward_timeout", "bad_reward")
+ERROR_KINDS = ("reward_error", "reward_timeout", "bad_reward", "env_error", "env_timeout", "bad_step")
 """reward_error: the function raised (or its worker died); reward_timeout: it ran past the
-limit; bad_reward: it returned something that is not a finite number."""
-OUTCOME_KINDS = ("scored", "unparsed", *ERROR_KINDS)
-"""What each call ends as: scored (a reward), unparsed (reward 0: the reward raised ``Unparsed``)
-or an error."""
+limit; bad_reward: it returned something that is not a finite number. The same three for an
+environment's step: env_error, env_timeout, bad_step (neither ``Continue`` nor ``Done``, or
+malformed: ``agents.env.checked``)."""
+OUTCOME_KINDS = ("scored", "unparsed", "continued", *ERROR_KINDS)
+"""What each call ends as: scored (a reward), unparsed (reward 0: the reward raised ``Unparsed``),
+continued (an environment's step answered with an observation) or an error."""
 UNPARSED_REWARD = 0.0
 WORKER_START_TIMEOUT_S = 60.0
 """A worker that is not ready this long after its start (importing the rewards) is given up."""
@@ -43,20 +52,26 @@ class Outcome:
     error: str | None = None  # "<kind>: <detail>"
     unparsed: str | None = None
     """Why the reward read no answer in the response (its ``Unparsed``); the reward is then 0."""
+    observation: str | dict | None = None
+    """An environment's step went on (``Continue``): the tool's answer, for the next turn."""
 
     @property
     def kind(self) -> str:
         """One of ``OUTCOME_KINDS``."""
         if self.error is not None:
             return self.error.split(":", 1)[0]
+        if self.observation is not None:
+            return "continued"
         return "scored" if self.unparsed is None else "unparsed"
 
 
 class RewardWorker:
     """``submit`` one call, then poll ``wait`` for its ``Outcome`` (or block: ``result``, ``run``)."""
 
-    def __init__(self, paths: Iterable[str], *, timeout_s: float, start_timeout_s: float = WORKER_START_TIMEOUT_S):
+    def __init__(self, paths: Iterable[str], *, timeout_s: float, start_timeout_s: float = WORKER_START_TIMEOUT_S,
+                 environments: Iterable[str] = ()):
         self.paths = tuple(paths)
+        self.environments = tuple(environments)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
         self._proc = None
@@ -73,7 +88,7 @@ class RewardWorker:
     def busy(self) -> bool:
         return self._call is not None
 
-    def submit(self, path: str, x: RewardInput) -> None:
+    def submit(self, path: str, x: RewardInput | Trajectory) -> None:
         if self._call is not None:
             raise RuntimeError("the reward worker is busy: wait for its outcome before the next call")
         self._call = (path, x)
@@ -107,11 +122,12 @@ class RewardWorker:
                 self._send()
                 continue
             if now >= self._deadline:
-                path = self._call[0]
+                path, x = self._call
                 self._kill()
                 self.restarts += 1
                 self._spawn()  # warm for the next call
-                return self._finish(Outcome(error=f"reward_timeout: {path} ran past {self.timeout_s:g} s"))
+                kind = "env_timeout" if isinstance(x, Trajectory) else "reward_timeout"
+                return self._finish(Outcome(error=f"{kind}: {path} ran past {self.timeout_s:g} s"))
             if not self._poll(min(until, self._deadline) - now):
                 if time.monotonic() >= until:
                     return None
@@ -124,6 +140,8 @@ class RewardWorker:
                 return self._finish(Outcome(reward=value))
             if status == "unparsed":
                 return self._finish(Outcome(reward=UNPARSED_REWARD, unparsed=value))
+            if status == "continue":
+                return self._finish(Outcome(observation=value))
             return self._finish(Outcome(error=f"{status}: {value}"))
 
     def result(self) -> Outcome:
@@ -132,7 +150,7 @@ class RewardWorker:
             pass
         return outcome
 
-    def run(self, path: str, x: RewardInput) -> Outcome:
+    def run(self, path: str, x: RewardInput | Trajectory) -> Outcome:
         """``submit`` and wait for the outcome."""
         self.submit(path, x)
         return self.result()
@@ -151,7 +169,8 @@ class RewardWorker:
 
     def _spawn(self) -> None:
         parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=serve, args=(child, self.paths), daemon=True, name="reward-worker")
+        self._proc = self._ctx.Process(target=serve, args=(child, self.paths, self.environments), daemon=True,
+                                       name="reward-worker")
         self._proc.start()
         child.close()
         self._conn, self._ready, self._started_at = parent, False, time.monotonic()
@@ -174,7 +193,8 @@ class RewardWorker:
         code = self._proc.exitcode
         self._kill()
         self.restarts += 1
-        return Outcome(error=f"reward_error: the reward worker died (exit code {code}) in {self._call[0]}")
+        kind = "env_error" if isinstance(self._call[1], Trajectory) else "reward_error"
+        return Outcome(error=f"{kind}: the reward worker died (exit code {code}) in {self._call[0]}")
 
     def _kill(self) -> None:
         if self._proc is None:
@@ -192,16 +212,21 @@ class RewardWorker:
         return outcome
 
 
-def serve(conn, paths: tuple[str, ...]) -> None:
-    """The worker process: import the rewards, then answer ``(path, RewardInput)`` calls until told
-    to stop (``None``) or the scorer goes away."""
+def serve(conn, paths: tuple[str, ...], environments: tuple[str, ...] = ()) -> None:
+    """The worker process: import the rewards and make the environments, then answer
+    ``(path, RewardInput | Trajectory)`` calls until told to stop (``None``) or the scorer goes away."""
     die_with_parent(signal.SIGKILL)  # a closed pipe ends an idle worker anyway; a busy one needs this
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the scorer's to handle
-    rewards, broken = {}, {}
+    rewards, broken, envs = {}, {}, {}
     for path in paths:
         try:
             rewards[path] = load_reward(path)
         except Exception as e:  # the scorer checked the paths; report what still fails per call
+            broken[path] = f"{type(e).__name__}: {e}"
+    for path in environments:
+        try:
+            envs[path] = load_environment(path)
+        except Exception as e:
             broken[path] = f"{type(e).__name__}: {e}"
     conn.send(("ready", None))
     while True:
@@ -212,7 +237,27 @@ def serve(conn, paths: tuple[str, ...]) -> None:
         if call is None:
             return
         path, x = call
-        conn.send(_call(rewards, broken, path, x))
+        conn.send(_step(envs, broken, path, x) if isinstance(x, Trajectory) else _call(rewards, broken, path, x))
+
+
+def _step(envs: dict, broken: dict, path: str, t: Trajectory) -> tuple[str, object]:
+    if path in broken:
+        return "env_error", broken[path]
+    env = envs.get(path)
+    if env is None:
+        try:
+            env = envs[path] = load_environment(path)
+        except Exception as e:
+            return "env_error", f"{type(e).__name__}: {e}"
+    try:
+        value = env.step(t)
+    except BaseException as e:  # user code: anything it raises is the sample's error, not the worker's
+        return "env_error", f"{path} raised {type(e).__name__}: {e}"
+    try:
+        step = checked(value, where=path)
+    except BadStep as e:
+        return "bad_step", str(e)
+    return ("ok", step.reward) if isinstance(step, Done) else ("continue", step.observation)
 
 
 def _call(rewards: dict, broken: dict, path: str, x: RewardInput) -> tuple[str, object]:

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from april_async.agents.env import Continue, Done, Trajectory, Turn
 from april_async.config import LinkConfig
 from april_async.model.tokenizer import CharTokenizer
 from april_async.scorer.config import ScorerConfig
@@ -59,6 +60,64 @@ def reward_slow(x: RewardInput) -> float:
 
 def reward_unparsed(x: RewardInput) -> float:
     raise Unparsed(f"nothing in {x.response_text!r}")
+
+
+class EnvTwoTurns:
+    """A tool call on the first turn, the reward on the second."""
+
+    def step(self, t: Trajectory):
+        return Continue(f"= {t.step_id}") if t.turn == 0 else Done(1.0)
+
+
+class EnvRaises:
+    def step(self, t: Trajectory):
+        raise RuntimeError(f"tool broke at {t.step_id}")
+
+
+class EnvHangs:
+    def step(self, t: Trajectory):
+        time.sleep(60)
+
+
+class EnvJunk:
+    def step(self, t: Trajectory):
+        return 5
+
+
+class EnvExits:
+    def step(self, t: Trajectory):
+        os._exit(4)
+
+
+def steps_of(*texts: str, meta: dict | None = None) -> Trajectory:
+    turns = [Turn(policy_ids=[5], observation_ids=[6] if i < len(texts) - 1 else [], policy_text=text)
+             for i, text in enumerate(texts)]
+    return Trajectory(sample_id=3, prompt_ids=[1], turns=turns, finish_reason="stop", task="t",
+                      meta=meta or {})
+
+
+def test_an_environments_steps_run_in_the_worker_and_each_failure_has_its_kind():
+    envs = [f"{HERE}:{name}" for name in ("EnvTwoTurns", "EnvRaises", "EnvHangs", "EnvJunk", "EnvExits",
+                                         "NoSuchEnv")] + ["april_async.tasks.addchain_calc:CalcEnvironment"]
+    worker = RewardWorker([], environments=envs, timeout_s=TIMEOUT_S)
+    try:
+        first = worker.run(f"{HERE}:EnvTwoTurns", steps_of("call"))
+        assert (first.kind, first.observation, first.reward) == ("continued", "= 3:0", None), first
+        assert worker.run(f"{HERE}:EnvTwoTurns", steps_of("call", "answer")).reward == 1.0
+        calc = "april_async.tasks.addchain_calc:CalcEnvironment"
+        assert worker.run(calc, steps_of("calc(17+8x5)", meta={"answer": "57"})).observation == "= 57"
+        assert worker.run(calc, steps_of("calc(17+8x5)", "#### 57", meta={"answer": "57"})).reward == 1.0
+        cases = {"EnvRaises": ("env_error", r"raised RuntimeError: tool broke at 3:0"),
+                 "EnvHangs": ("env_timeout", r"EnvHangs ran past 1 s"),
+                 "EnvJunk": ("bad_step", r"returned int 5, not Continue\(\.\.\.\) or Done"),
+                 "EnvExits": ("env_error", r"the reward worker died \(exit code 4\)"),
+                 "NoSuchEnv": ("env_error", r"has no 'NoSuchEnv'")}
+        for name, (kind, detail) in cases.items():
+            out = worker.run(f"{HERE}:{name}", steps_of("x"))
+            assert out.kind == kind and re.search(detail, out.error), out
+            assert worker.run(f"{HERE}:EnvTwoTurns", steps_of("x")).kind == "continued"  # served after it
+    finally:
+        worker.close()
 
 
 def sample(text: str = "#### 7") -> RewardInput:
