@@ -130,7 +130,8 @@ def load_environment(path: str) -> Environment:
         try:
             obj = obj()
         except Exception as e:  # its constructor is user code
-            raise EnvironmentConfigError(f"environment {path!r}: {attr}() raised {type(e).__name__}: {e}") from None
+            raise EnvironmentConfigError(f"environment {path!r}: {attr}() raised "
+                                         f"{type(e).__name__}: {e}") from None
     if not callable(getattr(obj, "step", None)):
         raise EnvironmentConfigError(f"environment {path!r}: {attr} has no step(trajectory) method")
     return obj

@@ -55,8 +55,8 @@ class ScorerActor:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
-        self.log.info("serving", reward=self.cfg.reward, rewards=self.cfg.rewards, timeout_s=self.cfg.timeout_s,
-                      workers=len(self.workers))
+        self.log.info("serving", reward=self.cfg.reward, rewards=self.cfg.rewards,
+                      timeout_s=self.cfg.timeout_s, workers=len(self.workers))
         try:
             while not stop:
                 busy = bool(self.running) or bool(self.queue)
@@ -129,8 +129,8 @@ class ScorerActor:
         self._stats_at = now
         if dict(self.counts) != self._stats_logged:
             self._stats_logged = dict(self.counts)
-            self.log.info("progress", queued=len(self.queue), running=len(self.running), restarts=self.restarts,
-                          **self.counts)
+            self.log.info("progress", queued=len(self.queue), running=len(self.running),
+                          restarts=self.restarts, **self.counts)
 
     # ------------------------------------------------------------------ one request, blocking
 

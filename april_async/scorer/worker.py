@@ -68,8 +68,8 @@ class Outcome:
 class RewardWorker:
     """``submit`` one call, then poll ``wait`` for its ``Outcome`` (or block: ``result``, ``run``)."""
 
-    def __init__(self, paths: Iterable[str], *, timeout_s: float, start_timeout_s: float = WORKER_START_TIMEOUT_S,
-                 environments: Iterable[str] = ()):
+    def __init__(self, paths: Iterable[str], *, timeout_s: float,
+                 start_timeout_s: float = WORKER_START_TIMEOUT_S, environments: Iterable[str] = ()):
         self.paths = tuple(paths)
         self.environments = tuple(environments)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
@@ -237,7 +237,8 @@ def serve(conn, paths: tuple[str, ...], environments: tuple[str, ...] = ()) -> N
         if call is None:
             return
         path, x = call
-        conn.send(_step(envs, broken, path, x) if isinstance(x, Trajectory) else _call(rewards, broken, path, x))
+        step = isinstance(x, Trajectory)
+        conn.send(_step(envs, broken, path, x) if step else _call(rewards, broken, path, x))
 
 
 def _step(envs: dict, broken: dict, path: str, t: Trajectory) -> tuple[str, object]:
