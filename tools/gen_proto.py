@@ -98,8 +98,9 @@ CROSS_FIELD_RULES: dict[str, str] = {
     "Batch": (
         "response_tokens.len == logprobs.len; every group's prompt slice lies inside prompt_tokens; "
         "every sample's response slice lies inside response_tokens and its version counts sum to "
-        "response_len"
+        "response_len; its context spans are in increasing order, apart, inside the response"
     ),
+    "ScoreRequest": "turn >= 0; the context spans are in increasing order, apart, inside response",
     "WeightsUpdate": "part < parts",
     "WeightsAnnounce": "digests is empty or holds one digest per bucket, ceil(num_bytes / bucket_bytes)",
 }
@@ -164,9 +165,14 @@ def _patch_defs(defs: dict[str, Any]) -> None:
     if "VersionSpan" in defs:
         defs["VersionSpan"] = _version_span_schema()
     if "Scored" in defs:
+        null = {"type": "null"}
         defs["Scored"]["oneOf"] = [
-            {"required": ["reward"], "properties": {"reward": {"type": "number"}, "error": {"type": "null"}}},
-            {"required": ["error"], "properties": {"error": {"type": "string"}, "reward": {"type": "null"}}},
+            {"required": ["reward"], "properties": {"reward": {"type": "number"}, "error": null,
+                                                    "observation": null}},
+            {"required": ["error"], "properties": {"error": {"type": "string"}, "reward": null,
+                                                   "observation": null}},
+            {"required": ["observation"], "properties": {"observation": {"type": "array"}, "reward": null,
+                                                         "error": null}},
         ]
 
 
@@ -282,10 +288,11 @@ _PROMPT_B = [1, 1724]
 
 
 def _batch_2x2() -> m.Batch:
-    def sample(sid, reward, reason, off, length, spans):
+    def sample(sid, reward, reason, off, length, spans, context=()):
         return m.BatchSample(
             sample_id=sid, reward=reward, finish_reason=reason, response_offset=off,
             response_len=length, versions=[m.VersionSpan(v, c) for v, c in spans],
+            context=[m.TokenSpan(o, c) for o, c in context],
         )
 
     groups = [
@@ -294,7 +301,7 @@ def _batch_2x2() -> m.Batch:
             meta={"answer": "42"},
             samples=[
                 sample(101, 1.0, "stop", 0, 2, [(3, 2)]),
-                sample(102, 0.0, "length", 2, 3, [(2, 1), (3, 2)]),
+                sample(102, 0.0, "length", 2, 3, [(2, 1), (3, 2)], context=[(1, 1)]),  # since 1.9
             ],
         ),
         m.BatchGroup(
@@ -403,9 +410,22 @@ VECTORS: list[Vector] = [
     Vector("scored_error", "the reward function failed: the group is retired with this reason", "scorer-0", 2,
            lambda: m.Scored(sample_id=101, lease_id=11, error="reward function raised ZeroDivisionError"),
            msg_id="c000000000000002"),
+    Vector("score_request_turn", "since 1.9: turn 1 of a tool-using trajectory ended; its response holds an "
+           "observation (3 tokens from offset 4, context); the broker takes an observation as the answer",
+           "broker", 9,
+           lambda: m.ScoreRequest(sample_id=105, lease_id=15, group_id=9, prompt=_i4(_PROMPT_A),
+                                  response=_i4([99, 40, 43, 13, 61, 52, 13, 35, 35, 13, 2]),
+                                  finish_reason="stop", task="addchain_calc", meta={"answer": "57"}, turn=1,
+                                  context=[m.TokenSpan(4, 3)], takes_observation=True),
+           msg_id="b000000000000009"),
+    Vector("scored_observation", "since 1.9: the environment answered turn 0 with a tool's answer; its "
+           "tokens are appended and the next turn is leased", "scorer-0", 3,
+           lambda: m.Scored(sample_id=105, lease_id=14, observation=[61, 52, 55, 13]),
+           msg_id="c000000000000003"),
     Vector("batch_request", "the learner at version 4 asks for its next batch", "learner-0", 1,
            lambda: m.BatchRequest(policy_version=4), msg_id="d000000000000001"),
-    Vector("batch", "2 groups x 2 samples; prompt and response tokens concatenated; stats keyed by strings",
+    Vector("batch", "2 groups x 2 samples; prompt and response tokens concatenated; stats keyed by strings; "
+           "since 1.9 sample 102's token 1 is context (an observation)",
            "broker", 8,
            _batch_2x2, parent_id="d000000000000001", msg_id="b000000000000008"),
     Vector("batch_report", "the learner trained batch 3 into version 5 and dropped one all-equal group",

@@ -57,6 +57,9 @@ class Trajectory:
     task: str
     meta: dict[str, Any] = field(default_factory=dict)
     prompt_text: str = ""
+    lease_id: int | None = None
+    """The lease that finished the last turn: a request sent again carries the same one, and a
+    sample restarted from nothing a new one (``step_id``)."""
 
     @property
     def turn(self) -> int:
@@ -65,8 +68,11 @@ class Trajectory:
 
     @property
     def step_id(self) -> str:
-        """``"<sample_id>:<turn>"``: the same for every run of this step, different for any other."""
-        return f"{self.sample_id}:{self.turn}"
+        """``"<sample_id>:<turn>"``, with ``:<lease_id>`` where the lease is known: the same for every
+        run of this step (a request sent again), different for any other step, also that of the same
+        turn of a sample restarted from nothing."""
+        base = f"{self.sample_id}:{self.turn}"
+        return base if self.lease_id is None else f"{base}:{self.lease_id}"
 
     @property
     def last_text(self) -> str:

@@ -173,7 +173,11 @@ class BrokerService:
             self.apply(r.Chunk(body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
                                [(s.version, s.count) for s in body.versions], now))
         elif isinstance(body, m.Scored):
-            if body.error is not None:
+            if body.observation is not None:  # no request of this broker takes one (``takes_observation``)
+                self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, reason="bad_step",
+                                 error="an observation answered a request that takes none")
+                self._aborts(self.apply(r.ScoreFailed(body.sample_id, body.lease_id, now, "bad_step")))
+            elif body.error is not None:
                 reason = score_error_kind(body.error)
                 self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, reason=reason, error=body.error)
                 self._aborts(self.apply(r.ScoreFailed(body.sample_id, body.lease_id, now, reason)))
@@ -434,7 +438,8 @@ def moves_version(body: m.Body) -> bool:
     return isinstance(body, m.BatchRequest | m.BatchReport | m.WeightsPublished)
 
 
-SCORE_ERROR_KINDS = frozenset({"reward_error", "reward_timeout", "bad_reward"})
+SCORE_ERROR_KINDS = frozenset({"reward_error", "reward_timeout", "bad_reward", "env_error", "env_timeout",
+                               "bad_step"})
 
 
 def score_error_kind(error: str) -> str:

@@ -82,11 +82,21 @@ def mixed_mask(versions: np.ndarray, resumed_at: list[int], *, on_swap: str = "k
     return mixed
 
 
+def context_mask(spans: list[m.TokenSpan], n: int) -> np.ndarray:
+    """Which of a response's ``n`` tokens are context (``BatchSample.context``, since protocol 1.9):
+    observations of a multi-turn sample, and turns the broker demoted; never targets."""
+    context = np.zeros(n, dtype=bool)
+    for span in spans:
+        context[span.offset:span.offset + span.count] = True
+    return context
+
+
 def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int, *,
                mixed_weight: float | None = None, on_swap: str = "keep") -> tuple[list[Row], list[float], list[int]]:
     """One ``Row`` per sample of ``groups`` (advantage not yet set), its reward and its group's index.
     With ``mixed_weight``, its mixed tokens (``mixed_mask``, given the generators' ``on_swap``) weigh
-    that much in the loss."""
+    that much in the loss. Context tokens (``context_mask``) weigh nothing: not in the loss, not in
+    its off-policy statistics, not mixed."""
     rows, rewards, gidx = [], [], []
     for gi, g in enumerate(groups):
         prompt = batch.prompt_tokens[g.prompt_offset:g.prompt_offset + g.prompt_len]
@@ -94,12 +104,17 @@ def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int,
             sl = slice(s.response_offset, s.response_offset + s.response_len)
             versions = np.repeat([sp.version for sp in s.versions], [sp.count for sp in s.versions])
             seq = np.concatenate([prompt, batch.response_tokens[sl]]).astype(np.int64)
-            mixed = mixed_mask(versions, s.resumed_at, on_swap=on_swap)
+            context = context_mask(s.context, s.response_len)
+            mixed = mixed_mask(versions, s.resumed_at, on_swap=on_swap) & ~context
             weight = None
-            if mixed_weight is not None and mixed.any():
-                weight = np.where(mixed, np.float32(mixed_weight), np.float32(1.0)).astype(np.float32)
+            if (mixed_weight is not None and mixed.any()) or context.any():
+                weight = np.ones(s.response_len, dtype=np.float32)
+                if mixed_weight is not None:
+                    weight[mixed] = mixed_weight
+                weight[context] = 0.0
             rows.append(Row(seq, len(prompt) - 1, np.asarray(batch.logprobs[sl], dtype=np.float32),
-                            (learner_version - versions).astype(np.int64), weight=weight, mixed=int(mixed.sum())))
+                            (learner_version - versions).astype(np.int64), weight=weight,
+                            mixed=int(mixed.sum()), context=context if context.any() else None))
             rewards.append(s.reward)
             gidx.append(gi)
     return rows, rewards, gidx
@@ -285,7 +300,8 @@ class LearnerActor:
             self.save()
 
         now = time.monotonic()
-        lags = np.concatenate([r.lag for r in rows]) if rows else np.zeros(0, dtype=np.int64)
+        lags = (np.concatenate([r.lag if r.context is None else r.lag[~r.context] for r in rows]) if rows
+                else np.zeros(0, dtype=np.int64))  # policy tokens only: a context token has no policy version
         lens = [len(r.behav) for r in rows]
         tokens = int(sum(lens))
         stats = batch.stats or {}

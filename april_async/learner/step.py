@@ -42,6 +42,7 @@ class Row:
     adv: float = 0.0
     weight: np.ndarray | None = None  # float32, one per response token: its weight in the loss (None: 1 each)
     mixed: int = 0  # response tokens computed after an in-flight weight update (``actor.mixed_mask``)
+    context: np.ndarray | None = None  # bool, one per response token: context, never a target (weight 0)
 
     @property
     def tokens(self) -> int:

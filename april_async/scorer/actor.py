@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
+from april_async.agents.env import StepCache, Trajectory, Turn, load_environment
 from april_async.logs import get_logger
 from april_async.runtime import incarnation
 from april_async.model.tokenizer import load_tokenizer
@@ -41,7 +42,12 @@ class ScorerActor:
         paths = sorted({cfg.reward, *cfg.rewards.values(), *BUILTIN_TASK_REWARDS.values()})
         for path in paths:
             load_reward(path)  # a bad path fails here, at start, naming it
-        self.workers = [RewardWorker(paths, timeout_s=cfg.timeout_s) for _ in range(cfg.workers)]
+        environments = sorted(set(cfg.environments.values()))
+        for path in environments:
+            load_environment(path)  # likewise (made once here, then once in each worker)
+        self.workers = [RewardWorker(paths, timeout_s=cfg.timeout_s, environments=environments)
+                        for _ in range(cfg.workers)]
+        self.steps = StepCache()  # each step's answer, for a request the broker sends again
         self.counts: Counter[str] = Counter({k: 0 for k in OUTCOME_KINDS})
         self.queue: deque[tuple[str, m.ScoreRequest]] = deque()
         self.running: dict[int, tuple[str, m.ScoreRequest]] = {}  # worker index -> its call
@@ -93,16 +99,25 @@ class ScorerActor:
                 self._answer(self.running.pop(i), outcome)
 
     def _submit(self, worker: RewardWorker, req: m.ScoreRequest) -> Outcome | None:
-        """Hand ``req`` to ``worker``; an outcome now when it cannot even be prepared."""
+        """Hand ``req`` to ``worker``; an outcome now when it cannot even be prepared, or (a step the
+        broker sent again) when it was answered before."""
+        env = self.cfg.environments.get(req.task)
+        if env is not None:
+            cached = self.steps.get(req.sample_id, req.turn)
+            if cached is not None and cached[0] == req.lease_id:
+                return cached[1]
         try:
-            x = self._input(req)
+            x = self._input(req) if env is None else self._trajectory(req)
         except Exception as e:  # a tokenizer that cannot decode these ids: the sample's error
-            return Outcome(error=f"reward_error: cannot decode the tokens ({type(e).__name__}: {e})")
-        worker.submit(reward_path(req.task, default=self.cfg.reward, overrides=self.cfg.rewards), x)
+            kind = "reward_error" if env is None else "env_error"
+            return Outcome(error=f"{kind}: cannot decode the tokens ({type(e).__name__}: {e})")
+        worker.submit(env or reward_path(req.task, default=self.cfg.reward, overrides=self.cfg.rewards), x)
         return None
 
     def _answer(self, call: tuple[str, m.ScoreRequest], outcome: Outcome) -> None:
         msg_id, req = call
+        if req.task in self.cfg.environments:
+            self.steps.put(req.sample_id, req.turn, (req.lease_id, outcome))
         self.peer.send(self._scored(req, outcome), parent_id=msg_id)
 
     def _scored(self, req: m.ScoreRequest, outcome: Outcome) -> m.Scored:
@@ -111,6 +126,21 @@ class ScorerActor:
             self.log.warning("reward_failed", sample_id=req.sample_id, task=req.task, kind=outcome.kind,
                              error=outcome.error)
             return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=outcome.error)
+        if outcome.observation is not None:
+            if not req.takes_observation:
+                error = ("bad_step: the environment went on (Continue), but this request takes no "
+                         "observation (a broker older than protocol 1.9, or a trajectory at its last turn)")
+                self.log.warning("reward_failed", sample_id=req.sample_id, task=req.task, kind="bad_step",
+                                 error=error)
+                return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=error)
+            try:
+                ids = self._observation_ids(outcome.observation)
+            except Exception as e:  # noqa: BLE001 - the sample's error, not the scorer's
+                error = f"env_error: cannot render the observation ({type(e).__name__}: {e})"
+                self.log.warning("reward_failed", sample_id=req.sample_id, task=req.task, kind="env_error",
+                                 error=error)
+                return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=error)
+            return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, observation=ids)
         if outcome.unparsed is not None:  # early in a run, most samples: counted, logged only at debug
             self.log.debug("reward_unparsed", sample_id=req.sample_id, task=req.task,
                            detail=outcome.unparsed)
@@ -121,6 +151,35 @@ class ScorerActor:
         return RewardInput(prompt_ids=prompt, response_ids=response, prompt_text=self.tokenizer.decode(prompt),
                            response_text=self.tokenizer.decode(response), finish_reason=req.finish_reason,
                            task=req.task, meta=dict(req.meta))
+
+    def _trajectory(self, req: m.ScoreRequest) -> Trajectory:
+        """The request as an environment sees it: the response split at its context spans (the
+        observations) into turns, each policy turn's text decoded."""
+        if req.turn != len(req.context):
+            raise ValueError(f"turn {req.turn} with {len(req.context)} observation span(s): a response of "
+                             f"turn k holds k observations")
+        response = req.response.tolist()
+        turns, at = [], 0
+        for k, span in enumerate([*req.context, None]):
+            end = len(response) if span is None else span.offset
+            observation = [] if span is None else response[span.offset:span.offset + span.count]
+            turns.append(Turn(policy_ids=response[at:end], observation_ids=observation,
+                              policy_text=self.tokenizer.decode(response[at:end])))
+            at = end if span is None else span.offset + span.count
+        prompt = req.prompt.tolist()
+        return Trajectory(sample_id=req.sample_id, prompt_ids=prompt, turns=turns,
+                          finish_reason=req.finish_reason, task=req.task, meta=dict(req.meta),
+                          prompt_text=self.tokenizer.decode(prompt), lease_id=req.lease_id)
+
+    def _observation_ids(self, observation: str | dict) -> list[int]:
+        """An observation's token ids: its text as the run's tokenizer encodes it (a tokenizer with
+        a chat template renders it as a tool message: not yet, issue 45 item 2)."""
+        if getattr(self.tokenizer, "chat_template", False):
+            raise NotImplementedError("observations for a tokenizer with a chat template are rendered as "
+                                      "the template's tool message (issue 45, item 2), which the scorer "
+                                      "does not do yet: use a tokenizer without one")
+        text = observation if isinstance(observation, str) else observation["content"]
+        return list(self.tokenizer.encode(text))
 
     def _log_stats(self) -> None:
         now = time.monotonic()

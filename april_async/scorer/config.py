@@ -19,6 +19,11 @@ class ScorerConfig(BaseModel):
     ``package.module:function``; it is called as ``fn(RewardInput) -> float``."""
     rewards: dict[str, str] = {}
     """Per task name, the reward to use instead (e.g. ``{math = "my_pkg.rewards:strict"}``)."""
+    environments: dict[str, str] = {}
+    """Per task name, its environment (``package.module:Name``, a class made with no arguments or an
+    object with ``step(trajectory)``; ``april_async.agents.env``): that task's finished turns are
+    stepped instead of rewarded, and a step may answer with an observation (the next turn) where
+    the broker takes one (``takes_observation``, protocol 1.9)."""
     tokenizer: str = "char"
     """Decodes the tokens into ``prompt_text``/``response_text``: ``char`` or a checkpoint directory."""
     timeout_s: float = Field(5.0, gt=0)
@@ -30,6 +35,15 @@ class ScorerConfig(BaseModel):
     free one in the order they came, so a slow call (a tool's wait, a hard answer to verify) holds
     only its own worker, not every request queued behind it. Answers go back as each call ends."""
     log: LogConfig = LogConfig()
+
+    @field_validator("environments")
+    @classmethod
+    def _environment_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for task, path in v.items():
+            if path.count(":") != 1 or not all(path.split(":")):
+                raise ValueError(f"environment {path!r} of task {task!r} must look like "
+                                 f"'package.module:Name'")
+        return v
 
     @field_validator("reward")
     @classmethod

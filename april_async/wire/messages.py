@@ -68,6 +68,30 @@ class VersionSpan(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError(f"version span needs version >= 0 and count >= 1, got {self}")
 
 
+class TokenSpan(msgspec.Struct, array_like=True, frozen=True):
+    """``count`` consecutive tokens from ``offset`` of a response; on the wire ``[offset, count]``.
+    Since 1.9: the *context* of a multi-turn response (what the policy did not write: observations,
+    and turns the learner must not train), never a target."""
+
+    offset: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.count < 1:
+            raise ValueError(f"token span needs offset >= 0 and count >= 1, got {self}")
+
+
+def _check_context(spans: list[TokenSpan], n_tokens: int) -> None:
+    """Context spans in increasing order, apart, inside a response of ``n_tokens``."""
+    end = 0
+    for span in spans:
+        if span.offset < end:
+            raise ValueError(f"context spans must be in increasing order and apart, got {spans}")
+        end = span.offset + span.count
+    if end > n_tokens:
+        raise ValueError(f"context spans reach token {end} of a response of {n_tokens}")
+
+
 def _check_spans(spans: list[VersionSpan], n_tokens: int) -> None:
     total = sum(s.count for s in spans)
     if total != n_tokens:
@@ -293,20 +317,30 @@ class ScoreRequest(Body):
     finish_reason: FinishReason
     task: str
     meta: dict[str, Any] = {}  # task data: the reference answer, a test case, ...; string keys at every depth
+    turn: int = 0  # since 1.9: the turn of a multi-turn response that just ended, from 0
+    context: list[TokenSpan] = []  # since 1.9: the response's spans the policy did not write (observations)
+    takes_observation: bool = False  # since 1.9: ``scored`` may answer with an observation (a next turn)
+
+    def __post_init__(self) -> None:
+        if self.turn < 0:
+            raise ValueError(f"turn must be >= 0, got {self.turn}")
+        _check_context(self.context, len(self.response))
 
 
 class Scored(Body):
-    """scorer → broker: the reward of a sample, or why it could not be scored."""
+    """scorer → broker: the reward of a sample, or why it could not be scored, or (since 1.9) the
+    observation its environment answered a turn with."""
 
     msg_type: ClassVar[str] = "scored"
     sample_id: int
     lease_id: int  # as in the score_request: a score for an older response is ignored
     reward: float | None = None
     error: str | None = None  # set: the sample's group is retired with this reason
+    observation: list[int] | None = None  # since 1.9: token ids to append; the next turn is leased
 
     def __post_init__(self) -> None:
-        if (self.reward is None) == (self.error is None):
-            raise ValueError("exactly one of `reward` and `error` must be set")
+        if sum(x is not None for x in (self.reward, self.error, self.observation)) != 1:
+            raise ValueError("exactly one of `reward`, `error` and `observation` must be set")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +365,7 @@ class BatchSample(msgspec.Struct, kw_only=True, omit_defaults=True):
     response_len: int
     versions: list[VersionSpan]
     resumed_at: list[int] = []  # response offsets where a later lease resumed it, prefilling the tokens before again
+    context: list[TokenSpan] = []  # since 1.9: spans that are context, never targets (observations)
 
 
 class BatchGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -374,6 +409,7 @@ class Batch(Body):
                 if s.response_offset + s.response_len > len(self.response_tokens):
                     raise ValueError(f"sample {s.sample_id}: response slice beyond response_tokens")
                 _check_spans(s.versions, s.response_len)
+                _check_context(s.context, s.response_len)
 
 
 class BatchReport(Body):

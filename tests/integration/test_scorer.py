@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from april_async.agents.env import Continue, Done, Trajectory, Turn
+from april_async.tasks.addchain_calc import CalcEnvironment
 from april_async.config import LinkConfig
 from april_async.model.tokenizer import CharTokenizer
 from april_async.scorer.config import ScorerConfig
@@ -87,6 +88,15 @@ class EnvJunk:
 class EnvExits:
     def step(self, t: Trajectory):
         os._exit(4)
+
+
+class EnvLogged:
+    """The calculator, writing each step it runs to ``meta["log"]`` (a tool with a side effect)."""
+
+    def step(self, t: Trajectory):
+        with open(t.meta["log"], "a") as f:
+            f.write(t.step_id + "\n")
+        return CalcEnvironment().step(t)
 
 
 def steps_of(*texts: str, meta: dict | None = None) -> Trajectory:
@@ -261,6 +271,64 @@ def test_a_slow_reward_holds_only_its_own_worker(tmp_path):
         assert len(answers) == len(requests), cluster.dump_logs()
         assert order[-1] == 1 and sorted(order[:-1]) == list(range(2, 8)), order
         assert answers[1].reward == 0.5 and all(answers[i].reward == 2 * i for i in range(2, 8))
+    finally:
+        cluster.stop_all()
+        hub.close()
+
+
+def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cache(tmp_path):
+    cluster = Cluster(tmp_path)
+    link = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
+    hub = Hub(cluster.endpoint, link=link)
+    tok = CharTokenizer()
+    log = tmp_path / "steps.log"
+    meta = {"answer": "57", "log": str(log)}
+
+    def turn_request(sample_id, lease_id, turns, observations, takes=True):
+        ids, context = [], []
+        for k, text in enumerate(turns):
+            ids += tok.encode(text)
+            if k < len(observations):
+                context.append(m.TokenSpan(len(ids), len(tok.encode(observations[k]))))
+                ids += tok.encode(observations[k])
+        return m.ScoreRequest(sample_id=sample_id, lease_id=lease_id, group_id=sample_id,
+                              prompt=np.asarray(tok.encode("17+8x5\n", bos=True), dtype=np.int32),
+                              response=np.asarray(ids, dtype=np.int32), finish_reason="stop", task="calc",
+                              meta=meta, turn=len(observations), context=context, takes_observation=takes)
+    try:
+        cluster.scorer(**{"timeout_s": 10.0, "environments.calc": f"{HERE}:EnvLogged"})
+        identity, hello = None, None
+        deadline = time.monotonic() + 30
+        while hello is None and time.monotonic() < deadline:
+            for ident, msg in hub.poll(0.1):
+                if isinstance(msg.body, m.Hello):
+                    identity, hello = ident, msg.body
+        assert hello is not None, cluster.dump_logs()
+
+        def ask(req) -> m.Scored:
+            hub.send(identity, req)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                hub.send(identity, m.Heartbeat())
+                for _, msg in hub.poll(0.05):
+                    if isinstance(msg.body, m.Scored) and msg.body.sample_id == req.sample_id:
+                        return msg.body
+            raise AssertionError(cluster.dump_logs())
+
+        first = ask(turn_request(1, 10, ["calc(17+8x5)"], []))
+        assert first.observation == tok.encode("= 57") and first.reward is None, first
+        again = ask(turn_request(1, 10, ["calc(17+8x5)"], []))  # the broker's re-send: from the cache
+        assert again.observation == first.observation
+        assert log.read_text().splitlines() == ["1:0:10"]  # the tool ran once
+        done = ask(turn_request(1, 11, ["calc(17+8x5)", "#### 57"], ["= 57"]))
+        assert done.reward == 1.0, done
+        unasked = ask(turn_request(2, 20, ["calc(1+1)"], [], takes=False))
+        assert unasked.error.startswith("bad_step: the environment went on"), unasked
+        bad = ask(m.ScoreRequest(sample_id=3, lease_id=30, group_id=3, prompt=np.asarray([1], dtype=np.int32),
+                                 response=np.asarray(tok.encode("#### 57"), dtype=np.int32),
+                                 finish_reason="stop", task="calc", meta=meta, turn=1))
+        assert bad.error.startswith("env_error: cannot decode the tokens (ValueError: turn 1 with 0"), bad
+        assert log.read_text().splitlines() == ["1:0:10", "1:1:11", "2:0:20"]
     finally:
         cluster.stop_all()
         hub.close()

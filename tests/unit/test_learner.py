@@ -409,3 +409,32 @@ def test_dropping_mixed_tokens_trains_as_if_the_responses_ended_before_them(poli
     assert not all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)
     row = json.loads((tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["mixed_frac"] == pytest.approx(12 / 20)
+
+
+def test_context_tokens_of_a_multi_turn_sample_are_never_targets_nor_mixed_nor_counted_stale():
+    """Since protocol 1.9 a sample's ``context`` spans (observations, demoted turns) are context: the
+    loss weighs them 0, their gradient is 0, they are not mixed, and their (meaningless) versions add
+    nothing to the lag statistics."""
+    from april_async.learner.actor import context_mask
+    from april_async.learner.losses import policy_loss
+    from april_async.learner.config import LearnerConfig as Cfg
+
+    batch = make_batch([[1.0, 0.0]], version=2, lens={(0, 0): 6, (0, 1): 2})
+    s0 = batch.groups[0].samples[0]
+    s0 = m.BatchSample(sample_id=s0.sample_id, reward=1.0, finish_reason="stop", response_offset=0,
+                       response_len=6, versions=[m.VersionSpan(2, 2), m.VersionSpan(3, 4)], resumed_at=[],
+                       context=[m.TokenSpan(2, 2)])
+    groups = [m.BatchGroup(group_id=10, prompt_id="p0", prompt_offset=0, prompt_len=3,
+                           samples=[s0, batch.groups[0].samples[1]])]
+    assert context_mask(s0.context, 6).tolist() == [False, False, True, True, False, False]
+    rows, _, _ = batch_rows(batch, groups, learner_version=4, mixed_weight=0.5)
+    # one lease through a load at token 2: tokens 2..5 are of a newer version (mixed), but 2 and 3 are context
+    assert rows[0].weight.tolist() == [1.0, 1.0, 0.0, 0.0, 0.5, 0.5] and rows[0].mixed == 2
+    assert rows[1].weight is None and rows[1].context is None  # a single-turn sample, as before
+    data = pack(rows)
+    assert data.mask[0, 2:8].tolist() == [1.0, 1.0, 0.0, 0.0, 0.5, 0.5]
+    logp = torch.full(data.mask.shape, -3.0, requires_grad=True)
+    loss, _ = policy_loss(logp, logp.detach(), data.behav, data.lag, torch.tensor([1.0, -1.0]), data.mask,
+                          Cfg(checkpoint="x").loss_settings())
+    loss.backward()
+    assert logp.grad[0, 4:6].abs().sum() == 0 and logp.grad[0, 2:4].abs().min() > 0  # context: no gradient
