@@ -2,11 +2,13 @@
 
 The policy may hand part of a chain to a tool. A turn that ends in a call, its last line::
 
-    calc(17+8x3)
+    calc{17+8x3}
 
 is answered with the observation ``= 41`` and the conversation goes on; a turn that writes the
 final answer (``#### 57``) ends it, with the math-answer reward of that answer. So a model can
-write ``calc(17+8x5)``, read ``= 57`` and answer ``#### 57`` in two turns instead of five lines.
+write ``calc{17+8x5}``, read ``= 57`` and answer ``#### 57`` in two turns instead of five lines.
+Braces, not parentheses: the character tokenizer has both, the answer's lines use ``)`` (``5)
+17+8=25``) and never ``}``, so ``}`` can end a turn as a stop token of the lease.
 
 The calculator reads the task's own notation and nothing else: a sum of terms, each a whole number
 or ``NxK`` (N added K times), e.g. ``17+8x5`` or ``25+8+8``. Anything else is answered with a
@@ -26,7 +28,7 @@ from april_async.tasks import math_answer
 MAX_TURNS = 8
 MAX_DIGITS = 12
 """The longest number the calculator reads (a larger one is a ``bad_expression``)."""
-_CALL = re.compile(r"calc\(([^()\n]*)\)\s*$")
+_CALL = re.compile(r"calc\{([^{}\n]*)\}\s*$")
 
 
 class CalcError(ValueError):
@@ -50,7 +52,7 @@ def evaluate(expression: str) -> int:
 
 
 def call_in(text: str) -> str | None:
-    """The expression of the call that ends ``text`` (its last line is ``calc(...)``), or None."""
+    """The expression of the call that ends ``text`` (its last line is ``calc{...}``), or None."""
     match = _CALL.search(text)
     return match.group(1) if match else None
 

@@ -115,8 +115,8 @@ def test_an_environments_steps_run_in_the_worker_and_each_failure_has_its_kind()
         assert (first.kind, first.observation, first.reward) == ("continued", "= 3:0", None), first
         assert worker.run(f"{HERE}:EnvTwoTurns", steps_of("call", "answer")).reward == 1.0
         calc = "april_async.tasks.addchain_calc:CalcEnvironment"
-        assert worker.run(calc, steps_of("calc(17+8x5)", meta={"answer": "57"})).observation == "= 57"
-        assert worker.run(calc, steps_of("calc(17+8x5)", "#### 57", meta={"answer": "57"})).reward == 1.0
+        assert worker.run(calc, steps_of("calc{17+8x5}", meta={"answer": "57"})).observation == "= 57"
+        assert worker.run(calc, steps_of("calc{17+8x5}", "#### 57", meta={"answer": "57"})).reward == 1.0
         cases = {"EnvRaises": ("env_error", r"raised RuntimeError: tool broke at 3:0"),
                  "EnvHangs": ("env_timeout", r"EnvHangs ran past 1 s"),
                  "EnvJunk": ("bad_step", r"returned int 5, not Continue\(\.\.\.\) or Done"),
@@ -315,14 +315,14 @@ def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cach
                         return msg.body
             raise AssertionError(cluster.dump_logs())
 
-        first = ask(turn_request(1, 10, ["calc(17+8x5)"], []))
+        first = ask(turn_request(1, 10, ["calc{17+8x5}"], []))
         assert first.observation == tok.encode("= 57") and first.reward is None, first
-        again = ask(turn_request(1, 10, ["calc(17+8x5)"], []))  # the broker's re-send: from the cache
+        again = ask(turn_request(1, 10, ["calc{17+8x5}"], []))  # the broker's re-send: from the cache
         assert again.observation == first.observation
         assert log.read_text().splitlines() == ["1:0:10"]  # the tool ran once
-        done = ask(turn_request(1, 11, ["calc(17+8x5)", "#### 57"], ["= 57"]))
+        done = ask(turn_request(1, 11, ["calc{17+8x5}", "#### 57"], ["= 57"]))
         assert done.reward == 1.0, done
-        unasked = ask(turn_request(2, 20, ["calc(1+1)"], [], takes=False))
+        unasked = ask(turn_request(2, 20, ["calc{1+1}"], [], takes=False))
         assert unasked.error.startswith("bad_step: the environment went on"), unasked
         bad = ask(m.ScoreRequest(sample_id=3, lease_id=30, group_id=3, prompt=np.asarray([1], dtype=np.int32),
                                  response=np.asarray(tok.encode("#### 57"), dtype=np.int32),

@@ -31,7 +31,7 @@ def test_a_reward_is_an_environment_of_one_step_and_sees_the_whole_response():
     env = RewardEnvironment(reward)
     assert isinstance(env, Environment)
     assert env.step(trajectory("5) 17+8=25\n#### 57")) == Done(1.0)
-    t = trajectory("calc(17+8x5)", "#### 57")
+    t = trajectory("calc{17+8x5}", "#### 57")
     assert env.step(t) == Done(1.0)
     x = seen[-1]
     assert x.response_ids == [*t.turns[0].policy_ids, 1, 2, *t.turns[1].policy_ids]  # observations in the ids
@@ -90,24 +90,24 @@ def test_the_calculator_refuses_anything_else(expression):
 
 
 def test_a_call_ends_a_turn_only_on_its_last_line():
-    assert call_in("5) 17+8=25\ncalc(25+8x4)") == "25+8x4"
-    assert call_in("calc(25+8x4)\n") == "25+8x4"
-    assert call_in("calc(25+8x4)\n4) 25+8=33") is None and call_in("no call") is None
+    assert call_in("5) 17+8=25\ncalc{25+8x4}") == "25+8x4"
+    assert call_in("calc{25+8x4}\n") == "25+8x4"
+    assert call_in("calc{25+8x4}\n4) 25+8=33") is None and call_in("no call") is None
 
 
 def test_the_calculator_environment_answers_calls_and_ends_with_the_final_answers_reward():
     env = CalcEnvironment()
-    assert env.step(trajectory("calc(17+8x5)")) == Continue("= 57")
-    assert env.step(trajectory("calc(17+8x5)", "#### 57")) == Done(1.0)
-    assert env.step(trajectory("calc(17+8x5)", "#### 58")) == Done(0.0)
+    assert env.step(trajectory("calc{17+8x5}")) == Continue("= 57")
+    assert env.step(trajectory("calc{17+8x5}", "#### 57")) == Done(1.0)
+    assert env.step(trajectory("calc{17+8x5}", "#### 58")) == Done(0.0)
     refused = Continue("error: bad_expression: '17-8' is not a number or NxK")
-    assert env.step(trajectory("calc(17-8)")) == refused
+    assert env.step(trajectory("calc{17-8}")) == refused
     assert env.step(trajectory("nothing to do")) == Done(0.0)  # neither a call nor an answer
-    assert env.step(trajectory("calc(17+8x5)", finish="length")) == Done(0.0)  # cut by its budget
-    assert env.step(trajectory("#### 57\ncalc(1)")) == Done(1.0)  # an answer ends it, whatever follows
+    assert env.step(trajectory("calc{17+8x5}", finish="length")) == Done(0.0)  # cut by its budget
+    assert env.step(trajectory("#### 57\ncalc{1}")) == Done(1.0)  # an answer ends it, whatever follows
     # the turn limit: the last allowed turn's call is not answered
-    assert env.step(trajectory(*["calc(1)"] * 3, meta={"answer": "57", "max_turns": 3})) == Done(0.0)
-    assert env.step(trajectory(*["calc(1)"] * 2, meta={"answer": "57", "max_turns": 3})) == Continue("= 1")
+    assert env.step(trajectory(*["calc{1}"] * 3, meta={"answer": "57", "max_turns": 3})) == Done(0.0)
+    assert env.step(trajectory(*["calc{1}"] * 2, meta={"answer": "57", "max_turns": 3})) == Continue("= 1")
     with pytest.raises(KeyError, match="no 'answer'"):
         env.step(trajectory("#### 57", meta={}))
     with pytest.raises(ValueError, match="max_turns"):
