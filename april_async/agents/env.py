@@ -60,6 +60,9 @@ class Trajectory:
     lease_id: int | None = None
     """The lease that finished the last turn: a request sent again carries the same one, and a
     sample restarted from nothing a new one (``step_id``)."""
+    last_turn: bool = False
+    """No observation is taken after this turn (the trajectory's turn limit, or no room left, or a
+    broker older than protocol 1.9): the step must end it with ``Done``."""
 
     @property
     def turn(self) -> int:

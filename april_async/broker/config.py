@@ -83,10 +83,10 @@ class RolloutConfig(BaseModel):
     max_response_tokens: int = Field(256, ge=1)
     """Budget of one response; a resumed partial gets what is left of it."""
     max_attempts: int = Field(64, ge=1)
-    """Leases one sample may get, whatever ended the others (step-boundary aborts, silent
-    generators, a server's own aborts): one more would be refused and its group retires,
-    counted as ``attempts_exhausted``. A bound on retry loops, far above what APRIL's recycling
-    needs."""
+    """Leases one sample (one turn of a trajectory) may get, whatever ended the others
+    (step-boundary aborts, silent generators, a server's own aborts): one more would be refused and
+    its group retires, counted as ``attempts_exhausted``. A bound on retry loops, far above what
+    APRIL's recycling needs."""
     max_prompt_tokens: int = Field(1024, ge=1)
     """Prompts longer than this are refused at admission."""
     lease_timeout_s: float = Field(30.0, gt=0.0)
@@ -115,6 +115,15 @@ class RolloutConfig(BaseModel):
     ``boundary = "inflight"`` it differs only by that pause (and by ``async_max_ready_batches``)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for every lease."""
+    environments: list[str] = []
+    """Tasks whose samples are trajectories (issue 45, ``docs/agents.md``): each finished turn goes
+    to a scorer, whose environment for the task (``[scorer] environments``) answers a reward or an
+    observation; an observation is appended as context and the next turn is leased as a recycled
+    partial. ``max_response_tokens`` bounds the whole trajectory."""
+    max_turns: int = Field(8, ge=1)
+    """Policy turns of a trajectory at most: the last one's step must end it."""
+    turn_tokens: int | None = Field(None, ge=1)
+    """New tokens of one lease of a trajectory at most (None: what is left of ``max_response_tokens``)."""
 
     _boundary_alias = field_validator("boundary", mode="before")(lambda cls, v: boundary_name(v))
 

@@ -38,6 +38,7 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     logprob_bytes: bytearray | bytes  # packed LOGPROB_DTYPE, likewise
     spans: Spans
     resumed_at: tuple[int, ...] = ()  # where a lease resumed it: the KV cache was written again from there
+    context: tuple[tuple[int, int], ...] = ()  # (offset, count) spans that are context: observations
 
     @property
     def tokens(self) -> np.ndarray:
@@ -187,7 +188,7 @@ class Delivery(Policy):
                     # The token arrays leave with the batch (the sample gets empty ones below); the
                     # spans are shared: a delivered sample's never change again.
                     [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.token_bytes, s.logprob_bytes,
-                                    s.spans, s.resumed_at)
+                                    s.spans, s.resumed_at, s.context)
                      for s in samples],
                 )
             )

@@ -86,17 +86,19 @@ class Place(enum.StrEnum):
     LEASED = "leased"  # a generator works on it
     PARTIAL = "partial"  # waits to be resumed (aborted, reclaimed or restarted); keeps its tokens
     FINISHED = "finished"  # generation ended (stop/length); awaits its reward
+    STEPPING = "stepping"  # a trajectory's turn ended; awaits its environment's step (reward or observation)
     SCORED = "scored"  # rewarded; its group may not be complete yet
     DELIVERED = "delivered"  # handed to the learner in a batch
     RETIRED = "retired"  # its group was retired, with a counted reason
 
 
-HELD_PLACES = (Place.PARTIAL, Place.FINISHED, Place.SCORED)
+HELD_PLACES = (Place.PARTIAL, Place.FINISHED, Place.STEPPING, Place.SCORED)
 
 # The members as module names for the hot paths: in Python 3.11 ``Place.X`` runs a descriptor
 # (60 ns, several per move), a global is a dict lookup.
 _QUEUED, _LEASED, _PARTIAL, _FINISHED, _SCORED, _DELIVERED, _RETIRED = (
     Place.QUEUED, Place.LEASED, Place.PARTIAL, Place.FINISHED, Place.SCORED, Place.DELIVERED, Place.RETIRED)
+_STEPPING = Place.STEPPING
 
 
 class BrokerError(ValueError):
@@ -130,6 +132,8 @@ class Sample(msgspec.Struct, gc=False):
     reward: float | None = None
     finished_by: int | None = None  # the lease that finished it; scores must name it
     resumed_at: tuple[int, ...] = ()  # response offsets at which a lease resumed it (prefilling them again)
+    context: tuple[tuple[int, int], ...] = ()  # (offset, count) of the response's context: observations
+    turn: int = 0  # a trajectory's policy turns before the one in progress (observations received)
 
     @property
     def oldest_version(self) -> int | None:
@@ -201,6 +205,9 @@ class Counters(msgspec.Struct, kw_only=True):
     groups_retired: dict[str, int] = {}  # reason -> groups
     tokens_retired: int = 0
     scores_ok: int = 0
+    turns_finished: int = 0  # turns of trajectories that ended, each sent to its environment (issue 45)
+    observations: int = 0  # turns of trajectories answered with an observation (issue 45)
+    tokens_observed: int = 0  # the observations' tokens, appended as context
     score_errors: int = 0
     score_timeouts: int = 0
     stale_scores: int = 0
@@ -354,6 +361,9 @@ class Ledger:
             self._recycle[sid] = None
         elif place is _LEASED:
             self._n_leased[gid] = self._n_leased.get(gid, 0) + 1
+        elif place is _STEPPING:  # out for a step like a finished sample for its reward; its group not done
+            if sid not in self.scoring:
+                self._unscored[sid] = None
         else:  # finished or scored
             if place is _FINISHED and sid not in self.scoring:
                 self._unscored[sid] = None
@@ -378,6 +388,8 @@ class Ledger:
             self._recycle.pop(sid, None)
         elif place is _LEASED:
             _count_down(self._n_leased, gid)
+        elif place is _STEPPING:
+            self._unscored.pop(sid, None)
         else:  # finished or scored
             if place is _FINISHED:
                 self._unscored.pop(sid, None)
@@ -390,7 +402,7 @@ class Ledger:
     def _move(self, s: Sample, place: Place) -> None:
         """The one way a sample changes place: keeps every index in step."""
         self._index_remove(s)
-        if s.place is _FINISHED:
+        if s.place is _FINISHED or s.place is _STEPPING:
             self.scoring.pop(s.sample_id, None)
         s.place = place
         self._index_add(s)
@@ -413,7 +425,8 @@ class Ledger:
         expected = self.counters.groups_admitted * self.config.group_size
         c = self.counters
         held = sum(s.n_tokens for s in self.samples.values())
-        tokens_ok = c.tokens_generated == held + c.tokens_delivered + c.tokens_discarded + c.tokens_retired
+        tokens_ok = (c.tokens_generated + c.tokens_observed
+                     == held + c.tokens_delivered + c.tokens_discarded + c.tokens_retired)
         return {"places": counts, "live": len(self.samples), "expected": expected,
                 "balanced": live == len(self.samples) and sum(counts.values()) == expected and tokens_ok}
 

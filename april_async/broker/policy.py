@@ -92,6 +92,9 @@ class ScoreTask:
     finish_reason: str
     task: str
     meta: dict
+    turn: int = 0  # a trajectory's turn that ended (its observations so far)
+    context: tuple[tuple[int, int], ...] = ()  # the response's observation spans
+    takes_observation: bool = False  # the environment may answer with an observation: another turn
 
 
 class AbortLease(msgspec.Struct, frozen=True, gc=False):
@@ -239,9 +242,16 @@ class Policy(Ledger):
             group_id=s.group_id,
             prompt=list(g.prompt),
             resume_bytes=bytes(s.token_bytes),
-            max_new_tokens=self.config.max_response_tokens - held,
+            max_new_tokens=self._turn_budget(g, held),
             min_policy_version=self.version,
         )
+
+    def _turn_budget(self, g: Group, held: int) -> int:
+        """New tokens a lease may make: what is left of the response, and of a trajectory's turn."""
+        room = self.config.max_response_tokens - held
+        if self.config.turn_tokens is not None and g.task in self.config.environments:
+            return min(room, self.config.turn_tokens)
+        return room
 
     # ------------------------------------------------------------------ generator reports
 
@@ -351,8 +361,12 @@ class Policy(Ledger):
                 return self.retire_group(s.group_id, "attempts_exhausted")
         else:
             s.finish_reason, s.finished_by = reason, lease.lease_id
-            self._move(s, Place.FINISHED)
-            self.counters.samples_finished += 1
+            if self.groups[s.group_id].task in self.config.environments:  # a turn: its environment decides
+                self._move(s, Place.STEPPING)
+                self.counters.turns_finished += 1
+            else:
+                self._move(s, Place.FINISHED)
+                self.counters.samples_finished += 1
         effects = self._enforce_bound(s)
         return effects + self._maybe_terminate_early()
 
@@ -429,8 +443,15 @@ class Policy(Ledger):
             self.scoring[sid] = (scorer, now + self.config.score_timeout_s)
             self._scorers.add(scorer)
             tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), _token_view(s.token_bytes).tolist(),
-                                   s.finish_reason, g.task, dict(g.meta)))
+                                   s.finish_reason, g.task, dict(g.meta), s.turn, s.context,
+                                   self._takes_observation(s, g)))
         return tasks
+
+    def _takes_observation(self, s: Sample, g: Group) -> bool:
+        """Whether a finished turn of ``s`` may be answered with an observation: a trajectory below
+        its turn limit, with room for a token after one."""
+        return (s.place is Place.STEPPING and s.turn + 1 < self.config.max_turns
+                and s.n_tokens + 1 < self.config.max_response_tokens)
 
     def _return_to_scoring(self, sid: int) -> None:
         del self.scoring[sid]
@@ -439,7 +460,7 @@ class Policy(Ledger):
 
     def _awaiting_score(self, sample_id: int, lease_id: int) -> Sample | None:
         s = self.samples.get(sample_id)
-        if s is None or s.place is not Place.FINISHED or s.finished_by != lease_id:
+        if s is None or s.place not in (Place.FINISHED, Place.STEPPING) or s.finished_by != lease_id:
             self.counters.stale_scores += 1
             return None
         return s
@@ -458,6 +479,43 @@ class Policy(Ledger):
         self._move(s, Place.SCORED)
         self.counters.scores_ok += 1
         return []
+
+    def observed(self, sample_id: int, lease_id: int, tokens: Sequence[int], now: float) -> list[AbortLease]:
+        """The environment answered the turn that ``lease_id`` finished with an observation: its
+        ``tokens`` are appended as context (log-prob 0, the version of the token before them, so the
+        sample's oldest policy version is unchanged) and the sample waits, a partial, for its next
+        turn, which is leased before any fresh sample. An observation the sample may not take (not
+        a trajectory, at its turn limit) retires the group as ``bad_step``; one that leaves no room
+        for a token of another turn, as ``context_full``. A duplicate or late one is a no-op."""
+        s = self._awaiting_score(sample_id, lease_id)
+        if s is None:
+            return []
+        g = self.groups[s.group_id]
+        if not self._takes_observation(s, g) or not len(tokens):
+            return self._fail_score(s, "bad_step")
+        held = s.n_tokens
+        if held + len(tokens) + 1 > self.config.max_response_tokens:
+            return self._fail_score(s, "context_full")
+        try:
+            new_tokens = _token_bytes(tokens)
+        except (TypeError, OverflowError, ValueError) as e:
+            raise BrokerError(f"observation for sample {s.sample_id}: a token id is not a number: "
+                              f"{e}") from None
+        s.token_bytes = bytearray(s.token_bytes) + new_tokens
+        s.logprob_bytes = bytearray(s.logprob_bytes) + _logprob_bytes([0.0] * len(tokens))
+        if s.spans:
+            version, count = s.spans[-1]
+            s.spans = s.spans[:-1] + ((version, count + len(tokens)),)
+        else:  # a turn that ended with no token: the observation is as new as the policy
+            s.spans = ((self.version, len(tokens)),)
+        s.context += ((held, len(tokens)),)
+        s.turn += 1
+        s.attempts = 0  # ``max_attempts`` bounds the leases of one turn: each turn needs one of its own
+        s.finish_reason, s.finished_by = None, None
+        self._move(s, Place.PARTIAL)
+        self.counters.observations += 1
+        self.counters.tokens_observed += len(tokens)
+        return self._enforce_bound(s)
 
     def score_failed(self, sample_id: int, lease_id: int, now: float, reason: str = "score_error") -> list[AbortLease]:
         """A reward function raised or timed out: the sample's whole group is retired, counted
@@ -480,7 +538,7 @@ class Policy(Ledger):
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
         s.token_bytes, s.logprob_bytes, s.spans, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
-        s.finish_reason, s.reward, s.finished_by = None, None, None
+        s.finish_reason, s.reward, s.finished_by, s.context, s.turn = None, None, None, (), 0
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
             return self.retire_group(s.group_id, "attempts_exhausted")
@@ -565,8 +623,22 @@ class Policy(Ledger):
         a new set of thousands of groups took 0.5–9 ms to allocate in the simulator (fresh memory
         from the OS), the in-place update tens of µs."""
         groups, leased = self.step_groups, self._n_leased
-        groups.difference_update([gid for gid in groups if gid not in leased])
+        stepping = self._stepping_groups()
+        groups.difference_update([gid for gid in groups if gid not in leased and gid not in stepping])
         groups.update(leased)
+        groups.update(stepping)
+
+    def _stepping_groups(self) -> set[int]:
+        """The groups of trajectories with a turn at their environment (a finished turn that may be
+        answered with an observation): they stay in the rollout step as leased groups do."""
+        if not self.config.environments:
+            return set()
+        out = set()
+        for sid in (*self.scoring, *self._unscored):
+            s = self.samples[sid]
+            if s.place is Place.STEPPING:
+                out.add(s.group_id)
+        return out
 
     def _stale_candidates(self) -> list[int]:
         """The live samples whose oldest token is over η at the current version, in the order

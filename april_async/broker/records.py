@@ -118,6 +118,15 @@ class Scored(msgspec.Struct, tag="scored"):
     now: float
 
 
+class Observed(msgspec.Struct, tag="observed"):
+    """An environment's observation for the turn that ``lease_id`` finished (issue 45)."""
+
+    sample_id: int
+    lease_id: int
+    tokens: list[int]
+    now: float
+
+
 class ScoreFailed(msgspec.Struct, tag="score_failed"):
     """A reward function failed; the sample's group retires under ``reason``."""
 
@@ -176,7 +185,8 @@ class AckBatches(msgspec.Struct, tag="ack_batches"):
 
 
 Record = (Admit | RefusePrompt | Leases | Chunk | Progress | Finish | ScoreLeases | Scored | ScoreFailed
-          | RequeueScore | Reclaim | PeerGone | PublishVersion | PullBatch | ReportBatch | AckBatches)
+          | Observed | RequeueScore | Reclaim | PeerGone | PublishVersion | PullBatch | ReportBatch
+          | AckBatches)
 
 JOURNALED_WHEN_GIVEN = (Leases, ScoreLeases)
 """Queries that change the core only when they return something: journaled only then."""
@@ -239,6 +249,8 @@ def apply(core: BrokerCore, record: Record) -> Any:
             return core.scored(record.sample_id, record.lease_id, record.reward, record.now)
         case ScoreFailed():
             return core.score_failed(record.sample_id, record.lease_id, record.now, record.reason)
+        case Observed():
+            return core.observed(record.sample_id, record.lease_id, record.tokens, record.now)
         case Admit():
             return core.admit(record.prompt_id, record.prompt, record.now, record.task, record.meta)
         case RefusePrompt():

@@ -173,10 +173,9 @@ class BrokerService:
             self.apply(r.Chunk(body.lease_id, body.offset, body.tokens.tolist(), body.logprobs.tolist(),
                                [(s.version, s.count) for s in body.versions], now))
         elif isinstance(body, m.Scored):
-            if body.observation is not None:  # no request of this broker takes one (``takes_observation``)
-                self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, reason="bad_step",
-                                 error="an observation answered a request that takes none")
-                self._aborts(self.apply(r.ScoreFailed(body.sample_id, body.lease_id, now, "bad_step")))
+            if body.observation is not None:  # a trajectory's next turn (or, where none was asked, bad_step)
+                observed = r.Observed(body.sample_id, body.lease_id, list(body.observation), now)
+                self._aborts(self.apply(observed))
             elif body.error is not None:
                 reason = score_error_kind(body.error)
                 self.log.warning("score_failed", sample_id=body.sample_id, scorer=sender, reason=reason, error=body.error)
@@ -384,7 +383,8 @@ class BrokerService:
                 self.hub.send(peer.identity, m.ScoreRequest(
                     sample_id=t.sample_id, lease_id=t.lease_id, group_id=t.group_id,
                     prompt=np.asarray(t.prompt, dtype=np.int32), response=np.asarray(t.response, dtype=np.int32),
-                    finish_reason=t.finish_reason, task=t.task, meta=t.meta))
+                    finish_reason=t.finish_reason, task=t.task, meta=t.meta, turn=t.turn,
+                    context=[m.TokenSpan(o, c) for o, c in t.context], takes_observation=t.takes_observation))
 
     def _serve_batches(self, now: float) -> None:
         while self.batch_waiters:
@@ -462,7 +462,8 @@ def batch_message(batch: BatchOut, stats: dict | None = None) -> m.Batch:
             samples.append(m.BatchSample(sample_id=s.sample_id, reward=s.reward, finish_reason=s.finish_reason,
                                          response_offset=r_off, response_len=n,
                                          versions=[m.VersionSpan(v, c) for v, c in s.spans],
-                                         resumed_at=list(s.resumed_at)))
+                                         resumed_at=list(s.resumed_at),
+                                         context=[m.TokenSpan(o, c) for o, c in s.context]))
             responses.append(s.token_bytes)
             logprobs.append(s.logprob_bytes)
             r_off += n

@@ -53,7 +53,8 @@ def encode(core: BrokerCore) -> bytes:
                               logprobs=_logprob_view(s.logprob_bytes).tolist(), spans=s.spans,
                               attempts=s.attempts,
                               lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
-                              finished_by=s.finished_by, resumed_at=list(s.resumed_at))
+                              finished_by=s.finished_by, resumed_at=list(s.resumed_at),
+                              context=[list(c) for c in s.context], turn=s.turn)
                  for s in core.samples.values()],
         leases=[LeaseRecord(lease_id=x.lease_id, sample_id=x.sample_id, generator=x.generator,
                             deadline=x.deadline, aborting=core._aborting(x)) for x in core.leases.values()],
@@ -125,7 +126,7 @@ def _restore_ledger(core: BrokerCore, snap: Snapshot) -> None:
             raise BrokerError(f"snapshot is inconsistent: sample {s.sample_id} holds {e}") from None
         core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, tokens, logprobs,
                                            _spans(s.spans), s.attempts, s.lease_id, s.finish_reason, s.reward,
-                                           s.finished_by, tuple(s.resumed_at))
+                                           s.finished_by, tuple(s.resumed_at), _spans(s.context), s.turn)
     for place, n in snap.ended.items():
         core.ended[Place(place)] += n
     # A snapshot written before groups left the ledger on ending holds them: they leave now.
@@ -218,6 +219,8 @@ class SampleRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     reward: float | None = None
     finished_by: int | None = None
     resumed_at: list[int] = []  # since 2026-11-26: absent in older snapshots (no resume known)
+    context: list[list[int]] = []  # since issue 45: [[offset, count], ...] observations; absent: none
+    turn: int = 0  # since issue 45: observations received; absent: a single-turn sample
 
 
 class LeaseRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -246,6 +249,7 @@ class BatchSampleRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[float]
     spans: list[list[int]]
     resumed_at: list[int] = []  # written only when not empty: a snapshot without resumes is as before
+    context: list[list[int]] = []  # since issue 45, written only when not empty
 
 
 class BatchGroupRecord(msgspec.Struct, kw_only=True):
@@ -402,7 +406,8 @@ def _group_records(groups: Sequence[BatchGroupOut]) -> list[BatchGroupRecord]:
                              meta=g.meta, samples=[BatchSampleRecord(sample_id=x.sample_id, reward=x.reward,
                                                         finish_reason=x.finish_reason, tokens=_plain(x.tokens),
                                                         logprobs=_plain(x.logprobs), spans=x.spans,
-                                                        resumed_at=list(x.resumed_at))
+                                                        resumed_at=list(x.resumed_at),
+                                                        context=[list(c) for c in x.context])
                                       for x in g.samples])
             for g in groups]
 
@@ -410,7 +415,8 @@ def _group_records(groups: Sequence[BatchGroupOut]) -> list[BatchGroupRecord]:
 def _batch_groups(records: Sequence[BatchGroupRecord]) -> list[BatchGroupOut]:
     return [BatchGroupOut(g.group_id, g.prompt_id, tuple(g.prompt), g.task, g.meta, [
                 BatchSampleOut(x.sample_id, x.reward, x.finish_reason, bytes(_token_bytes(x.tokens)),
-                               bytes(_logprob_bytes(x.logprobs)), _spans(x.spans), tuple(x.resumed_at))
+                               bytes(_logprob_bytes(x.logprobs)), _spans(x.spans), tuple(x.resumed_at),
+                               _spans(x.context))
                 for x in g.samples])
             for g in records]
 

@@ -169,7 +169,8 @@ class ScorerActor:
         prompt = req.prompt.tolist()
         return Trajectory(sample_id=req.sample_id, prompt_ids=prompt, turns=turns,
                           finish_reason=req.finish_reason, task=req.task, meta=dict(req.meta),
-                          prompt_text=self.tokenizer.decode(prompt), lease_id=req.lease_id)
+                          prompt_text=self.tokenizer.decode(prompt), lease_id=req.lease_id,
+                          last_turn=not req.takes_observation)
 
     def _observation_ids(self, observation: str | dict) -> list[int]:
         """An observation's token ids: its text as the run's tokenizer encodes it (a tokenizer with

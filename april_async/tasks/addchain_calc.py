@@ -14,8 +14,8 @@ The calculator reads the task's own notation and nothing else: a sum of terms, e
 or ``NxK`` (N added K times), e.g. ``17+8x5`` or ``25+8+8``. Anything else is answered with a
 typed error as the observation (``error: bad_expression: ...``), not a crash: the policy sees it
 and may try again. A turn that neither calls nor answers, a turn cut by its budget, and the turn at
-the limit (``meta["max_turns"]``, else ``MAX_TURNS``) end the conversation with the reward of what
-the last turn answered (0 when nothing).
+the limit (``meta["max_turns"]``, else ``MAX_TURNS``, or the broker's: ``Trajectory.last_turn``) end
+the conversation with the reward of what the last turn answered (0 when nothing).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class CalcEnvironment:
         limit = int(trajectory.meta.get("max_turns", self.max_turns))
         expression = call_in(text)
         calls_on = (expression is not None and math_answer.extract_answer(text) is None
-                    and trajectory.finish_reason == "stop" and trajectory.turn + 1 < limit)
+                    and trajectory.finish_reason == "stop" and trajectory.turn + 1 < limit
+                    and not trajectory.last_turn)
         if not calls_on:
             return Done(self._reward(trajectory))
         try:

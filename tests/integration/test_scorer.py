@@ -284,7 +284,7 @@ def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cach
     log = tmp_path / "steps.log"
     meta = {"answer": "57", "log": str(log)}
 
-    def turn_request(sample_id, lease_id, turns, observations, takes=True):
+    def turn_request(sample_id, lease_id, turns, observations, takes=True, task="calc"):
         ids, context = [], []
         for k, text in enumerate(turns):
             ids += tok.encode(text)
@@ -293,10 +293,11 @@ def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cach
                 ids += tok.encode(observations[k])
         return m.ScoreRequest(sample_id=sample_id, lease_id=lease_id, group_id=sample_id,
                               prompt=np.asarray(tok.encode("17+8x5\n", bos=True), dtype=np.int32),
-                              response=np.asarray(ids, dtype=np.int32), finish_reason="stop", task="calc",
+                              response=np.asarray(ids, dtype=np.int32), finish_reason="stop", task=task,
                               meta=meta, turn=len(observations), context=context, takes_observation=takes)
     try:
-        cluster.scorer(**{"timeout_s": 10.0, "environments.calc": f"{HERE}:EnvLogged"})
+        cluster.scorer(**{"timeout_s": 10.0, "environments.calc": f"{HERE}:EnvLogged",
+                          "environments.stubborn": f"{HERE}:EnvTwoTurns"})
         identity, hello = None, None
         deadline = time.monotonic() + 30
         while hello is None and time.monotonic() < deadline:
@@ -322,7 +323,9 @@ def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cach
         assert log.read_text().splitlines() == ["1:0:10"]  # the tool ran once
         done = ask(turn_request(1, 11, ["calc{17+8x5}", "#### 57"], ["= 57"]))
         assert done.reward == 1.0, done
-        unasked = ask(turn_request(2, 20, ["calc{1+1}"], [], takes=False))
+        last = ask(turn_request(2, 20, ["calc{1+1}"], [], takes=False))  # the broker's last turn: it ends
+        assert last.reward == 0.0, last
+        unasked = ask(turn_request(4, 40, ["x"], [], takes=False, task="stubborn"))  # goes on regardless
         assert unasked.error.startswith("bad_step: the environment went on"), unasked
         bad = ask(m.ScoreRequest(sample_id=3, lease_id=30, group_id=3, prompt=np.asarray([1], dtype=np.int32),
                                  response=np.asarray(tok.encode("#### 57"), dtype=np.int32),

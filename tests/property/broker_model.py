@@ -24,7 +24,8 @@ from april_async.broker.core import BrokerCore, Place
 
 GENERATORS = ("gen-a", "gen-b", "gen-c")
 SCORERS = ("scorer-a", "scorer-b")
-HELD = (Place.PARTIAL, Place.FINISHED, Place.SCORED)
+HELD = (Place.PARTIAL, Place.FINISHED, Place.STEPPING, Place.SCORED)
+TASK = "t"  # every prompt's task: a trajectory where the config lists it in ``environments``
 
 
 class InvariantViolation(AssertionError):
@@ -68,6 +69,9 @@ def configs(modes: tuple[str, ...]):
     max_attempts=st.sampled_from([1, 2, 3, 64]),
     boundary=st.sampled_from(["abort", "inflight"]),
     async_admission=st.sampled_from(["continuous", "per_step"]),
+    environments=st.sampled_from([[], [], [TASK]]),
+    max_turns=st.integers(1, 3),
+    turn_tokens=st.sampled_from([None, 1, 2]),
     )
 
 
@@ -91,6 +95,7 @@ class MSample:
     finished_by: int | None = None
     reward: float | None = None
     attempts: int = 0  # leases issued for it
+    turn: int = 0  # observations received (a trajectory)
 
 
 @dataclass
@@ -182,7 +187,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             if self.cfg.over_bound == "drop":
                 return self.m_retire(m.group_id)
             self.scoring.pop(sid, None)
-            m.tokens, m.place, m.finished_by, m.reward = [], Place.PARTIAL, None, None
+            m.tokens, m.place, m.finished_by, m.reward, m.turn = [], Place.PARTIAL, None, None, 0
             if m.attempts >= self.cfg.max_attempts:
                 return self.m_retire(m.group_id)
             return set()
@@ -241,7 +246,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             for _ in range(k):
                 pid = f"p{len(self.prompts)}"
                 prompt = [(len(self.prompts) + i) % 50 + 1 for i in range(length)]
-                gid = self.core.admit(pid, prompt, self.now)
+                gid = self.core.admit(pid, prompt, self.now, TASK)
                 self.agree(gid is not None and gid not in self.groups, f"admit of new prompt {pid} gave group {gid}")
                 sids = [s for s, x in self.core.samples.items() if x.group_id == gid]
                 self.agree(len(sids) == self.cfg.group_size, f"group {gid} has {len(sids)} samples")
@@ -270,10 +275,11 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.agree(m.place in (Place.QUEUED, Place.PARTIAL), f"leased sample {g.sample_id} was {m.place}")
                 held = [t for t, _, _ in m.tokens]
                 require(1, g.resume == held, f"lease of {g.sample_id} resumes {g.resume}, broker held {held}")
-                self.agree(
-                    g.max_new_tokens == self.cfg.max_response_tokens - len(held),
-                    f"lease budget {g.max_new_tokens} with {len(held)} tokens held",
-                )
+                room = self.cfg.max_response_tokens - len(held)
+                if self.trajectories and self.cfg.turn_tokens is not None:
+                    room = min(room, self.cfg.turn_tokens)
+                self.agree(g.max_new_tokens == room,
+                           f"lease budget {g.max_new_tokens} with {len(held)} tokens held")
                 self.agree(g.min_policy_version == self.V, "lease names an old policy version")
                 m.place = Place.LEASED
                 m.attempts += 1
@@ -367,7 +373,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                                f"finish effects {effects} past max_attempts, model expected {expected}")
                     return
             else:
-                m.place, m.finished_by = Place.FINISHED, lid
+                m.place, m.finished_by = (Place.STEPPING if self.trajectories else Place.FINISHED), lid
             expected = self.m_enforce(sid) | self.m_early_termination()
             self.agree({e.lease_id for e in effects} == expected, f"finish effects {effects}, model expected {expected}")
 
@@ -409,13 +415,17 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
         @rule(scorer=st.sampled_from(SCORERS), max_tasks=st.integers(1, 4))
         def score_lease(self, scorer, max_tasks):
             tasks = self.core.score_lease(scorer, max_tasks, self.now)
-            waiting = [s for s, m in self.samples.items() if m.place is Place.FINISHED and s not in self.scoring]
+            waiting = [s for s, m in self.samples.items()
+                       if m.place in (Place.FINISHED, Place.STEPPING) and s not in self.scoring]
             self.agree(len(tasks) == min(max_tasks, len(waiting)), f"{len(tasks)} score tasks, {len(waiting)} waiting")
             for t in tasks:
                 m = self.samples[t.sample_id]
                 self.agree(t.sample_id in waiting, f"score task for sample {t.sample_id} not awaiting a score")
                 require(1, t.response == [x for x, _, _ in m.tokens], f"score task {t.sample_id} has other tokens")
                 self.agree(t.lease_id == m.finished_by, "score task names another lease")
+                self.agree(t.takes_observation == self.takes(m),
+                           f"score task {t.sample_id} takes_observation {t.takes_observation}, "
+                           f"model {self.takes(m)}")
                 self.scoring[t.sample_id] = (scorer, self.now + self.cfg.score_timeout_s)
 
         @precondition(lambda self: any(m.finished_by is not None for m in self.samples.values()))
@@ -456,7 +466,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 effects = self.core.scored(sid, lid, reward, self.now)
                 self.replayable.append(("scored", sid, lid, reward))
             m = self.samples[sid]
-            if m.place is not Place.FINISHED:
+            if m.place not in (Place.FINISHED, Place.STEPPING):
                 self.agree(not effects, f"score of sample {sid} in {m.place} had effects")
                 return
             self.scoring.pop(sid, None)
@@ -465,6 +475,44 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.agree({e.lease_id for e in effects} == expected, f"score failure effects {effects}")
             else:
                 m.place, m.reward = Place.SCORED, reward
+
+        @precondition(lambda self: any(m.finished_by is not None for m in self.samples.values()))
+        @rule(data=st.data(), k=st.integers(1, 3))
+        def observe(self, data, k):
+            """A scorer's environment answers a finished turn with an observation of ``k`` tokens
+            (where the broker takes none, the group retires as ``bad_step``; where it leaves no room,
+            as ``context_full``)."""
+            candidates = sorted(s for s, m in self.samples.items() if m.finished_by is not None)
+            sid = data.draw(st.sampled_from(candidates), label="sample")
+            m = self.samples[sid]
+            lid = m.finished_by
+            toks = [90 + i for i in range(k)]
+            effects = self.core.observed(sid, lid, toks, self.now)
+            self.replayable.append(("observed", sid, lid, toks))
+            if m.place not in (Place.FINISHED, Place.STEPPING):
+                self.agree(not effects, f"observation of sample {sid} in {m.place} had effects")
+                return
+            self.scoring.pop(sid, None)
+            if not self.takes(m) or len(m.tokens) + k + 1 > self.cfg.max_response_tokens:
+                expected = self.m_retire(m.group_id)
+            else:
+                version = m.tokens[-1][2] if m.tokens else self.V
+                m.tokens.extend((t, 0.0, version) for t in toks)
+                m.turn += 1
+                m.attempts = 0
+                m.place, m.finished_by = Place.PARTIAL, None
+                expected = self.m_enforce(sid)
+            self.agree({e.lease_id for e in effects} == expected,
+                       f"observation effects {effects}, model {expected}")
+
+        @property
+        def trajectories(self) -> bool:
+            return TASK in self.cfg.environments
+
+        def takes(self, m: MSample) -> bool:
+            """Whether the broker takes an observation for ``m``'s finished turn (``ScoreTask``)."""
+            return (m.place is Place.STEPPING and m.turn + 1 < self.cfg.max_turns
+                    and len(m.tokens) + 1 < self.cfg.max_response_tokens)
 
         @rule(step=st.sampled_from([1, 1, 1, 0, -1]))
         def publish_version(self, step):
@@ -576,7 +624,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             if kind == "admit":
                 if self.group_state[self.prompt_group[args[0]]] != "open":
                     return  # the source yields an id once; the ledger guards only an open group's
-                self.core.admit(args[0], args[1], self.now)
+                self.core.admit(args[0], args[1], self.now, TASK)
             elif kind == "chunk":
                 self.core.chunk(*args, self.now)
             elif kind == "finish":
@@ -585,6 +633,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.core.scored(*args, self.now)
             elif kind == "score_failed":
                 self.core.score_failed(*args, self.now)
+            elif kind == "observed":
+                self.core.observed(*args, self.now)
             elif kind == "publish":
                 self.core.publish_version(args[0], self.now)
             elif kind == "report":
@@ -645,9 +695,11 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             require(1, core.audit()["balanced"], f"the core's own audit fails: {core.audit()}")
             c = core.counters
             live = sum(len(s.tokens) for s in core.samples.values())
-            require(1, c.tokens_generated == live + c.tokens_delivered + c.tokens_discarded + c.tokens_retired,
-                    f"tokens: {c.tokens_generated} accepted != {live} held + {c.tokens_delivered} delivered"
-                    f" + {c.tokens_discarded} discarded + {c.tokens_retired} retired")
+            require(1, c.tokens_generated + c.tokens_observed
+                    == live + c.tokens_delivered + c.tokens_discarded + c.tokens_retired,
+                    f"tokens: {c.tokens_generated} accepted + {c.tokens_observed} observed != {live} held + "
+                    f"{c.tokens_delivered} delivered + {c.tokens_discarded} discarded + "
+                    f"{c.tokens_retired} retired")
             check_indexes(core)
             for sid, m in self.samples.items():
                 if m.place in HELD or m.place is Place.LEASED:

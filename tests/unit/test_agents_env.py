@@ -108,6 +108,9 @@ def test_the_calculator_environment_answers_calls_and_ends_with_the_final_answer
     # the turn limit: the last allowed turn's call is not answered
     assert env.step(trajectory(*["calc{1}"] * 3, meta={"answer": "57", "max_turns": 3})) == Done(0.0)
     assert env.step(trajectory(*["calc{1}"] * 2, meta={"answer": "57", "max_turns": 3})) == Continue("= 1")
+    last = Trajectory(sample_id=7, prompt_ids=[9], turns=[Turn([1], [], "calc{1+1}")], finish_reason="stop",
+                      task="addchain", meta={"answer": "2"}, last_turn=True)
+    assert env.step(last) == Done(0.0)  # the broker takes no observation after this turn
     with pytest.raises(KeyError, match="no 'answer'"):
         env.step(trajectory("#### 57", meta={}))
     with pytest.raises(ValueError, match="max_turns"):

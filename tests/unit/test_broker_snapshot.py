@@ -26,9 +26,17 @@ V1_DIR = DATA / "broker-journal-v1"
 V1 = json.loads((DATA / "broker-journal-v1.json").read_text())
 
 
+BEFORE_TRAJECTORIES = set(Place) - {Place.STEPPING}
+"""The places when the fixture was written (issue 45 added ``stepping``)."""
+TRAJECTORY_COUNTERS = ("turns_finished", "observations", "tokens_observed")
+
+
 def state_of(core: BrokerCore) -> dict:
-    """The fixture's view of a core, with token and log-prob arrays as the lists the JSON holds."""
+    """The fixture's view of a core, with token and log-prob arrays as the lists the JSON holds, less
+    what issue 45 added, at zero here (the place ``stepping`` and three counters)."""
     state = fixture_state_of(core)
+    assert state["places"].pop("stepping") == 0
+    assert [state["counters"].pop(k) for k in TRAJECTORY_COUNTERS] == [0] * len(TRAJECTORY_COUNTERS)
     for s in state["samples"].values():
         s["tokens"], s["logprobs"] = list(s["tokens"]), list(s["logprobs"])
         s["spans"] = [list(pair) for pair in s["spans"]]
@@ -61,7 +69,7 @@ def v1_snapshot() -> bytes:
 def test_the_fixture_is_format_1_and_holds_a_sample_in_every_place():
     assert msgpack.unpackb(v1_snapshot(), strict_map_key=False)["format"] == 1
     assert all(n > 0 for n in V1["at_snapshot"]["places"].values()), V1["at_snapshot"]["places"]
-    assert set(V1["at_snapshot"]["places"]) == {p.value for p in Place}
+    assert set(V1["at_snapshot"]["places"]) == {p.value for p in BEFORE_TRAJECTORIES}
 
 
 def test_a_format_1_snapshot_restores_every_sample_counter_and_queue():
@@ -238,5 +246,5 @@ def test_an_inconsistent_snapshot_is_refused():
 def test_read_snapshot_gives_the_typed_structure():
     snap = read_snapshot(v1_snapshot())
     assert snap.format == SNAPSHOT_FORMAT and snap.version == V1["at_snapshot"]["version"]
-    assert {s.place for s in snap.samples} == set(Place)
+    assert {s.place for s in snap.samples} == BEFORE_TRAJECTORIES
     assert snap.queues.fresh == V1["at_snapshot"]["queues"]["fresh"]
