@@ -56,7 +56,21 @@ def require(invariant: int, ok: bool, message: str) -> None:
         raise InvariantViolation(invariant, message)
 
 
-def configs(modes: tuple[str, ...]):
+def configs(modes: tuple[str, ...], trajectories: bool = True):
+    if not trajectories:  # the single-turn space (the planted-bug searches were tuned on it)
+        return st.builds(
+            dict,
+            mode=st.sampled_from(modes),
+            batch_groups=st.integers(1, 3),
+            group_size=st.integers(1, 3),
+            over_provision=st.sampled_from([1.0, 1.5, 2.0]),
+            staleness_bound=st.integers(0, 2),
+            over_bound=st.sampled_from(["restart", "drop"]),
+            max_response_tokens=st.integers(2, 6),
+            max_attempts=st.sampled_from([1, 2, 3, 64]),
+            boundary=st.sampled_from(["abort", "inflight"]),
+            async_admission=st.sampled_from(["continuous", "per_step"]),
+        )
     return st.builds(
     dict,
     mode=st.sampled_from(modes),
@@ -112,7 +126,12 @@ def core_state_without_counters(core: BrokerCore) -> dict:
     return state
 
 
-def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "april", "async")) -> type[RuleBasedStateMachine]:
+def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "april", "async"), *,
+                 trajectories: bool = True) -> type[RuleBasedStateMachine]:
+    """The state machine over ``core_cls``; ``trajectories``: the configs also draw
+    ``environments`` (every prompt's task a trajectory, or none), ``max_turns`` and ``turn_tokens``."""
+    config_space = configs(modes, trajectories)  # (the class below has a property of that name)
+
     class BrokerMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
@@ -235,7 +254,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
 
         # ---------------------------------------------------------------- rules
 
-        @initialize(raw=configs(modes), prompts=st.integers(0, 6))
+        @initialize(raw=config_space, prompts=st.integers(0, 6))
         def setup(self, raw, prompts=0):
             self.core = core_cls(make_config(raw))
             if prompts:
@@ -376,6 +395,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 m.place, m.finished_by = (Place.STEPPING if self.trajectories else Place.FINISHED), lid
             expected = self.m_enforce(sid) | self.m_early_termination()
             self.agree({e.lease_id for e in effects} == expected, f"finish effects {effects}, model expected {expected}")
+            self.check_staleness()
 
         @rule(dt=st.sampled_from([0.5, 3.0, 11.0]))
         def tick_and_expire(self, dt):
@@ -504,6 +524,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 expected = self.m_enforce(sid)
             self.agree({e.lease_id for e in effects} == expected,
                        f"observation effects {effects}, model {expected}")
+            self.check_staleness()
 
         @property
         def trajectories(self) -> bool:
@@ -643,6 +664,19 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
 
         # ---------------------------------------------------------------- invariants
 
+        def check_staleness(self):
+            """4: staleness — no held sample breaks η at the current version. Also checked inside the
+            rules that may hold a sample (a finish, an observation), so that a compound rule reports
+            it before a later step of the same rule trips over the sample's tokens."""
+            core = self.core
+            for sid, s in core.samples.items():
+                if s.place in HELD and s.spans:
+                    oldest = min(v for v, _ in s.spans)
+                    # A group being delivered is held to its batch's version.
+                    at = core.version if core.groups[s.group_id].state == "open" else core._assembly.version
+                    require(4, at - oldest <= self.cfg.staleness_bound,
+                            f"sample {sid} in {s.place} holds version {oldest} at {at}")
+
         def check_bounded(self):
             G = self.cfg.max_inflight_groups
             groups = {self.core.samples[x.sample_id].group_id for x in self.core.leases.values()}
@@ -662,14 +696,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 require(2, sid not in core.samples, f"delivered sample {sid} is {core.samples.get(sid)} again")
             # 3: bounded in-flight.
             self.check_bounded()
-            # 4: staleness — no held sample breaks η at the current version.
-            for sid, s in core.samples.items():
-                if s.place in HELD and s.spans:
-                    oldest = min(v for v, _ in s.spans)
-                    # A group being delivered is held to its batch's version.
-                    at = core.version if core.groups[s.group_id].state == "open" else core._assembly.version
-                    require(4, at - oldest <= self.cfg.staleness_bound,
-                            f"sample {sid} in {s.place} holds version {oldest} at {at}")
+            self.check_staleness()
             # 6: group integrity — a group is delivered (or retired) whole or not at all: it is on the
             # ledger with all its samples while open, and leaves it with all of them.
             for gid, sids in self.groups.items():
