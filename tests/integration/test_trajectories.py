@@ -57,4 +57,4 @@ def test_two_turn_trajectories_reach_the_learner_with_their_observations_as_cont
                 assert toks[TURN:TURN + len(obs)] == obs and s.reward == 1.0
                 policy = [p for p in range(len(toks)) if not TURN <= p < TURN + len(obs)]
                 assert [toks[p] for p in policy] == [scripted_token(s.sample_id, p, 1000) for p in policy]
-                assert len(toks) == 2 * TURN + len(obs)  # two turns of the turn budget, the observation between
+                assert len(toks) == 2 * TURN + len(obs)  # two turns of the turn budget, the observation
