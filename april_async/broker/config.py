@@ -124,6 +124,9 @@ class RolloutConfig(BaseModel):
     """Policy turns of a trajectory at most: the last one's step must end it."""
     turn_tokens: int | None = Field(None, ge=1)
     """New tokens of one lease of a trajectory at most (None: what is left of ``max_response_tokens``)."""
+    turn_stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a turn of a trajectory besides ``sampling.stop_token_ids`` (a tool call's
+    last token: ``}`` of the calculator's ``calc{...}``): sent as stop tokens of its leases only."""
 
     _boundary_alias = field_validator("boundary", mode="before")(lambda cls, v: boundary_name(v))
 

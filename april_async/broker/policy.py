@@ -61,6 +61,7 @@ class LeaseGrant:
     resume_bytes: bytes  # packed TOKEN_DTYPE, a copy (the sample's own buffer grows while leased)
     max_new_tokens: int
     min_policy_version: int
+    trajectory: bool = False  # its task is in ``environments``: its leases stop at a turn's end too
 
     @property
     def resume_tokens(self) -> np.ndarray:
@@ -244,6 +245,7 @@ class Policy(Ledger):
             resume_bytes=bytes(s.token_bytes),
             max_new_tokens=self._turn_budget(g, held),
             min_policy_version=self.version,
+            trajectory=g.task in self.config.environments,
         )
 
     def _turn_budget(self, g: Group, held: int) -> int:

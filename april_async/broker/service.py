@@ -352,6 +352,10 @@ class BrokerService:
         sp = self.cfg.rollout.sampling
         sampling = m.SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                                     stop_token_ids=list(sp.stop_token_ids))
+        turn_stops = self.cfg.rollout.turn_stop_token_ids
+        turn_sampling = sampling if not turn_stops else m.SamplingParams(
+            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            stop_token_ids=list(dict.fromkeys((*sp.stop_token_ids, *turn_stops))))
         quantum = -(-max(free.values()) // LEASE_ROUNDS)
         while free:
             for name in sorted(free, key=free.__getitem__, reverse=True):
@@ -362,7 +366,8 @@ class BrokerService:
                     self.hub.send(identity, m.Generate(
                         lease_id=g.lease_id, sample_id=g.sample_id, group_id=g.group_id,
                         prompt=np.asarray(g.prompt, dtype=np.int32), resume=g.resume_tokens,
-                        max_new_tokens=g.max_new_tokens, sampling=sampling, min_policy_version=g.min_policy_version))
+                        max_new_tokens=g.max_new_tokens, sampling=turn_sampling if g.trajectory else sampling,
+                        min_policy_version=g.min_policy_version))
                 if len(grants) < want:
                     return
                 free[name] -= want

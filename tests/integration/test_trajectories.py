@@ -58,3 +58,31 @@ def test_two_turn_trajectories_reach_the_learner_with_their_observations_as_cont
                 policy = [p for p in range(len(toks)) if not TURN <= p < TURN + len(obs)]
                 assert [toks[p] for p in policy] == [scripted_token(s.sample_id, p, 1000) for p in policy]
                 assert len(toks) == 2 * TURN + len(obs)  # two turns of the turn budget, the observation
+
+
+def test_a_turn_ends_at_a_turn_stop_token_on_the_generator(tmp_path):
+    """``rollout.turn_stop_token_ids`` go out with a trajectory's leases: here the scripted engine's
+    token at position 2 of each sample ends its first turn (``stop``), after 3 tokens."""
+    cluster = Cluster(tmp_path)
+    stops = [scripted_token(sid, 2, 1000) for sid in range(30)]  # 31 apart: no sample writes another's
+    cluster.broker({"mode": "async", "batch_groups": B, "group_size": N, "over_provision": 1.0,
+                    "staleness_bound": 4, "environments": ["scripted"], "max_turns": 3, "turn_tokens": TURN,
+                    "turn_stop_token_ids": stops})
+    cluster.generator("gen-0", slots=4, lengths=[12])
+    cluster.scorer(**{"environments.scripted": f"{HERE}:EnvOneObservation"})
+    learner = cluster.learner()
+    obs = CharTokenizer().encode(OBSERVATION)
+    try:
+        deadline = time.monotonic() + 60
+        batch = None
+        while batch is None:
+            assert time.monotonic() < deadline, cluster.dump_logs()
+            cluster.assert_alive()
+            batch = learner.next_batch(1.0)
+    finally:
+        learner.close()
+        codes = cluster.stop_all()
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{cluster.dump_logs()}"
+    for g in batch.groups:
+        for s in g.samples:
+            assert [(c.offset, c.count) for c in s.context] == [(3, len(obs))], s

@@ -56,7 +56,9 @@ def require(invariant: int, ok: bool, message: str) -> None:
         raise InvariantViolation(invariant, message)
 
 
-def configs(modes: tuple[str, ...], trajectories: bool = True):
+def configs(modes: tuple[str, ...], trajectories: bool | str = True):
+    """The configs an example draws; ``trajectories``: False (single-turn only), True (every prompt's
+    task a trajectory in a third of the examples) or ``"always"``."""
     if not trajectories:  # the single-turn space (the planted-bug searches were tuned on it)
         return st.builds(
             dict,
@@ -83,7 +85,7 @@ def configs(modes: tuple[str, ...], trajectories: bool = True):
     max_attempts=st.sampled_from([1, 2, 3, 64]),
     boundary=st.sampled_from(["abort", "inflight"]),
     async_admission=st.sampled_from(["continuous", "per_step"]),
-    environments=st.sampled_from([[], [], [TASK]]),
+    environments=st.just([TASK]) if trajectories == "always" else st.sampled_from([[], [], [TASK]]),
     max_turns=st.integers(1, 3),
     turn_tokens=st.sampled_from([None, 1, 2]),
     )
@@ -127,7 +129,7 @@ def core_state_without_counters(core: BrokerCore) -> dict:
 
 
 def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "april", "async"), *,
-                 trajectories: bool = True) -> type[RuleBasedStateMachine]:
+                 trajectories: bool | str = True) -> type[RuleBasedStateMachine]:
     """The state machine over ``core_cls``; ``trajectories``: the configs also draw
     ``environments`` (every prompt's task a trajectory, or none), ``max_turns`` and ``turn_tokens``."""
     config_space = configs(modes, trajectories)  # (the class below has a property of that name)

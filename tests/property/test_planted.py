@@ -119,5 +119,5 @@ def test_a_planted_trajectory_bug_is_found_in_the_trajectory_space():
     """The observation rule reaches the ledger: a core that holds an observation's tokens without
     counting them breaks conservation, and the search over trajectories finds it."""
     with pytest.raises(InvariantViolation) as found:
-        run_state_machine_as_test(make_machine(MiscountsObservations), settings=SEARCH)
+        run_state_machine_as_test(make_machine(MiscountsObservations, trajectories="always"), settings=SEARCH)
     assert found.value.invariant == 1, str(found.value)

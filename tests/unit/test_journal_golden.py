@@ -31,7 +31,8 @@ EVERY_CALL = {"admit", "refuse_prompt", "lease", "chunk", "progress", "finish", 
 """Every journaled call when the goldens were written."""
 LATER_CALLS = {"observed"}  # issue 45: a trajectory's observation
 NEW_COUNTERS = ("turns_finished", "observations", "tokens_observed")  # issue 45, 0 in the goldens
-NEW_CONFIG = {"environments": [], "max_turns": 8, "turn_tokens": None}  # issue 45, at their defaults
+NEW_CONFIG = {"environments": [], "max_turns": 8, "turn_tokens": None,  # issue 45, at their defaults
+              "turn_stop_token_ids": []}
 
 
 def recover(name: str, tmp_path: Path):
