@@ -20,7 +20,6 @@ No torch here: the scorer and the broker's planner import it.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections import OrderedDict
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from april_async.scorer.rewards import RewardInput
+from april_async.scorer.rewards import RewardInput, import_named
 
 MAX_OBSERVATION_CHARS = 64 * 1024
 """The longest observation text a step may return; longer ones are a ``BadStep`` (a tool should cut
@@ -125,14 +124,8 @@ class EnvironmentConfigError(ValueError):
 def load_environment(path: str) -> Environment:
     """``package.module:Name`` -> an environment: ``Name`` is a class (made with no arguments) or an
     object with a ``step`` method. A bad path is an ``EnvironmentConfigError`` naming it."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise EnvironmentConfigError(f"environment {path!r} must look like 'package.module:Name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise EnvironmentConfigError(f"environment {path!r}: cannot import {module_name!r} ({e})") from None
-    obj = getattr(module, attr, None)
+    obj, module_name, attr = import_named(path, what="environment", error=EnvironmentConfigError,
+                                          shape="package.module:Name")
     if obj is None:
         raise EnvironmentConfigError(f"environment {path!r}: {module_name} has no {attr!r}")
     if isinstance(obj, type):

@@ -483,11 +483,16 @@ def _build_view(libc: _Libc, config: dict, code: bytes) -> None:
             if not os.path.lexists(path):  # a mount point that is gone is unreachable anyway
                 continue
             raise
-    for path in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(path) and not os.path.islink(path):
-            libc.mount("tmpfs", path, "tmpfs", _SAFE | _MS_NOEXEC | _MS_RDONLY,
-                       "size=4k,nr_inodes=8,mode=0755", f"cover {path}")
+    emptied = [p for p in ("/var/tmp", "/dev/shm") if os.path.isdir(p) and not os.path.islink(p)]
+    for path in emptied:
+        libc.mount("tmpfs", path, "tmpfs", _SAFE | _MS_NOEXEC, "size=16k,nr_inodes=64,mode=0755",
+                   f"cover {path}")
     libc.mount("tmpfs", "/tmp", "tmpfs", _SAFE | _MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755", "cover /tmp")
+    for cover in covers:  # an interpreter under an emptied directory (a checkout in /tmp): its mount point
+        if any(cover.startswith(root + "/") for root in (*emptied, "/tmp")):
+            os.makedirs(cover, 0o755, exist_ok=True)
+    for path in emptied:
+        libc.mount(None, path, None, _MS_REMOUNT | _SAFE | _MS_NOEXEC | _MS_RDONLY, None, f"read-only {path}")
     os.mkdir(SCRATCH_DIR, 0o700)
     uid, gid = config["uid"], config["gid"]
     libc.mount("tmpfs", SCRATCH_DIR, "tmpfs", _SAFE,

@@ -90,16 +90,24 @@ BUILTIN_TASK_REWARDS: Mapping[str, str] = {
 """The reward of each built-in task, unless the scorer's ``rewards`` names another."""
 
 
-def load_reward(path: str) -> Reward:
-    """``package.module:function`` -> the function; a bad path is a ``RewardConfigError``."""
+def import_named(path: str, *, what: str, error: type[Exception], shape: str) -> tuple[object, str, str]:
+    """``package.module:Name`` -> (the object, the module's name, ``Name``), None for an object the
+    module does not have; a path of another shape, or a module that cannot be imported, is
+    ``error`` naming ``what`` and the path."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise RewardConfigError(f"reward {path!r} must look like 'package.module:function'")
+        raise error(f"{what} {path!r} must look like '{shape}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise RewardConfigError(f"reward {path!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
+        raise error(f"{what} {path!r}: cannot import {module_name!r} ({e})") from None
+    return getattr(module, attr, None), module_name, attr
+
+
+def load_reward(path: str) -> Reward:
+    """``package.module:function`` -> the function; a bad path is a ``RewardConfigError``."""
+    fn, module_name, attr = import_named(path, what="reward", error=RewardConfigError,
+                                         shape="package.module:function")
     if not callable(fn):
         raise RewardConfigError(f"reward {path!r}: {module_name} has no function {attr!r}")
     return fn

@@ -241,15 +241,22 @@ def serve(conn, paths: tuple[str, ...], environments: tuple[str, ...] = ()) -> N
         conn.send(_step(envs, broken, path, x) if step else _call(rewards, broken, path, x))
 
 
-def _step(envs: dict, broken: dict, path: str, t: Trajectory) -> tuple[str, object]:
+def _loaded(cache: dict, broken: dict, path: str, load) -> tuple[object, str | None]:
+    """``path``'s function or environment, loaded once per worker; or why it cannot be."""
     if path in broken:
-        return "env_error", broken[path]
-    env = envs.get(path)
-    if env is None:
+        return None, broken[path]
+    if path not in cache:
         try:
-            env = envs[path] = load_environment(path)
+            cache[path] = load(path)
         except Exception as e:
-            return "env_error", f"{type(e).__name__}: {e}"
+            return None, f"{type(e).__name__}: {e}"
+    return cache[path], None
+
+
+def _step(envs: dict, broken: dict, path: str, t: Trajectory) -> tuple[str, object]:
+    env, why = _loaded(envs, broken, path, load_environment)
+    if why is not None:
+        return "env_error", why
     try:
         value = env.step(t)
     except BaseException as e:  # user code: anything it raises is the sample's error, not the worker's
@@ -262,14 +269,9 @@ def _step(envs: dict, broken: dict, path: str, t: Trajectory) -> tuple[str, obje
 
 
 def _call(rewards: dict, broken: dict, path: str, x: RewardInput) -> tuple[str, object]:
-    if path in broken:
-        return "reward_error", broken[path]
-    fn = rewards.get(path)
-    if fn is None:
-        try:
-            fn = rewards[path] = load_reward(path)
-        except Exception as e:
-            return "reward_error", f"{type(e).__name__}: {e}"
+    fn, why = _loaded(rewards, broken, path, load_reward)
+    if why is not None:
+        return "reward_error", why
     try:
         value = fn(x)
     except Unparsed as e:  # the response's fault, not the reward's: scored 0

@@ -192,6 +192,16 @@ def score_request(sample_id: int, task: str, text: str, meta: dict | None = None
                           finish_reason="stop", task=task, meta=meta or {})
 
 
+def wait_for_hello(hub: Hub, cluster: Cluster) -> tuple[bytes, m.Hello]:
+    """The scorer's identity on ``hub`` and its ``hello``, within 30 s of its start."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for ident, msg in hub.poll(0.1):
+            if isinstance(msg.body, m.Hello):
+                return ident, msg.body
+    raise AssertionError(f"the scorer never said hello\n{cluster.dump_logs()}")
+
+
 def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
     cluster = Cluster(tmp_path)
     link = LinkConfig(**{k.split(".")[1]: v for k, v in FAST_LINK.items()})
@@ -199,13 +209,8 @@ def test_scorer_process_retires_failures_by_kind_and_keeps_serving(tmp_path):
     try:
         cluster.scorer(**{"timeout_s": TIMEOUT_S, "rewards.raises": f"{HERE}:reward_raises",
                           "rewards.hangs": f"{HERE}:reward_hangs", "rewards.nan": f"{HERE}:reward_nan"})
-        identity, hello = None, None
-        deadline = time.monotonic() + 30
-        while hello is None and time.monotonic() < deadline:
-            for ident, msg in hub.poll(0.1):
-                if isinstance(msg.body, m.Hello):
-                    identity, hello = ident, msg.body
-        assert hello is not None and hello.role == "scorer", cluster.dump_logs()
+        identity, hello = wait_for_hello(hub, cluster)
+        assert hello.role == "scorer", cluster.dump_logs()
         requests = [score_request(1, "addchain", "1) 3+4=7\n#### 7", {"answer": "7"}),
                     score_request(2, "raises", "x"),
                     score_request(3, "hangs", "x"),
@@ -249,13 +254,7 @@ def test_a_slow_reward_holds_only_its_own_worker(tmp_path):
     try:
         cluster.scorer(**{"timeout_s": 10.0, "workers": 2, "rewards.slow": f"{HERE}:reward_slow",
                           "rewards.len": f"{HERE}:reward_length"})
-        identity, hello = None, None
-        deadline = time.monotonic() + 30
-        while hello is None and time.monotonic() < deadline:
-            for ident, msg in hub.poll(0.1):
-                if isinstance(msg.body, m.Hello):
-                    identity, hello = ident, msg.body
-        assert hello is not None, cluster.dump_logs()
+        identity, hello = wait_for_hello(hub, cluster)
         requests = [score_request(1, "slow", "x")] + [score_request(i, "len", "ab" * i) for i in range(2, 8)]
         for req in requests:
             hub.send(identity, req)
@@ -298,13 +297,7 @@ def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cach
     try:
         cluster.scorer(**{"timeout_s": 10.0, "environments.calc": f"{HERE}:EnvLogged",
                           "environments.stubborn": f"{HERE}:EnvTwoTurns"})
-        identity, hello = None, None
-        deadline = time.monotonic() + 30
-        while hello is None and time.monotonic() < deadline:
-            for ident, msg in hub.poll(0.1):
-                if isinstance(msg.body, m.Hello):
-                    identity, hello = ident, msg.body
-        assert hello is not None, cluster.dump_logs()
+        identity, hello = wait_for_hello(hub, cluster)
 
         def ask(req) -> m.Scored:
             hub.send(identity, req)

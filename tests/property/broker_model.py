@@ -57,38 +57,28 @@ def require(invariant: int, ok: bool, message: str) -> None:
 
 
 def configs(modes: tuple[str, ...], trajectories: bool | str = True):
-    """The configs an example draws; ``trajectories``: False (single-turn only), True (every prompt's
-    task a trajectory in a third of the examples) or ``"always"``."""
-    if not trajectories:  # the single-turn space (the planted-bug searches were tuned on it)
-        return st.builds(
-            dict,
-            mode=st.sampled_from(modes),
-            batch_groups=st.integers(1, 3),
-            group_size=st.integers(1, 3),
-            over_provision=st.sampled_from([1.0, 1.5, 2.0]),
-            staleness_bound=st.integers(0, 2),
-            over_bound=st.sampled_from(["restart", "drop"]),
-            max_response_tokens=st.integers(2, 6),
-            max_attempts=st.sampled_from([1, 2, 3, 64]),
-            boundary=st.sampled_from(["abort", "inflight"]),
-            async_admission=st.sampled_from(["continuous", "per_step"]),
-        )
-    return st.builds(
-    dict,
-    mode=st.sampled_from(modes),
-    batch_groups=st.integers(1, 3),
-    group_size=st.integers(1, 3),
-    over_provision=st.sampled_from([1.0, 1.5, 2.0]),
-    staleness_bound=st.integers(0, 2),
-    over_bound=st.sampled_from(["restart", "drop"]),
-    max_response_tokens=st.integers(2, 6),
-    max_attempts=st.sampled_from([1, 2, 3, 64]),
-    boundary=st.sampled_from(["abort", "inflight"]),
-    async_admission=st.sampled_from(["continuous", "per_step"]),
-    environments=st.just([TASK]) if trajectories == "always" else st.sampled_from([[], [], [TASK]]),
-    max_turns=st.integers(1, 3),
-    turn_tokens=st.sampled_from([None, 1, 2]),
+    """The configs an example draws; ``trajectories``: False (single-turn only: the space the
+    planted-bug searches were tuned on), True (every prompt's task a trajectory in a third of the
+    examples) or ``"always"``."""
+    fields = dict(
+        mode=st.sampled_from(modes),
+        batch_groups=st.integers(1, 3),
+        group_size=st.integers(1, 3),
+        over_provision=st.sampled_from([1.0, 1.5, 2.0]),
+        staleness_bound=st.integers(0, 2),
+        over_bound=st.sampled_from(["restart", "drop"]),
+        max_response_tokens=st.integers(2, 6),
+        max_attempts=st.sampled_from([1, 2, 3, 64]),
+        boundary=st.sampled_from(["abort", "inflight"]),
+        async_admission=st.sampled_from(["continuous", "per_step"]),
     )
+    if trajectories:
+        fields.update(
+            environments=st.just([TASK]) if trajectories == "always" else st.sampled_from([[], [], [TASK]]),
+            max_turns=st.integers(1, 3),
+            turn_tokens=st.sampled_from([None, 1, 2]),
+        )
+    return st.builds(dict, **fields)
 
 
 def make_config(raw: dict) -> RolloutConfig:
