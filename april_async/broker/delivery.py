@@ -231,7 +231,10 @@ class Delivery(Policy):
             # async with per_step admission counts groups per version: a batch that made none
             # would leave the count spent, and two such batches could leave no group to lease.
             out = self.unacked_batches.get(batch_id)
-            if out is not None and policy_version <= out.policy_version:
+            # once per batch: a redelivered report must change nothing (invariant 2), and the step
+            # it reopens has leased groups of its own by then
+            if out is not None and policy_version <= out.policy_version and self.reopened_for != batch_id:
+                self.reopened_for = batch_id
                 self.counters.steps_skipped += 1
                 self._open_next_step()
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from april_async.broker.config import RolloutConfig
 from april_async.broker.ledger import (_TOKEN_SIZE, HELD_PLACES, NO_TOKENS, BrokerError, Group, Lease, Ledger, Place,
-                                       Sample, _bump, _logprob_bytes, _token_bytes, _token_view)
+                                       Sample, _bump, _logprob_bytes, _oldest_of, _token_bytes, _token_view)
 from april_async.broker.paged import FifoSet
 
 
@@ -114,6 +114,7 @@ class Policy(Ledger):
         super().__init__(config)
         self.step_groups: set[int] = set()  # sync/april: groups leased in this rollout step
         self.awaiting_version: int | None = None  # sync/april: a batch went out at this version
+        self.reopened_for: int | None = None  # async per_step: the batch whose report reopened the step
 
     def _forget(self, g: Group) -> None:
         super()._forget(g)
@@ -537,6 +538,9 @@ class Policy(Ledger):
             return []
         if self.config.over_bound == "drop":
             return self.retire_group(s.group_id, "stale")
+        if self.groups[s.group_id].task in self.config.environments:
+            self._demote(s)
+            return []
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
         s.token_bytes, s.logprob_bytes, s.spans, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
@@ -545,6 +549,35 @@ class Policy(Ledger):
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
             return self.retire_group(s.group_id, "attempts_exhausted")
         return []
+
+    def _demote(self, s: Sample) -> None:
+        """A trajectory over η keeps its tokens and tool results: its tokens older than η allows
+        become context (never trained; a context token's version is not a policy version, so it is
+        set to the current one and no longer counts for staleness), and the trajectory goes on.
+        Its turns since are trained as any; one with no policy token left trains nothing."""
+        limit = self.version - self.config.staleness_bound
+        spans, marks, pos, demoted = [], [], 0, 0
+        for version, count in s.spans:
+            if version < limit:
+                marks.append((pos, count))
+                demoted += count
+                version = self.version
+            if spans and spans[-1][0] == version:
+                spans[-1] = (version, spans[-1][1] + count)
+            else:
+                spans.append((version, count))
+            pos += count
+        merged: list[tuple[int, int]] = []
+        for offset, count in sorted((*s.context, *marks)):
+            if merged and offset <= merged[-1][0] + merged[-1][1]:
+                start = merged[-1][0]
+                merged[-1] = (start, max(merged[-1][0] + merged[-1][1], offset + count) - start)
+            else:
+                merged.append((offset, count))
+        s.spans, s.context = tuple(spans), tuple(merged)
+        self._index_oldest(s.sample_id, _oldest_of(s.spans))
+        self.counters.turns_demoted += 1
+        self.counters.tokens_demoted += demoted
 
     def retire_group(self, group_id: int, reason: str) -> list[AbortLease]:
         """Retire a whole group (its leased samples are aborted); counted under ``reason``."""

@@ -45,6 +45,7 @@ def encode(core: BrokerCore) -> bytes:
         prompt_ids=sorted(core.prompt_ids),
         step_groups=sorted(core.step_groups),
         awaiting_version=core.awaiting_version,
+        reopened_for=core.reopened_for,
         groups=[GroupRecord(group_id=g.group_id, prompt_id=g.prompt_id, prompt=g.prompt, task=g.task,
                             meta=g.meta, sample_ids=g.sample_ids, admitted_at=g.admitted_at,
                             state=g.state, retire_reason=g.retire_reason) for g in core.groups.values()],
@@ -86,6 +87,7 @@ def restore(cls: type[BrokerCore], data: bytes, config: RolloutConfig | None = N
     core.counters = snap.counters
     core.step_groups = set(snap.step_groups)
     core.awaiting_version = snap.awaiting_version
+    core.reopened_for = snap.reopened_for
     _restore_ledger(core, snap)
     for b in snap.unacked_batches:
         core.unacked_batches[b.batch_id] = BatchOut(b.batch_id, b.policy_version, _batch_groups(b.groups))
@@ -313,6 +315,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # Absent in snapshots written while ended groups stayed on it (they are counted on restore).
     ended: dict[Literal["delivered", "retired"], int] = {}
     assembly: AssemblyRecord | None = None  # absent before batches were packed in slices
+    reopened_for: int | None = None  # async per_step: the batch whose report reopened the step
 
 
 class _FormatProbe(msgspec.Struct):

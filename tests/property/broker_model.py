@@ -197,6 +197,10 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 return set()
             if self.cfg.over_bound == "drop":
                 return self.m_retire(m.group_id)
+            if self.trajectories:  # its stale tokens become context, as new as the version: it goes on
+                limit = self.V - self.cfg.staleness_bound
+                m.tokens = [(t, lp, self.V if v < limit else v) for t, lp, v in m.tokens]
+                return set()
             self.scoring.pop(sid, None)
             m.tokens, m.place, m.finished_by, m.reward, m.turn = [], Place.PARTIAL, None, None, 0
             if m.attempts >= self.cfg.max_attempts:

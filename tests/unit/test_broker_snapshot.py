@@ -28,7 +28,7 @@ V1 = json.loads((DATA / "broker-journal-v1.json").read_text())
 
 BEFORE_TRAJECTORIES = set(Place) - {Place.STEPPING}
 """The places when the fixture was written (issue 45 added ``stepping``)."""
-TRAJECTORY_COUNTERS = ("turns_finished", "observations", "tokens_observed")
+TRAJECTORY_COUNTERS = ("turns_finished", "observations", "tokens_observed", "turns_demoted", "tokens_demoted")
 
 
 def state_of(core: BrokerCore) -> dict:
@@ -126,7 +126,7 @@ def test_the_snapshot_names_every_part_of_the_state():
     assert next(iter(snap)) == "format"
     assert set(snap) == {"format", "config", "version", "next_ids", "counters", "prompt_ids", "step_groups",
                          "awaiting_version", "groups", "samples", "leases", "scoring", "unacked_batches",
-                         "queues", "ended", "assembly"}
+                         "queues", "ended", "assembly", "reopened_for"}
     scored = next(s for s in snap["samples"] if s["place"] == "scored")
     assert {"sample_id", "group_id", "index", "tokens", "logprobs", "spans", "reward",
             "finished_by"} <= set(scored)

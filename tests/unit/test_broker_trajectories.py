@@ -86,17 +86,35 @@ def test_the_last_turn_takes_no_observation_and_the_limits_retire_by_name():
     assert core.audit()["balanced"]
 
 
-def test_a_restart_for_staleness_drops_the_trajectory_with_its_context():
+def test_a_trajectory_over_the_bound_keeps_its_tool_results_and_its_stale_turns_become_context():
+    """``over_bound = "restart"`` restarts a single-turn sample; a trajectory instead has its stale
+    tokens demoted to context (their versions no longer count) and goes on: the tool results it
+    paid for are kept. ``drop`` retires it as any sample."""
     core = make(group_size=1, staleness_bound=0, mode="async")
     core.admit("p0", [1, 2, 3], 0.0, task="calc")
     g = core.lease("gen", 10, 0.0)[0]
-    finish(core, g, [7])
+    finish(core, g, [7, 8])
     t = core.score_lease("scorer", 10, 1.0)[0]
     core.observed(g.sample_id, t.lease_id, OBS, 1.0)
     core.publish_version(1, 2.0)  # the held trajectory's version-0 tokens now break η = 0
     s = core.samples[g.sample_id]
-    assert s.place is Place.PARTIAL and s.n_tokens == 0 and s.context == () and s.turn == 0
-    assert core.counters.restarts == 1 and core.audit()["balanced"]
+    assert s.place is Place.PARTIAL and list(s.tokens) == [7, 8, *OBS] and s.turn == 1
+    assert s.context == ((0, 5),) and s.spans == ((1, 5),)  # turn 0 and its observation: context
+    assert (core.counters.restarts, core.counters.turns_demoted, core.counters.tokens_demoted) == (0, 1, 5)
+    again = core.lease("gen", 10, 2.0)[0]
+    core.finish(again.lease_id, 5, [9], [-0.5], [[1, 1]], "stop", 3.0)
+    t = core.score_lease("scorer", 10, 3.0)[0]
+    core.scored(g.sample_id, t.lease_id, 1.0, 3.0)
+    out = core.pull_batch(4.0).groups[0].samples[0]
+    assert out.context == ((0, 5),) and list(out.tokens) == [7, 8, *OBS, 9]  # only the 9 is trained
+    assert core.audit()["balanced"]
+
+    dropped = make(group_size=1, staleness_bound=0, mode="async", over_bound="drop")
+    dropped.admit("p0", [1, 2, 3], 0.0, task="calc")
+    g = dropped.lease("gen", 10, 0.0)[0]
+    finish(dropped, g, [7])
+    dropped.publish_version(1, 2.0)
+    assert dropped.counters.groups_retired == {"stale": 1}
 
 
 def test_a_snapshot_keeps_the_context_and_the_turn():

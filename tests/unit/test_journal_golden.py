@@ -30,7 +30,8 @@ EVERY_CALL = {"admit", "refuse_prompt", "lease", "chunk", "progress", "finish", 
               "report_batch", "ack_batches"}
 """Every journaled call when the goldens were written."""
 LATER_CALLS = {"observed"}  # issue 45: a trajectory's observation
-NEW_COUNTERS = ("turns_finished", "observations", "tokens_observed")  # issue 45, 0 in the goldens
+NEW_COUNTERS = ("turns_finished", "observations", "tokens_observed", "turns_demoted",  # issue 45, 0 here
+                "tokens_demoted")
 NEW_CONFIG = {"environments": [], "max_turns": 8, "turn_tokens": None,  # issue 45, at their defaults
               "turn_stop_token_ids": []}
 
@@ -68,6 +69,7 @@ def test_a_golden_journal_recovers_exactly_what_its_code_recovered(name, tmp_pat
     plain = msgspec.msgpack.decode(core.to_bytes())
     assert plain["config"].pop("async_admission") == "continuous"
     assert {k: plain["config"].pop(k) for k in NEW_CONFIG} == NEW_CONFIG
+    assert plain.pop("reopened_for") is None  # issue 45's property run: an async report reopens once
     assert [plain["counters"].pop(k) for k in NEW_COUNTERS] == [0] * len(NEW_COUNTERS)
     assert hashlib.sha256(msgspec.msgpack.encode(_without_resumes(plain))).hexdigest() == want["sha256"]
     for sample in core.samples.values():
