@@ -246,13 +246,13 @@ class Policy(Ledger):
             resume_bytes=bytes(s.token_bytes),
             max_new_tokens=self._turn_budget(g, held),
             min_policy_version=self.version,
-            trajectory=g.task in self.config.environments,
+            trajectory=self._trajectory(g),
         )
 
     def _turn_budget(self, g: Group, held: int) -> int:
         """New tokens a lease may make: what is left of the response, and of a trajectory's turn."""
         room = self.config.max_response_tokens - held
-        if self.config.turn_tokens is not None and g.task in self.config.environments:
+        if self.config.turn_tokens is not None and self._trajectory(g):
             return min(room, self.config.turn_tokens)
         return room
 
@@ -364,7 +364,7 @@ class Policy(Ledger):
                 return self.retire_group(s.group_id, "attempts_exhausted")
         else:
             s.finish_reason, s.finished_by = reason, lease.lease_id
-            if self.groups[s.group_id].task in self.config.environments:  # a turn: its environment decides
+            if self._trajectory(self.groups[s.group_id]):  # a turn: its environment decides
                 self._move(s, Place.STEPPING)
                 self.counters.turns_finished += 1
             else:
@@ -447,10 +447,14 @@ class Policy(Ledger):
             self._scorers.add(scorer)
             tasks.append(ScoreTask(sid, s.finished_by, s.group_id, list(g.prompt), _token_view(s.token_bytes).tolist(),
                                    s.finish_reason, g.task, dict(g.meta), s.turn, s.context,
-                                   self._takes_observation(s, g)))
+                                   self._takes_observation(s)))
         return tasks
 
-    def _takes_observation(self, s: Sample, g: Group) -> bool:
+    def _trajectory(self, g: Group) -> bool:
+        """Whether ``g``'s samples are trajectories (its task is in ``environments``)."""
+        return g.task in self.config.environments
+
+    def _takes_observation(self, s: Sample) -> bool:
         """Whether a finished turn of ``s`` may be answered with an observation: a trajectory below
         its turn limit, with room for a token after one."""
         return (s.place is Place.STEPPING and s.turn + 1 < self.config.max_turns
@@ -493,8 +497,7 @@ class Policy(Ledger):
         s = self._awaiting_score(sample_id, lease_id)
         if s is None:
             return []
-        g = self.groups[s.group_id]
-        if not self._takes_observation(s, g) or not len(tokens):
+        if not self._takes_observation(s) or not len(tokens):
             return self._fail_score(s, "bad_step")
         held = s.n_tokens
         if held + len(tokens) + 1 > self.config.max_response_tokens:
@@ -538,7 +541,7 @@ class Policy(Ledger):
             return []
         if self.config.over_bound == "drop":
             return self.retire_group(s.group_id, "stale")
-        if self.groups[s.group_id].task in self.config.environments:
+        if self._trajectory(self.groups[s.group_id]):
             self._demote(s)
             return []
         self.counters.restarts += 1
