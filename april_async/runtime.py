@@ -79,6 +79,19 @@ def exit_process(code: int | str | None) -> NoReturn:
     raise SystemExit(code)
 
 
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on(sig: int = STACKS_SIGNAL) -> None:
+    """On ``sig``, write every thread's Python stack to stderr (the actor's log) and go on running
+    (``faulthandler.register``): what ``april up`` sends an actor that did not stop in time, before it
+    kills it, so that its log says where it hung."""
+    import faulthandler
+    import sys
+
+    faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
+
+
 def run_actor(command: str, cfg, build, stop: StopFlag) -> int:
     """``april <command>`` once its config ``cfg`` is resolved: set up logging (``cfg.log``), build the
     actor (``build(cfg)``, from ``<actor>/main.py``) and run it until ``stop``. Returns 0, or 2 after one
@@ -89,6 +102,7 @@ def run_actor(command: str, cfg, build, stop: StopFlag) -> int:
     from april_async.logs import configure
 
     configure(json=cfg.log.json_lines, level=cfg.log.level)
+    dump_stacks_on(STACKS_SIGNAL)
     try:
         actor = build(cfg)
     except (ValueError, OSError) as e:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from april_async.config import ConfigError
 from april_async.runfiles import CHILDREN, per_node, read_json, read_metrics
-from april_async.runtime import die_with_parent
+from april_async.runtime import STACKS_SIGNAL, die_with_parent
 from april_async.up.config import ACTOR_KINDS, RunConfig
 from april_async.up.plan import Child, allocator_description
 from april_async.warmstart.config import WarmStartConfig
@@ -305,11 +305,33 @@ class Supervisor:
                 try:
                     c.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self.say(f"{c.name} did not stop in {self.run.stop_timeout_s:g} s; killing it", err=True)
+                    self.say(f"{c.name} did not stop in {self.run.stop_timeout_s:g} s; killing it (its threads'"
+                             f" stacks are at the end of {c.log})", err=True)
+                    self._dump_stacks(c)
                     c.proc.kill()
                     c.proc.wait()
             if kind == "learner":
                 self._wait_generators_synced()
+
+    @staticmethod
+    def _dump_stacks(c: Child, wait_s: float = 1.0) -> None:
+        """Ask a hung actor for its threads' stacks (``runtime.dump_stacks_on``); they land in its log.
+        The dump is written from the signal handler at once: the size of its log stops growing."""
+        try:
+            size = c.log.stat().st_size
+            c.proc.send_signal(STACKS_SIGNAL)
+        except (OSError, ProcessLookupError):
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                grown = c.log.stat().st_size
+            except OSError:
+                return
+            if grown > size:
+                time.sleep(0.1)  # the rest of the dump (one write per frame)
+                return
 
     def summary(self) -> dict:
         rows = read_metrics(self.dir)
