@@ -238,7 +238,7 @@ def experiment(cfg: Settings, cells: list[Cell], out: Path, args) -> tuple[list[
         held_out = held_out_problems(init, cfg)
         budget = validate_base_budget(cfg)
         eval_initial = evaluate_policy(init, cfg, held_out, budget)
-        print(f"experiment: the initial policy answers {eval_initial:.3f} of {len(held_out)} held-out problems "
+        print(f"experiment: the initial policy answers {eval_initial:.3f} of {len(held_out.problems)} held-out problems "
               f"(temperature {cfg.eval_temperature:g})", flush=True)
     meta = {"config": str(args.config), "settings": json.loads(cfg.model_dump_json()), "smoke": args.smoke,
             "initial_policy": str(init), "eval_initial": eval_initial}

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from april_async.config import ConfigError, toml_value
@@ -161,7 +162,7 @@ def run_up(argv: list[str], cell_dir: Path, timeout_s: float, *, window_s: float
     return status
 
 
-def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path, held_out: list | None = None) -> dict:
+def run_one(cfg: Settings, cell: Cell, seed: int, out: Path, init: Path, held_out: HeldOut | None = None) -> dict:
     run_dir = run_dir_of(out, cell.name, seed).resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -251,21 +252,32 @@ def validate_base_budget(cfg: Settings) -> int:
 # ---------------------------------------------------------------------- held-out evaluation
 
 
-def held_out_problems(init: Path, cfg: Settings) -> list:
-    """The evaluation problems: ``eval_problems`` of the warm start's held-out stream."""
+@dataclass(frozen=True)
+class HeldOut:
+    """The evaluation of an experiment: its problems, and how a conversation runs (``sft.ToolUse``:
+    the warm start's environment, or None for one turn)."""
+
+    problems: list
+    tools: object | None = None
+
+
+def held_out_problems(init: Path, cfg: Settings) -> HeldOut:
+    """The evaluation problems: ``eval_problems`` of the warm start's held-out stream, evaluated as
+    the warm start evaluates (with its environment, if it has one)."""
     from april_async.warmstart.config import WarmStartConfig
     from april_async.warmstart.sft import held_out_problems as stream
+    from april_async.warmstart.sft import tool_use
 
     ws = WarmStartConfig.model_validate(json.loads((init / "warmstart.json").read_text())["config"])
-    return stream(ws.model_copy(update={"eval_problems": cfg.eval_problems}))
+    return HeldOut(stream(ws.model_copy(update={"eval_problems": cfg.eval_problems})), tool_use(ws))
 
 
-def evaluate_checkpoint(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> tuple[float, dict]:
+def evaluate_checkpoint(checkpoint: Path, cfg: Settings, held_out: HeldOut, max_new_tokens: int) -> tuple[float, dict]:
     """The held-out reward of ``checkpoint``, and its answers by response tokens (``numbers.length_hist``)."""
     from april_async.warmstart.sft import evaluate
 
-    result = evaluate(checkpoint, problems, n=len(problems), temperature=cfg.eval_temperature,
-                      max_new_tokens=max_new_tokens, per_sample=True)
+    result = evaluate(checkpoint, held_out.problems, n=len(held_out.problems), temperature=cfg.eval_temperature,
+                      max_new_tokens=max_new_tokens, per_sample=True, tools=held_out.tools)
     if result["reward"] is None:
         raise ValueError(f"the held-out problems have no answers to score {checkpoint}")
     samples = result["samples"]
@@ -273,11 +285,11 @@ def evaluate_checkpoint(checkpoint: Path, cfg: Settings, problems: list, max_new
     return float(result["reward"]), hist
 
 
-def evaluate_policy(checkpoint: Path, cfg: Settings, problems: list, max_new_tokens: int) -> float:
-    return evaluate_checkpoint(checkpoint, cfg, problems, max_new_tokens)[0]
+def evaluate_policy(checkpoint: Path, cfg: Settings, held_out: HeldOut, max_new_tokens: int) -> float:
+    return evaluate_checkpoint(checkpoint, cfg, held_out, max_new_tokens)[0]
 
 
-def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> tuple[list[list[float]], dict]:
+def eval_checkpoints(run_dir: Path, cfg: Settings, held_out: HeldOut) -> tuple[list[list[float]], dict]:
     """``[[t, step, held-out reward], ...]`` of ``eval_points`` of the run's checkpoints whose step
     ended inside the window, spread evenly over it (t from the end of the first learner step); and
     the last one's answers by response tokens (``numbers.length_hist``)."""
@@ -302,6 +314,6 @@ def eval_checkpoints(run_dir: Path, cfg: Settings, problems: list) -> tuple[list
     budget = json.loads((run_dir / "config" / "broker.json").read_text())["rollout"]["max_response_tokens"]
     curve, hist = [], {}
     for i in picked:
-        reward, hist = evaluate_checkpoint(saved[i][2], cfg, problems, budget)
+        reward, hist = evaluate_checkpoint(saved[i][2], cfg, held_out, budget)
         curve.append([round(saved[i][0], 2), saved[i][1], reward])
     return curve, hist

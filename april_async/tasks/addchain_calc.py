@@ -4,7 +4,7 @@ The policy may hand part of a chain to a tool. A turn that ends in a call, its l
 
     calc{17+8x3}
 
-is answered with the observation ``= 41`` and the conversation goes on; a turn that writes the
+is answered with the observation ``= 41`` on a line of its own and the conversation goes on; a turn that writes the
 final answer (``#### 57``) ends it, with the math-answer reward of that answer. So a model can
 write ``calc{17+8x5}``, read ``= 57`` and answer ``#### 57`` in two turns instead of five lines.
 Braces, not parentheses: the character tokenizer has both, the answer's lines use ``)`` (``5)
@@ -16,16 +16,29 @@ typed error as the observation (``error: bad_expression: ...``), not a crash: th
 and may try again. A turn that neither calls nor answers, a turn cut by its budget, and the turn at
 the limit (``meta["max_turns"]``, else ``MAX_TURNS``, or the broker's: ``Trajectory.last_turn``) end
 the conversation with the reward of what the last turn answered (0 when nothing).
+
+The task (``TASK``: ``prompts = { kind = "addchain", task = "addchain_calc" }``) is ``addchain``'s
+problems under another name, so that the scorer steps this environment for them. Its warm start
+(``tool_reference``) shows the call on half of the problems (a stable hash picks which) and the
+worked lines on the others: the initial policy calls the tool on about half of its answers, and
+reinforcement learning has the choice to learn, since only the call is right on every long chain.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+from dataclasses import replace
 
 from april_async.agents.env import Continue, Done, Step, Trajectory
 from april_async.tasks import math_answer
+from april_async.tasks.base import Problem
 
+TASK = "addchain_calc"
 MAX_TURNS = 8
+TOOL_SHARE_BUCKETS = 2
+"""A problem's warm-start reference calls the tool when the hash of its prompt falls in bucket 0
+of this many (one in two)."""
 MAX_DIGITS = 12
 """The longest number the calculator reads (a larger one is a ``bad_expression``)."""
 _CALL = re.compile(r"calc\{([^{}\n]*)\}\s*$")
@@ -75,9 +88,9 @@ class CalcEnvironment:
         if not calls_on:
             return Done(self._reward(trajectory))
         try:
-            return Continue(f"= {evaluate(expression)}")
+            return Continue(f"\n= {evaluate(expression)}\n")
         except CalcError as e:
-            return Continue(f"error: bad_expression: {e}")
+            return Continue(f"\nerror: bad_expression: {e}\n")
 
     @staticmethod
     def _reward(trajectory: Trajectory) -> float:
@@ -85,3 +98,23 @@ class CalcEnvironment:
             raise KeyError(f"task {trajectory.task!r}: meta has no 'answer' "
                            f"(keys: {sorted(trajectory.meta)})")
         return math_answer.score(trajectory.last_text, trajectory.meta["answer"])
+
+
+def uses_tool(prompt: str) -> bool:
+    """Whether the warm start's reference for ``prompt`` calls the calculator (a stable hash, not
+    Python's salted one: one problem in ``TOOL_SHARE_BUCKETS``)."""
+    digest = hashlib.blake2b(f"calc:{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % TOOL_SHARE_BUCKETS == 0
+
+
+def tool_reference(problem: Problem) -> Problem:
+    """``problem`` (an ``addchain`` one) as this task's: renamed ``TASK``, and, where ``uses_tool``, its
+    reference the conversation ``calc{17+8x5}`` / ``= 57`` / ``#### 57`` (the observation exactly
+    as ``CalcEnvironment`` answers); elsewhere its worked lines."""
+    problem = replace(problem, task=TASK)
+    chain = problem.prompt.strip()
+    if not uses_tool(chain):
+        return problem
+    answer = problem.meta["answer"]
+    turns = (f"calc{{{chain}}}", f"\n= {evaluate(chain)}\n", f"#### {answer}")
+    return replace(problem, reference="".join(turns), reference_turns=turns)

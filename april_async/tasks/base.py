@@ -20,5 +20,9 @@ class Problem:
     """What the reward needs, e.g. ``{"answer": "17"}``; travels with the sample to the scorer."""
     reference: str | None = None
     """A worked correct response (without end-of-sequence), for the supervised warm start."""
+    reference_turns: tuple[str, ...] | None = None
+    """A worked conversation with a tool instead (an environment's task): policy turn, observation,
+    policy turn, ... (odd length); the warm start learns the policy turns only. Set, it is the
+    reference, and ``reference`` is their text joined."""
     prompt_ids: tuple[int, ...] | None = None
     """Token ids to send as they are, bypassing the tokenizer (the runtime tests' synthetic prompts)."""

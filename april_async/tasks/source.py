@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.tasks import addchain
+from april_async.tasks import addchain, addchain_calc
 from april_async.tasks.base import Problem
 
 DEFAULT_TASKS = {"synthetic": "scripted", "addchain": addchain.TASK, "jsonl": "math", "parquet": "math"}
@@ -137,6 +137,8 @@ class PromptSource:
         if cfg.kind == "addchain":
             make = addchain.held_out_problem if cfg.split == "held_out" else addchain.make_problem
             p = make(cfg.seed, index, cfg.chains)
+            if cfg.task == addchain_calc.TASK:  # the same problems, solved with the calculator
+                return addchain_calc.tool_reference(p)
             return p if cfg.task is None else replace(p, task=cfg.task)
         epoch, pos = divmod(index, len(self._data))
         if self._order is None or self._order[0] != epoch:

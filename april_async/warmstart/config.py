@@ -38,7 +38,17 @@ class WarmStartConfig(BaseModel):
     eval_temperature: float = Field(1.0, ge=0)
     """Sample at the RL run's temperature: that is the reward RL starts from."""
     max_response_tokens: int = Field(256, ge=1)
-    """Tokens an evaluation sample may generate."""
+    """Tokens an evaluation sample may generate (the policy's, over all its turns)."""
+    environment: str | None = None
+    """An environment's task (``package.module:Name``, as the scorer's ``environments``): evaluations
+    run each conversation with it, in this process, and take its reward; the references' tool
+    answers (``Problem.reference_turns``) are read, not learned. None: one turn, the math-answer
+    reward."""
+    turn_stop_token_ids: tuple[int, ...] = ()
+    """With ``environment``: ids that end a turn besides end-of-sequence (the broker's
+    ``rollout.turn_stop_token_ids``)."""
+    max_turns: int = Field(8, ge=1)
+    """With ``environment``: turns of one conversation at most (the broker's ``rollout.max_turns``)."""
     batch_rows: int = Field(16, ge=1)
     seq_len: int = Field(256, ge=16)
     """Tokens per packed row; a step trains on ``batch_rows × seq_len`` positions."""
@@ -59,6 +69,11 @@ class WarmStartConfig(BaseModel):
             raise ValueError(f"hidden_size={self.hidden_size} must split into {self.num_heads} heads of even size")
         if self.prompts.kind == "synthetic":
             raise ValueError("prompts of kind 'synthetic' have no text and no reference to learn")
+        if self.environment is None and self.turn_stop_token_ids:
+            raise ValueError("turn_stop_token_ids is a setting of a warm start with an environment: "
+                             "set [warmstart] environment too")
+        if self.environment is not None and self.environment.count(":") != 1:
+            raise ValueError(f"environment {self.environment!r} is not of the form package.module:Name")
         if self.prompts.split != "train":
             raise ValueError(f"prompts.split {self.prompts.split!r}: the warm start learns from the training "
                              f"stream; its evaluation takes the held-out one by itself")

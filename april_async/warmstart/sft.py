@@ -36,6 +36,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,6 +52,8 @@ from april_async.tasks.source import PromptSource, encode_prompt
 from april_async.warmstart import WarmStartStopped
 from april_async.warmstart.config import WarmStartConfig
 
+OBSERVATION_ROOM = 256
+"""Context an evaluation with tools keeps for observations, over the prompt and the policy's tokens."""
 IGNORE = -100
 """Target of a position that is not trained on (prompt, padding)."""
 LOG_EVERY_STEPS = 25
@@ -147,7 +150,7 @@ def _train(out_dir: Path, cfg: WarmStartConfig, log, stop: Callable[[], bool] | 
                      seconds=round(time.monotonic() - t0, 1))
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             result = evaluate_model(model, tok, held_out, temperature=cfg.eval_temperature,
-                                    max_new_tokens=cfg.max_response_tokens, seed=cfg.seed)
+                                    max_new_tokens=cfg.max_response_tokens, seed=cfg.seed, tools=tool_use(cfg))
             evals.append({"step": step, "seconds": round(time.monotonic() - t0, 1), "loss": round(losses[-1], 4),
                           **result})
             log.info("eval", **evals[-1])
@@ -199,10 +202,13 @@ def _init_weights(model: CausalLM) -> None:
 
 
 def _rows(src: PromptSource, tok, eos: int, seq_len: int) -> Iterator[list[tuple[list[int], int]]]:
-    """Endless packed rows: lists of (``<bos> prompt reference <eos>`` ids, prompt length), each
-    list at most ``seq_len`` tokens. A problem that does not fit the row goes first in the next;
-    one longer than a whole row is skipped."""
-    row: list[tuple[list[int], int]] = []
+    """Endless packed rows: lists of (``<bos> prompt reference <eos>`` ids, prompt length, the
+    reference's observation spans), each list at most ``seq_len`` tokens. A problem that does not
+    fit the row goes first in the next; one longer than a whole row is skipped. A reference with
+    turns (``Problem.reference_turns``) is its turns' ids one after the other, each encoded alone
+    as the run encodes them (the scorer encodes an observation's text by itself), and its
+    observations are spans not trained on."""
+    row: list[tuple[list[int], int, list[tuple[int, int]]]] = []
     used, seen_reference = 0, False
     for n in itertools.count():
         p = src.next()
@@ -215,19 +221,25 @@ def _rows(src: PromptSource, tok, eos: int, seq_len: int) -> Iterator[list[tuple
             continue
         seen_reference = True
         prompt = encode_prompt(p, tok)
-        seq = prompt + tok.encode(p.reference) + [eos]
+        seq, spans = list(prompt), []
+        for k, part in enumerate(p.reference_turns or (p.reference,)):
+            ids = tok.encode(part)
+            if k % 2:
+                spans.append((len(seq), len(ids)))
+            seq += ids
+        seq.append(eos)
         if len(seq) > seq_len:
             continue
         if used + len(seq) > seq_len:
             yield row
             row, used = [], 0
-        row.append((seq, len(prompt)))
+        row.append((seq, len(prompt), spans))
         used += len(seq)
 
 
-def _pack(rows: list[list[tuple[list[int], int]]], seq_len: int):
-    """Tensors of one step: ids, targets (IGNORE off the responses), positions, and the
-    block-diagonal causal mask [rows, 1, T, T] (padding attends to itself only)."""
+def _pack(rows: list[list[tuple[list[int], int, list[tuple[int, int]]]]], seq_len: int):
+    """Tensors of one step: ids, targets (IGNORE off the responses and on their observations),
+    positions, and the block-diagonal causal mask [rows, 1, T, T] (padding attends to itself only)."""
     n = len(rows)
     ids = torch.zeros(n, seq_len, dtype=torch.long)
     targets = torch.full((n, seq_len), IGNORE, dtype=torch.long)
@@ -235,10 +247,12 @@ def _pack(rows: list[list[tuple[list[int], int]]], seq_len: int):
     doc = torch.full((n, seq_len), -1, dtype=torch.long)
     for r, row in enumerate(rows):
         at = 0
-        for d, (seq, prompt_len) in enumerate(row):
+        for d, (seq, prompt_len, spans) in enumerate(row):
             k = len(seq)
             ids[r, at:at + k] = torch.tensor(seq)
             targets[r, at + prompt_len - 1:at + k - 1] = torch.tensor(seq[prompt_len:])  # position t predicts t+1
+            for offset, count in spans:  # a tool's answer is read, never written
+                targets[r, at + offset - 1:at + offset + count - 1] = IGNORE
             positions[r, at:at + k] = torch.arange(k)
             doc[r, at:at + k] = d
             at += k
@@ -253,50 +267,122 @@ def _pack(rows: list[list[tuple[list[int], int]]], seq_len: int):
 
 
 def evaluate(checkpoint_dir: Path | str, problems: Iterable[Problem], n: int = 128, temperature: float = 1.0, *,
-             max_new_tokens: int = 256, seed: int = 0, per_sample: bool = False) -> dict:
+             max_new_tokens: int = 256, seed: int = 0, per_sample: bool = False,
+             tools: ToolUse | None = None) -> dict:
     """Sample one response to each of the first ``n`` problems with the checkpoint (its own
-    tokenizer) and score it with the math-answer reward (``meta["answer"]``)."""
+    tokenizer) and score it with the math-answer reward (``meta["answer"]``), or, with ``tools``,
+    run each conversation with its environment and take the environment's reward."""
     model = CausalLM.from_pretrained(Path(checkpoint_dir))
     tok = load_tokenizer(checkpoint_dir)
     return evaluate_model(model, tok, list(itertools.islice(problems, n)), temperature=temperature,
-                          max_new_tokens=max_new_tokens, seed=seed, per_sample=per_sample)
+                          max_new_tokens=max_new_tokens, seed=seed, per_sample=per_sample, tools=tools)
+
+
+def tool_use(cfg: WarmStartConfig) -> ToolUse | None:
+    """How the warm start ``cfg`` (and the runs that start from it) evaluate: with its environment, or
+    None (one turn, the math-answer reward)."""
+    if cfg.environment is None:
+        return None
+    return ToolUse(cfg.environment, tuple(cfg.turn_stop_token_ids), cfg.max_turns)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How an evaluation runs a conversation, as a run does (``[warmstart] environment``): the
+    environment steps each turn in this process; a turn ends at end-of-sequence or one of
+    ``turn_stop_token_ids``; at most ``max_turns`` turns; the observation is the environment's text
+    as the tokenizer encodes it (what the scorer does for a tokenizer without a chat template)."""
+
+    environment: str
+    """``package.module:Name`` (``agents.env.load_environment``)."""
+    turn_stop_token_ids: tuple[int, ...] = ()
+    max_turns: int = 8
 
 
 @torch.no_grad()
 def evaluate_model(model: CausalLM, tok, problems: list[Problem], *, temperature: float, max_new_tokens: int,
-                   seed: int = 0, slots: int = 64, per_sample: bool = False) -> dict:
-    """Reward (None when no problem has an answer), mean response tokens, and the share cut at
-    ``max_new_tokens``, over one sample per problem; with ``per_sample``, also ``samples``: the
-    response tokens and reward of each problem that has an answer."""
+                   seed: int = 0, slots: int = 64, per_sample: bool = False, tools: ToolUse | None = None,
+                   engine=None) -> dict:
+    """Reward (None when no problem has an answer), mean response tokens (policy and observations),
+    and the share cut at ``max_new_tokens``, over one sample per problem; with ``per_sample``, also
+    ``samples``: the response tokens and reward of each problem that has an answer. With ``tools``,
+    also ``turns_mean`` and ``tool_share`` (conversations of more than one turn); ``max_new_tokens``
+    bounds the policy's tokens over all turns, and an environment that raises scores 0. ``engine``:
+    one to sample with instead of the embedded engine over ``model`` (the tests' scripted one)."""
+    from april_async.agents.env import Done, Trajectory, Turn, checked, load_environment
     from april_async.engines.base import EngineRequest  # the embedded engine samples exactly as a run does
     from april_async.engines.torch_engine import TorchEngine
 
-    was_training = model.training
+    env = load_environment(tools.environment) if tools is not None else None
+    stops = (tok.eos_id, *(tools.turn_stop_token_ids if tools is not None else ()))
+    was_training = model.training if model is not None else False
     prompts = [encode_prompt(p, tok) for p in problems]
     slots = max(1, min(slots, len(prompts)))
-    engine = TorchEngine(model, slots=slots, max_seq_len=max(map(len, prompts)) + max_new_tokens + 1)
-    responses: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    room = OBSERVATION_ROOM if tools is not None else 0
+    if engine is None:
+        engine = TorchEngine(model, slots=slots, max_seq_len=max(map(len, prompts)) + max_new_tokens + room + 1)
+    turns: dict[int, list[Turn]] = {i: [] for i in range(len(prompts))}
+    current: dict[int, list[int]] = {i: [] for i in range(len(prompts))}  # the turn being sampled
+    policy = [0] * len(prompts)  # policy tokens so far
     finish: dict[int, str] = {}
+    rewards: dict[int, float] = {}
     waiting = list(range(len(prompts)))[::-1]
     while waiting or engine.active():
         while waiting and engine.active() < slots:
             i = waiting.pop()
-            engine.submit(EngineRequest(lease_id=i, sample_id=i, prompt=prompts[i], resume=[],
-                                        max_new_tokens=max_new_tokens, temperature=temperature,
-                                        stop_token_ids=(tok.eos_id,), seed=seed * 1_000_003 + i))
+            resume = [t for turn in turns[i] for t in (*turn.policy_ids, *turn.observation_ids)]
+            engine.submit(EngineRequest(lease_id=i, sample_id=i, prompt=prompts[i], resume=resume,
+                                        max_new_tokens=max_new_tokens - policy[i], temperature=temperature,
+                                        stop_token_ids=stops, seed=(seed * 1_000_003 + i) * 101 + len(turns[i])))
         for out in engine.step():
-            responses[out.lease_id].extend(out.tokens)
-            if out.finish:
-                finish[out.lease_id] = out.finish
-    model.train(was_training)
-    scored = [(len(responses[i]), math_score(tok.decode(responses[i]), p.meta["answer"]))
-              for i, p in enumerate(problems) if "answer" in p.meta]
-    rewards = [r for _, r in scored]
+            i = out.lease_id
+            current[i].extend(out.tokens)
+            policy[i] += len(out.tokens)
+            if not out.finish:
+                continue
+            finish[i] = out.finish
+            turns[i].append(Turn(policy_ids=current[i], policy_text=tok.decode(current[i])))
+            current[i] = []
+            if env is None:
+                continue
+            p = problems[i]
+            used = len(prompts[i]) + sum(len(t.policy_ids) + len(t.observation_ids) for t in turns[i])
+            last = len(turns[i]) >= tools.max_turns or policy[i] >= max_new_tokens
+            t = Trajectory(sample_id=i, prompt_ids=prompts[i], turns=list(turns[i]), finish_reason=out.finish,
+                           task=p.task, meta=dict(p.meta), prompt_text=p.prompt, last_turn=last)
+            try:
+                step = checked(env.step(t))
+            except Exception:  # a broken environment scores nothing here; the scorer types its errors
+                rewards[i] = 0.0
+                continue
+            if isinstance(step, Done) or last:
+                rewards[i] = float(step.reward) if isinstance(step, Done) else 0.0
+                continue
+            text = step.observation if isinstance(step.observation, str) else step.observation["content"]
+            observation = list(tok.encode(text))
+            if used + len(observation) + 1 >= engine.max_seq_len:  # no room for a turn (the broker's context_full)
+                rewards[i] = 0.0
+                continue
+            turns[i][-1] = Turn(policy_ids=turns[i][-1].policy_ids, observation_ids=observation,
+                                policy_text=turns[i][-1].policy_text)
+            waiting.append(i)
+    if model is not None:
+        model.train(was_training)
+    responses = {i: [t for turn in turns[i] for t in (*turn.policy_ids, *turn.observation_ids)] for i in turns}
+    if env is None:
+        scored = [(len(responses[i]), math_score(tok.decode(responses[i]), p.meta["answer"]))
+                  for i, p in enumerate(problems) if "answer" in p.meta]
+    else:
+        scored = [(len(responses[i]), rewards.get(i, 0.0)) for i, p in enumerate(problems) if "answer" in p.meta]
+    rewards_list = [r for _, r in scored]
     lengths = [len(r) for r in responses.values()]
-    out = {"reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
+    out = {"reward": round(sum(rewards_list) / len(rewards_list), 4) if rewards_list else None,
            "mean_response_len": round(sum(lengths) / max(1, len(lengths)), 1),
            "truncated": round(sum(f == "length" for f in finish.values()) / max(1, len(finish)), 4),
            "n": len(problems)}
+    if env is not None:
+        out["turns_mean"] = round(sum(len(t) for t in turns.values()) / max(1, len(turns)), 3)
+        out["tool_share"] = round(sum(len(t) > 1 for t in turns.values()) / max(1, len(turns)), 4)
     if per_sample:
         out["samples"] = [[n, float(r)] for n, r in scored]
     return out

@@ -115,7 +115,7 @@ def test_an_environments_steps_run_in_the_worker_and_each_failure_has_its_kind()
         assert (first.kind, first.observation, first.reward) == ("continued", "= 3:0", None), first
         assert worker.run(f"{HERE}:EnvTwoTurns", steps_of("call", "answer")).reward == 1.0
         calc = "april_async.tasks.addchain_calc:CalcEnvironment"
-        assert worker.run(calc, steps_of("calc{17+8x5}", meta={"answer": "57"})).observation == "= 57"
+        assert worker.run(calc, steps_of("calc{17+8x5}", meta={"answer": "57"})).observation == "\n= 57\n"
         assert worker.run(calc, steps_of("calc{17+8x5}", "#### 57", meta={"answer": "57"})).reward == 1.0
         cases = {"EnvRaises": ("env_error", r"raised RuntimeError: tool broke at 3:0"),
                  "EnvHangs": ("env_timeout", r"EnvHangs ran past 1 s"),
@@ -310,11 +310,11 @@ def test_the_scorer_steps_an_environment_and_answers_a_resent_step_from_its_cach
             raise AssertionError(cluster.dump_logs())
 
         first = ask(turn_request(1, 10, ["calc{17+8x5}"], []))
-        assert first.observation == tok.encode("= 57") and first.reward is None, first
+        assert first.observation == tok.encode("\n= 57\n") and first.reward is None, first
         again = ask(turn_request(1, 10, ["calc{17+8x5}"], []))  # the broker's re-send: from the cache
         assert again.observation == first.observation
         assert log.read_text().splitlines() == ["1:0:10"]  # the tool ran once
-        done = ask(turn_request(1, 11, ["calc{17+8x5}", "#### 57"], ["= 57"]))
+        done = ask(turn_request(1, 11, ["calc{17+8x5}", "#### 57"], ["\n= 57\n"]))
         assert done.reward == 1.0, done
         last = ask(turn_request(2, 20, ["calc{1+1}"], [], takes=False))  # the broker's last turn: it ends
         assert last.reward == 0.0, last

@@ -97,17 +97,17 @@ def test_a_call_ends_a_turn_only_on_its_last_line():
 
 def test_the_calculator_environment_answers_calls_and_ends_with_the_final_answers_reward():
     env = CalcEnvironment()
-    assert env.step(trajectory("calc{17+8x5}")) == Continue("= 57")
+    assert env.step(trajectory("calc{17+8x5}")) == Continue("\n= 57\n")
     assert env.step(trajectory("calc{17+8x5}", "#### 57")) == Done(1.0)
     assert env.step(trajectory("calc{17+8x5}", "#### 58")) == Done(0.0)
-    refused = Continue("error: bad_expression: '17-8' is not a number or NxK")
+    refused = Continue("\nerror: bad_expression: '17-8' is not a number or NxK\n")
     assert env.step(trajectory("calc{17-8}")) == refused
     assert env.step(trajectory("nothing to do")) == Done(0.0)  # neither a call nor an answer
     assert env.step(trajectory("calc{17+8x5}", finish="length")) == Done(0.0)  # cut by its budget
     assert env.step(trajectory("#### 57\ncalc{1}")) == Done(1.0)  # an answer ends it, whatever follows
     # the turn limit: the last allowed turn's call is not answered
     assert env.step(trajectory(*["calc{1}"] * 3, meta={"answer": "57", "max_turns": 3})) == Done(0.0)
-    assert env.step(trajectory(*["calc{1}"] * 2, meta={"answer": "57", "max_turns": 3})) == Continue("= 1")
+    assert env.step(trajectory(*["calc{1}"] * 2, meta={"answer": "57", "max_turns": 3})) == Continue("\n= 1\n")
     last = Trajectory(sample_id=7, prompt_ids=[9], turns=[Turn([1], [], "calc{1+1}")], finish_reason="stop",
                       task="addchain", meta={"answer": "2"}, last_turn=True)
     assert env.step(last) == Done(0.0)  # the broker takes no observation after this turn
