@@ -12,7 +12,8 @@ Braces, not parentheses: the character tokenizer has both, the answer's lines us
 
 The calculator reads the task's own notation and nothing else: a sum of terms, each a whole number
 or ``NxK`` (N added K times), e.g. ``17+8x5`` or ``25+8+8``. Anything else is answered with a
-typed error as the observation (``error: bad_expression: ...``), not a crash: the policy sees it
+typed error as the observation (``error bad expression``: the words of the character tokenizer's
+alphabet, which has no ``:`` or ``_``), not a crash: the policy sees it
 and may try again. A turn that neither calls nor answers, a turn cut by its budget, and the turn at
 the limit (``meta["max_turns"]``, else ``MAX_TURNS``, or the broker's: ``Trajectory.last_turn``) end
 the conversation with the reward of what the last turn answered (0 when nothing).
@@ -35,6 +36,8 @@ from april_async.tasks import math_answer
 from april_async.tasks.base import Problem
 
 TASK = "addchain_calc"
+BAD_EXPRESSION = "error bad expression"
+"""The observation of a call the calculator does not read (``CalcError`` says why, to a caller)."""
 MAX_TURNS = 8
 TOOL_SHARE_BUCKETS = 2
 """A problem's warm-start reference calls the tool when the hash of its prompt falls in bucket 0
@@ -89,8 +92,8 @@ class CalcEnvironment:
             return Done(self._reward(trajectory))
         try:
             return Continue(f"\n= {evaluate(expression)}\n")
-        except CalcError as e:
-            return Continue(f"\nerror: bad_expression: {e}\n")
+        except CalcError:
+            return Continue(f"\n{BAD_EXPRESSION}\n")
 
     @staticmethod
     def _reward(trajectory: Trajectory) -> float:

@@ -352,14 +352,14 @@ def evaluate_model(model: CausalLM, tok, problems: list[Problem], *, temperature
                            task=p.task, meta=dict(p.meta), prompt_text=p.prompt, last_turn=last)
             try:
                 step = checked(env.step(t))
-            except Exception:  # a broken environment scores nothing here; the scorer types its errors
-                rewards[i] = 0.0
+                if isinstance(step, Done) or last:
+                    rewards[i] = float(step.reward) if isinstance(step, Done) else 0.0
+                    continue
+                text = step.observation if isinstance(step.observation, str) else step.observation["content"]
+                observation = list(tok.encode(text))
+            except Exception:  # a broken environment (or one the tokenizer cannot write) scores nothing here;
+                rewards[i] = 0.0  # the scorer types its errors
                 continue
-            if isinstance(step, Done) or last:
-                rewards[i] = float(step.reward) if isinstance(step, Done) else 0.0
-                continue
-            text = step.observation if isinstance(step.observation, str) else step.observation["content"]
-            observation = list(tok.encode(text))
             if used + len(observation) + 1 >= engine.max_seq_len:  # no room for a turn (the broker's context_full)
                 rewards[i] = 0.0
                 continue
