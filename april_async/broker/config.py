@@ -128,6 +128,17 @@ class RolloutConfig(BaseModel):
     """Token ids that end a turn of a trajectory besides ``sampling.stop_token_ids`` (a tool call's
     last token: ``}`` of the calculator's ``calc{...}``): sent as stop tokens of its leases only."""
 
+    on_env_failure: Literal["retire", "retry"] = "retire"
+    """What a trajectory's failed step costs (``env_error``: its environment raised or its worker
+    died; ``env_timeout``: it hung past the scorer's ``timeout_s``). ``retire``: its group retires
+    under that reason, at once. ``retry``: the same step is sent to a scorer again, up to
+    ``env_retries`` times, then the group retires (a flaky tool, a worker killed under it). A
+    malformed step (``bad_step``) and a reward function's errors always retire: running them again
+    gives the same answer."""
+    env_retries: int = Field(2, ge=0)
+    """With ``on_env_failure = "retry"``: failed runs of one step sent again, at most (the count
+    starts again at each turn)."""
+
     _boundary_alias = field_validator("boundary", mode="before")(lambda cls, v: boundary_name(v))
 
     @model_validator(mode="after")

@@ -134,6 +134,7 @@ class Sample(msgspec.Struct, gc=False):
     resumed_at: tuple[int, ...] = ()  # response offsets at which a lease resumed it (prefilling them again)
     context: tuple[tuple[int, int], ...] = ()  # (offset, count) of the response's context: observations
     turn: int = 0  # a trajectory's policy turns before the one in progress (observations received)
+    step_failures: int = 0  # failed runs of its current step sent again (``on_env_failure = "retry"``)
 
     @property
     def oldest_version(self) -> int | None:
@@ -211,6 +212,7 @@ class Counters(msgspec.Struct, kw_only=True):
     turns_demoted: int = 0  # trajectories over η whose stale tokens became context instead of a restart
     tokens_demoted: int = 0  # those tokens
     score_errors: int = 0
+    steps_retried: int = 0  # failed environment steps sent to a scorer again (``on_env_failure = "retry"``)
     score_timeouts: int = 0
     stale_scores: int = 0
     batches_delivered: int = 0

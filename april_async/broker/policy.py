@@ -42,6 +42,11 @@ from april_async.broker.ledger import (_TOKEN_SIZE, HELD_PLACES, NO_TOKENS, Brok
                                        Sample, _bump, _logprob_bytes, _oldest_of, _token_bytes, _token_view)
 from april_async.broker.paged import FifoSet
 
+RETRIED_STEP_FAILURES = frozenset({"env_error", "env_timeout"})
+"""The failures of an environment's step that may pass when it runs again (a tool that raised,
+a worker that died or hung), which ``on_env_failure = "retry"`` sends again; every other failure
+(``bad_step``: a malformed step; a reward function's errors) retires its group."""
+
 
 @dataclass(frozen=True)
 class LeaseGrant:
@@ -516,6 +521,7 @@ class Policy(Ledger):
             s.spans = ((self.version, len(tokens)),)
         s.context += ((held, len(tokens)),)
         s.turn += 1
+        s.step_failures = 0
         s.attempts = 0  # ``max_attempts`` bounds the leases of one turn: each turn needs one of its own
         s.finish_reason, s.finished_by = None, None
         self._move(s, Place.PARTIAL)
@@ -524,10 +530,22 @@ class Policy(Ledger):
         return self._enforce_bound(s)
 
     def score_failed(self, sample_id: int, lease_id: int, now: float, reason: str = "score_error") -> list[AbortLease]:
-        """A reward function raised or timed out: the sample's whole group is retired, counted
-        under ``reason`` (``reward_error``, ``reward_timeout``, ``bad_reward``, ...)."""
+        """A reward function or an environment's step failed: the sample's whole group is retired,
+        counted under ``reason`` (``reward_error``, ``reward_timeout``, ``bad_reward``, ``env_error``,
+        ...), or, for a step that may succeed when run again under ``on_env_failure = "retry"``, the
+        step goes back to the scorers (``env_retries`` times a turn)."""
         s = self._awaiting_score(sample_id, lease_id)
-        return [] if s is None else self._fail_score(s, reason)
+        if s is None:
+            return []
+        if (reason in RETRIED_STEP_FAILURES and self.config.on_env_failure == "retry"
+                and s.step_failures < self.config.env_retries and self._trajectory(self.groups[s.group_id])):
+            s.step_failures += 1
+            self.counters.steps_retried += 1
+            if sample_id in self.scoring:  # else a timeout already put it back in line
+                del self.scoring[sample_id]
+                self._unscored[sample_id] = None
+            return []
+        return self._fail_score(s, reason)
 
     def _fail_score(self, s: Sample, reason: str) -> list[AbortLease]:
         self.counters.score_errors += 1

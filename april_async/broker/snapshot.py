@@ -55,7 +55,8 @@ def encode(core: BrokerCore) -> bytes:
                               attempts=s.attempts,
                               lease_id=s.lease_id, finish_reason=s.finish_reason, reward=s.reward,
                               finished_by=s.finished_by, resumed_at=list(s.resumed_at),
-                              context=[list(c) for c in s.context], turn=s.turn)
+                              context=[list(c) for c in s.context], turn=s.turn,
+                              step_failures=s.step_failures)
                  for s in core.samples.values()],
         leases=[LeaseRecord(lease_id=x.lease_id, sample_id=x.sample_id, generator=x.generator,
                             deadline=x.deadline, aborting=core._aborting(x)) for x in core.leases.values()],
@@ -128,7 +129,8 @@ def _restore_ledger(core: BrokerCore, snap: Snapshot) -> None:
             raise BrokerError(f"snapshot is inconsistent: sample {s.sample_id} holds {e}") from None
         core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, tokens, logprobs,
                                            _spans(s.spans), s.attempts, s.lease_id, s.finish_reason, s.reward,
-                                           s.finished_by, tuple(s.resumed_at), _spans(s.context), s.turn)
+                                           s.finished_by, tuple(s.resumed_at), _spans(s.context), s.turn,
+                                           s.step_failures)
     for place, n in snap.ended.items():
         core.ended[Place(place)] += n
     # A snapshot written before groups left the ledger on ending holds them: they leave now.
@@ -223,6 +225,7 @@ class SampleRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     resumed_at: list[int] = []  # since 2026-11-26: absent in older snapshots (no resume known)
     context: list[list[int]] = []  # since issue 45: [[offset, count], ...] observations; absent: none
     turn: int = 0  # since issue 45: observations received; absent: a single-turn sample
+    step_failures: int = 0  # since issue 45 item 8: failed runs of the current step sent again
 
 
 class LeaseRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -116,8 +116,8 @@ class ScorerActor:
 
     def _answer(self, call: tuple[str, m.ScoreRequest], outcome: Outcome) -> None:
         msg_id, req = call
-        if req.task in self.cfg.environments:
-            self.steps.put(req.sample_id, req.turn, (req.lease_id, outcome))
+        if req.task in self.cfg.environments and outcome.error is None:  # a failure is no answer: a step
+            self.steps.put(req.sample_id, req.turn, (req.lease_id, outcome))  # sent again runs again
         self.peer.send(self._scored(req, outcome), parent_id=msg_id)
 
     def _scored(self, req: m.ScoreRequest, outcome: Outcome) -> m.Scored:

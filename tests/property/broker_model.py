@@ -77,6 +77,8 @@ def configs(modes: tuple[str, ...], trajectories: bool | str = True):
             environments=st.just([TASK]) if trajectories == "always" else st.sampled_from([[], [], [TASK]]),
             max_turns=st.integers(1, 3),
             turn_tokens=st.sampled_from([None, 1, 2]),
+            on_env_failure=st.sampled_from(["retire", "retry"]),
+            env_retries=st.integers(0, 2),
         )
     return st.builds(dict, **fields)
 
@@ -102,6 +104,7 @@ class MSample:
     reward: float | None = None
     attempts: int = 0  # leases issued for it
     turn: int = 0  # observations received (a trajectory)
+    step_failures: int = 0  # failed runs of its current step sent again (``on_env_failure = "retry"``)
 
 
 @dataclass
@@ -450,7 +453,9 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             candidates = sorted(s for s, m in self.samples.items() if m.finished_by is not None)
             sid = data.draw(st.sampled_from(candidates), label="sample")
             fail = fail and data.draw(st.integers(0, 3)) == 0
-            self.do_score(sid, reward, fail)
+            reason = data.draw(st.sampled_from(["score_error", "env_error", "env_timeout", "bad_step"]),
+                               label="reason") if fail and self.trajectories else "score_error"
+            self.do_score(sid, reward, fail, reason)
 
         @rule(scorer=st.sampled_from(SCORERS), reward=st.sampled_from([0.0, 0.5, 1.0]))
         def scorer_scores_all(self, scorer, reward):
@@ -473,11 +478,11 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.scorer_scores_all(scorer, reward)
             self.pull_batch()
 
-        def do_score(self, sid, reward, fail):
+        def do_score(self, sid, reward, fail, reason="score_error"):
             lid = self.samples[sid].finished_by
             if fail:
-                effects = self.core.score_failed(sid, lid, self.now)
-                self.replayable.append(("score_failed", sid, lid))
+                effects = self.core.score_failed(sid, lid, self.now, reason)
+                self.replayable.append(("score_failed", sid, lid, reason))
             else:
                 effects = self.core.scored(sid, lid, reward, self.now)
                 self.replayable.append(("scored", sid, lid, reward))
@@ -486,6 +491,11 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.agree(not effects, f"score of sample {sid} in {m.place} had effects")
                 return
             self.scoring.pop(sid, None)
+            if (fail and reason in ("env_error", "env_timeout") and self.cfg.on_env_failure == "retry"
+                    and self.trajectories and m.step_failures < self.cfg.env_retries):
+                m.step_failures += 1  # the same step goes to a scorer again: it waits for one
+                self.agree(not effects, f"a retried step of sample {sid} had effects {effects}")
+                return
             if fail:
                 expected = self.m_retire(m.group_id)
                 self.agree({e.lease_id for e in effects} == expected, f"score failure effects {effects}")
@@ -515,6 +525,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 version = m.tokens[-1][2] if m.tokens else self.V
                 m.tokens.extend((t, 0.0, version) for t in toks)
                 m.turn += 1
+                m.step_failures = 0
                 m.attempts = 0
                 m.place, m.finished_by = Place.PARTIAL, None
                 expected = self.m_enforce(sid)
@@ -649,7 +660,8 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             elif kind == "scored":
                 self.core.scored(*args, self.now)
             elif kind == "score_failed":
-                self.core.score_failed(*args, self.now)
+                sid, lid, reason = args
+                self.core.score_failed(sid, lid, self.now, reason)
             elif kind == "observed":
                 self.core.observed(*args, self.now)
             elif kind == "publish":

@@ -28,7 +28,8 @@ V1 = json.loads((DATA / "broker-journal-v1.json").read_text())
 
 BEFORE_TRAJECTORIES = set(Place) - {Place.STEPPING}
 """The places when the fixture was written (issue 45 added ``stepping``)."""
-TRAJECTORY_COUNTERS = ("turns_finished", "observations", "tokens_observed", "turns_demoted", "tokens_demoted")
+TRAJECTORY_COUNTERS = ("turns_finished", "observations", "tokens_observed", "turns_demoted", "tokens_demoted",
+                       "steps_retried")
 
 
 def state_of(core: BrokerCore) -> dict:

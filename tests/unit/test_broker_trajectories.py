@@ -169,3 +169,44 @@ def test_a_turn_at_its_environment_is_in_a_place_of_its_own_and_keeps_its_group_
     core.observed(g.sample_id, t.lease_id, OBS, 1.0)
     assert core.lease("gen", 1, 1.0)[0].sample_id == g.sample_id  # its next turn before the fresh group
     assert core.audit()["balanced"]
+
+
+def test_a_failed_step_is_retried_by_the_named_policy_then_retired_and_a_snapshot_keeps_the_count():
+    """``on_env_failure = "retry"``: an ``env_error`` / ``env_timeout`` sends the same step to a
+    scorer again, ``env_retries`` times a turn (the count starts again after an observation), then
+    the group retires under the failure's name; ``bad_step`` retires at once. ``retire`` (the
+    default) retires at the first failure."""
+    from april_async.broker import snapshot
+
+    core = make(group_size=1, on_env_failure="retry", env_retries=2)
+    core.admit("p0", [1, 2, 3], 0.0, task="calc")
+    g = core.lease("gen", 10, 0.0)[0]
+    finish(core, g, [7])
+    t = core.score_lease("scorer", 10, 1.0)[0]
+    core.score_failed(g.sample_id, t.lease_id, 1.0, "env_timeout")
+    again = core.score_lease("scorer", 10, 1.0)  # the same step, to a scorer again
+    assert [(x.sample_id, x.lease_id, x.turn) for x in again] == [(g.sample_id, t.lease_id, 0)]
+    core.observed(g.sample_id, t.lease_id, OBS, 1.0)  # the retry answered: the next turn
+    s = core.samples[g.sample_id]
+    assert s.turn == 1 and s.step_failures == 0 and core.counters.steps_retried == 1
+    g = core.lease("gen", 10, 1.0)[0]
+    finish(core, g, [8])
+    for k in range(2):
+        t = core.score_lease("scorer", 10, 2.0)[0]
+        core.score_failed(g.sample_id, t.lease_id, 2.0, "env_error")
+        assert core.samples[g.sample_id].step_failures == k + 1
+        core = BrokerCore.from_bytes(snapshot.encode(core))  # a restart keeps the count
+    t = core.score_lease("scorer", 10, 3.0)[0]
+    core.score_failed(g.sample_id, t.lease_id, 3.0, "env_error")  # the third failure of this turn
+    assert core.counters.groups_retired == {"env_error": 1} and core.counters.steps_retried == 3
+    assert core.audit()["balanced"], core.audit()
+
+    for kw, reason, retired in [({"on_env_failure": "retry"}, "bad_step", {"bad_step": 1}),
+                                ({}, "env_error", {"env_error": 1})]:
+        core = make(group_size=1, **kw)
+        core.admit("p0", [1, 2, 3], 0.0, task="calc")
+        g = core.lease("gen", 10, 0.0)[0]
+        finish(core, g, [7])
+        t = core.score_lease("scorer", 10, 1.0)[0]
+        core.score_failed(g.sample_id, t.lease_id, 1.0, reason)
+        assert core.counters.groups_retired == retired and core.counters.steps_retried == 0

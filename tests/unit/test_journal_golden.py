@@ -31,9 +31,9 @@ EVERY_CALL = {"admit", "refuse_prompt", "lease", "chunk", "progress", "finish", 
 """Every journaled call when the goldens were written."""
 LATER_CALLS = {"observed"}  # issue 45: a trajectory's observation
 NEW_COUNTERS = ("turns_finished", "observations", "tokens_observed", "turns_demoted",  # issue 45, 0 here
-                "tokens_demoted")
+                "tokens_demoted", "steps_retried")
 NEW_CONFIG = {"environments": [], "max_turns": 8, "turn_tokens": None,  # issue 45, at their defaults
-              "turn_stop_token_ids": []}
+              "turn_stop_token_ids": [], "on_env_failure": "retire", "env_retries": 2}
 
 
 def recover(name: str, tmp_path: Path):
