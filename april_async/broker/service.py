@@ -36,6 +36,7 @@ from april_async.broker import records as r
 from april_async.broker.allocator import allocator_in_use
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
 from april_async.broker.core import LOGPROB_DTYPE, TOKEN_DTYPE, AbortLease, BatchOut, BrokerCore, BrokerError
+from april_async.broker.ledger import Place
 from april_async.broker.records import apply_progress, ledger_arrays
 from april_async.logs import get_logger
 from april_async.tasks.source import PromptSource, encode_prompt
@@ -58,6 +59,31 @@ class PeerState:
     last_heartbeat_sent: float = 0.0
 
 
+class SampleClock:
+    """Seconds from a group's admission to each of its samples' reward, and each sample's turns
+    (``broker_state.json``'s ``sample_seconds``): the latency a mode buys its throughput with, and
+    how often a trajectory calls its tool. The last ``keep`` samples only. Admission times are the
+    broker's clock (the host's monotonic clock, the same after a restart of the broker on that host);
+    a duration that is negative or over a day (a ledger recovered on another host) is not timed."""
+
+    def __init__(self, keep: int = 100_000):
+        self.seconds: deque[float] = deque(maxlen=keep)
+        self.turns: dict[int, int] = {}
+        self.n = 0
+
+    def add(self, seconds: float, turns: int) -> None:
+        self.turns[turns] = self.turns.get(turns, 0) + 1
+        if 0.0 <= seconds < 86_400.0:
+            self.seconds.append(seconds)
+            self.n += 1
+
+    def summary(self) -> dict:
+        xs = sorted(self.seconds)
+        q = {f"p{p}": round(xs[min(len(xs) - 1, int(p / 100 * len(xs)))], 4) for p in (50, 90, 99) if xs}
+        return {"n": self.n, **q, "max": round(xs[-1], 4) if xs else None,
+                "turns": {str(k): v for k, v in sorted(self.turns.items())}}
+
+
 VERSION_MOVERS = ("learner", "broadcaster")
 """The roles whose messages move the policy version; one instance of each at a time (``_mover``)."""
 LEASE_ROUNDS = 8
@@ -76,6 +102,7 @@ class BrokerService:
         self.version_right = roles.VersionRight()  # which learner, which broadcaster moves the version
         self.journal: Journal | None = None
         self.records_since_snapshot = 0
+        self.sample_clock = SampleClock()
         self.core = self._recover()
         c = self.core.counters
         # The stream is a function of the prompts taken: a restarted broker picks it up where it was.
@@ -146,7 +173,14 @@ class BrokerService:
         core = self.core
         audit = core.audit()
         return {"version": core.version, "places": audit["places"], "samples": audit["live"],
-                "expected": audit["expected"], "balanced": audit["balanced"], "counters": core.counters.as_dict()}
+                "expected": audit["expected"], "balanced": audit["balanced"],
+                "counters": core.counters.as_dict(), "sample_seconds": self.sample_clock.summary()}
+
+    def _clock_sample(self, sample_id: int, now: float) -> None:
+        """A reward arrived: time the sample from its group's admission (``SampleClock``)."""
+        s = self.core.samples.get(sample_id)
+        if s is not None and s.place is Place.SCORED:
+            self.sample_clock.add(now - self.core.groups[s.group_id].admitted_at, s.turn + 1)
 
     def handle(self, identity: bytes, msg, now: float) -> None:
         body, sender = msg.body, msg.sender
@@ -182,6 +216,7 @@ class BrokerService:
                 self._aborts(self.apply(r.ScoreFailed(body.sample_id, body.lease_id, now, reason)))
             else:
                 self._aborts(self.apply(r.Scored(body.sample_id, body.lease_id, body.reward, now)))
+                self._clock_sample(body.sample_id, now)
         elif isinstance(body, m.BatchRequest):
             self._version_at_least(body.policy_version, now)
             if body.acked_batch_id is not None and self.core.unacked_batch_after(None) is not None:

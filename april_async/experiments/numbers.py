@@ -108,7 +108,13 @@ def run_numbers(run_dir: Path, cfg: Settings) -> dict:
     out.update(generator_shares(run_dir, t_first, t_first + span))
     ledger_file = run_dir / "broker_state.json"
     if ledger_file.is_file():
-        c = json.loads(ledger_file.read_text())["counters"]
+        state = json.loads(ledger_file.read_text())
+        c = state["counters"]
+        clock = state.get("sample_seconds") or {}  # a broker before issue 45 left it out
+        if clock.get("p99") is not None:
+            out["sample_p50_s"], out["sample_p99_s"] = clock["p50"], clock["p99"]
+            turns = {int(k): v for k, v in clock.get("turns", {}).items()}
+            out["multi_turn_frac"] = sum(v for k, v in turns.items() if k > 1) / max(1, sum(turns.values()))
         out["staleness_tokens"] = {str(k): int(v) for k, v in sorted(c.get("staleness_tokens", {}).items(),
                                                                       key=lambda kv: int(kv[0]))}
         out.setdefault("discarded_frac", c["tokens_discarded"] / max(1, c["tokens_generated"]))
@@ -331,7 +337,8 @@ def length_split(hist: dict[str, list[float]], edges: list[int]) -> list[tuple[f
 
 # ---------------------------------------------------------------------- cells: mean ± spread over seeds
 
-AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "reward_final", "off_policy_frac", "discarded_frac",
+AGGREGATED = ("steps", "tokens_per_s", "gen_tokens_per_s", "sample_p50_s", "sample_p99_s", "multi_turn_frac",
+              "reward_final", "off_policy_frac", "discarded_frac",
               "retired_frac", "ess", "ess_min", "lag_mean", "wait_frac", "train_frac", "handoff_frac", "step_s_mean",
               "eval_final", "gen_busy_frac", "gen_slot_frac", "mixed_frac")
 

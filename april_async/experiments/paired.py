@@ -178,8 +178,17 @@ CENSORED_BY = {"t": "time", "te": "time", "s": "samples", "se": "samples"}
 """Claims that are a time or a number of samples to a level, by key prefix, and what censors them."""
 
 
-def claims(levels: list[float], eval_levels: list[float], with_eval: bool) -> list[Claim]:
-    """The claims compared with sync: (run key, what it says, which way is better, verdict words)."""
+RUN_CLAIMS: list[Claim] = [
+    ("gen_tokens_per_s", "rollout tokens/s", HIGHER_IS_BETTER, ("faster", "slower")),
+    ("sample_p99_s", "p99 trajectory time (admission to reward)", LOWER_IS_BETTER, ("shorter", "longer")),
+]
+"""Claims made only where the runs measured them (a run before issue 45 has no ``sample_p99_s``)."""
+
+
+def claims(levels: list[float], eval_levels: list[float], with_eval: bool,
+           measured: frozenset[str] = frozenset()) -> list[Claim]:
+    """The claims compared with sync: (run key, what it says, which way is better, verdict words);
+    those of ``RUN_CLAIMS`` for the keys in ``measured``."""
     fewer = ("fewer samples", "more samples")
     out = [(f"t_{lv:g}", f"time to batch reward {lv:g}", LOWER_IS_BETTER, ("faster", "slower"))
            for lv in levels]
@@ -191,6 +200,7 @@ def claims(levels: list[float], eval_levels: list[float], with_eval: bool) -> li
             for lv in eval_levels]
     if with_eval:
         out.append(("eval_final", "held-out reward at the end", HIGHER_IS_BETTER, ("higher", "lower")))
+    out += [c for c in RUN_CLAIMS if c[0] in measured]
     return out
 
 
@@ -225,7 +235,8 @@ def against_sync(cells: list[str], runs: list[dict], levels: list[float], eval_l
     for cell in cells:
         if cell == "sync":
             continue
-        for key, claim, better, words in claims(levels, list(eval_levels), with_eval):
+        measured = frozenset(c[0] for c in RUN_CLAIMS if all(r.get(c[0]) is not None for r in ok))
+        for key, claim, better, words in claims(levels, list(eval_levels), with_eval, measured):
             is_primary = key in primary.get(cell, ())
             level = 1 - (1 - LEVEL) / k if is_primary else LEVEL
             mine, theirs = by_seed(cell, key), by_seed("sync", key)
