@@ -210,3 +210,16 @@ def test_a_failed_step_is_retried_by_the_named_policy_then_retired_and_a_snapsho
         t = core.score_lease("scorer", 10, 1.0)[0]
         core.score_failed(g.sample_id, t.lease_id, 1.0, reason)
         assert core.counters.groups_retired == retired and core.counters.steps_retried == 0
+
+
+def test_the_sample_clock_gives_quantiles_of_admission_to_reward_and_counts_turns():
+    from april_async.broker.service import SampleClock
+
+    clock = SampleClock(keep=1000)
+    for k in range(100):
+        clock.add(float(k + 1), 1 + k % 3)
+    clock.add(-5.0, 2)  # a recovered ledger's admission from another host's clock: not timed
+    out = clock.summary()
+    assert out["n"] == 100 and (out["p50"], out["p90"], out["p99"], out["max"]) == (51.0, 91.0, 100.0, 100.0)
+    assert out["turns"] == {"1": 34, "2": 34, "3": 33}
+    assert SampleClock().summary() == {"n": 0, "max": None, "turns": {}}

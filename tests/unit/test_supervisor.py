@@ -398,3 +398,26 @@ def test_the_broker_runs_under_the_allocator_asked_for(tmp_path, no_cluster_env,
     assert allocator_description({}) == "the C library's malloc, GLIBC_TUNABLES=glibc.malloc.trim_threshold=1048576"
     assert (allocator_description(allocator_env(str(lib)))
             == f"LD_PRELOAD={lib}, MALLOC_CONF=narenas:2,background_thread:true")
+
+
+def test_a_child_that_does_not_stop_leaves_its_threads_stacks_in_its_log_before_it_is_killed(tmp_path):
+    """A hung actor is killed after ``stop_timeout_s``; first it is asked for its stacks (SIGUSR1,
+    ``runtime.dump_stacks_on``, which every actor installs), so its log says where it hung."""
+    code = ("import signal, sys, time\n"
+            "from april_async.runtime import dump_stacks_on\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "dump_stacks_on()\n"
+            "def stuck_in_its_loop():\n"
+            "    print('ready', file=sys.stderr, flush=True)\n"
+            "    while True:\n"
+            "        time.sleep(0.05)\n"
+            "stuck_in_its_loop()\n")
+    hung = child(tmp_path, "gen-0", "generator", code)
+    sup = supervisor(tmp_path, [hung], stop_timeout_s=1.0)
+    try:
+        settle(sup, lambda: hung.log.is_file() and "ready" in hung.log.read_text())
+    finally:
+        sup.stop()
+    assert hung.proc.returncode == -signal.SIGKILL
+    log = hung.log.read_text()
+    assert "Current thread" in log and "stuck_in_its_loop" in log, log
