@@ -39,7 +39,8 @@ from april_async.broker.core import LOGPROB_DTYPE, TOKEN_DTYPE, AbortLease, Batc
 from april_async.broker.ledger import Place
 from april_async.broker.records import apply_progress, ledger_arrays
 from april_async.logs import get_logger
-from april_async.tasks.source import PromptSource, encode_prompt
+from april_async.model.tokenizer import chat_messages
+from april_async.tasks.source import PromptSource, encode_prompt, uses_chat
 from april_async.transport.hub import Hub
 from april_async.wire import messages as m
 from april_async.wire import roles
@@ -366,8 +367,14 @@ class BrokerService:
                 return
             prompt = encode_prompt(problem, self.tokenizer, chat=self.cfg.prompts.chat,
                                    system=self.cfg.prompts.system_prompt)
+            meta = dict(problem.meta)
+            if (problem.task in rollout.environments and problem.prompt_ids is None and "messages" not in meta
+                    and uses_chat(self.tokenizer, self.cfg.prompts.chat)):
+                # A trajectory's observations are the template's renders of this conversation, later
+                # turns appended (the scorer's ``observation_ids``): it travels with the prompt.
+                meta["messages"] = chat_messages(problem.prompt, self.cfg.prompts.system_prompt)
             try:
-                self.apply(r.Admit(problem.prompt_id, prompt, now, problem.task, dict(problem.meta)))
+                self.apply(r.Admit(problem.prompt_id, prompt, now, problem.task, meta))
             except BrokerError as e:  # too long, empty: this prompt is skipped, the run goes on
                 self.apply(r.RefusePrompt(problem.prompt_id))
                 self.log.warning("prompt_refused", prompt_id=problem.prompt_id, error=str(e))

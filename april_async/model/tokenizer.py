@@ -49,8 +49,9 @@ class CharTokenizer:
     def eos_ids(self) -> tuple[int, ...]:
         return (self.eos_id,)
 
-    def encode_prompt(self, text: str, *, chat: bool, system: str | None = None) -> list[int]:
-        """``<bos>`` and ``text``'s ids (``chat`` is refused: there is no template)."""
+    def encode_prompt(self, text: str, *, chat: bool, system: str | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """``<bos>`` and ``text``'s ids (``chat`` is refused: there is no template; no ``tools``)."""
         if chat:
             raise CheckpointError("chat = true needs a tokenizer with a chat template: the built-in character "
                                   "tokenizer has none")
@@ -139,17 +140,18 @@ class HFTokenizer:
         """``text``'s ids, no special token added."""
         return self._tok.encode(text, add_special_tokens=False)
 
-    def encode_prompt(self, text: str, *, chat: bool, system: str | None = None) -> list[int]:
-        """A prompt as the model sees it. ``chat``: the chat template over ``system`` (if any) and
-        ``text`` as the user's turn, with the generation prompt (the template writes every special
-        token); else ``text`` with the special tokens the tokenizer adds itself (Llama's ``<bos>``)."""
+    def encode_prompt(self, text: str, *, chat: bool, system: str | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """A prompt as the model sees it. ``chat``: the chat template over ``chat_messages(text,
+        system)``, with ``tools`` (the function schemas a tool-using task shows the model) and the
+        generation prompt (the template writes every special token); else ``text`` with the special
+        tokens the tokenizer adds itself (Llama's ``<bos>``)."""
         if not chat:
             return self._tok.encode(text, add_special_tokens=True)
         if not self.chat_template:
             raise CheckpointError(f"{self.path.parent}: chat = true, but the tokenizer ships no chat template")
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
-            [{"role": "user", "content": text}]
-        rendered = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = self._tok.apply_chat_template(chat_messages(text, system), tools=tools,
+                                                 add_generation_prompt=True, tokenize=False)
         return self._tok.encode(rendered, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
@@ -177,6 +179,13 @@ def checkpoint_eos_ids(directory: Path) -> tuple[int, ...]:
             if isinstance(t, int) and not isinstance(t, bool) and t not in ids:
                 ids.append(t)
     return tuple(ids)
+
+
+def chat_messages(text: str, system: str | None = None) -> list[dict[str, str]]:
+    """The conversation a chat prompt is rendered from: ``system``'s turn (if any), then ``text`` as
+    the user's. A trajectory's later renders (``agents.chat``) start from the same one."""
+    system_turn = [{"role": "system", "content": system}] if system is not None else []
+    return [*system_turn, {"role": "user", "content": text}]
 
 
 def load_tokenizer(spec: str | Path) -> CharTokenizer | HFTokenizer:

@@ -134,7 +134,7 @@ class ScorerActor:
                                  error=error)
                 return m.Scored(sample_id=req.sample_id, lease_id=req.lease_id, error=error)
             try:
-                ids = self._observation_ids(outcome.observation)
+                ids = observation_ids(self.tokenizer, req, outcome.observation)
             except Exception as e:  # noqa: BLE001 - the sample's error, not the scorer's
                 error = f"env_error: cannot render the observation ({type(e).__name__}: {e})"
                 self.log.warning("reward_failed", sample_id=req.sample_id, task=req.task, kind="env_error",
@@ -172,16 +172,6 @@ class ScorerActor:
                           prompt_text=self.tokenizer.decode(prompt), lease_id=req.lease_id,
                           last_turn=not req.takes_observation)
 
-    def _observation_ids(self, observation: str | dict) -> list[int]:
-        """An observation's token ids: its text as the run's tokenizer encodes it (a tokenizer with
-        a chat template renders it as a tool message: not yet, issue 45 item 2)."""
-        if getattr(self.tokenizer, "chat_template", False):
-            raise NotImplementedError("observations for a tokenizer with a chat template are rendered as "
-                                      "the template's tool message (issue 45, item 2), which the scorer "
-                                      "does not do yet: use a tokenizer without one")
-        text = observation if isinstance(observation, str) else observation["content"]
-        return list(self.tokenizer.encode(text))
-
     def _log_stats(self) -> None:
         now = time.monotonic()
         if now - self._stats_at < STATS_EVERY_S:
@@ -201,3 +191,30 @@ class ScorerActor:
         if outcome is None:
             outcome = worker.result()
         return self._scored(req, outcome)
+
+
+def observation_ids(tokenizer, req: m.ScoreRequest, observation: str | dict) -> list[int]:
+    """An environment's answer to the turn ``req`` carries, as the ids the broker appends.
+
+    A tokenizer without a chat template (the built-in one): the answer's text, encoded alone. One
+    with a template: the template's delta for the tool's message after the turn's sampled ids
+    (``agents.chat.ChatRenderer.observation_ids``), over the conversation the prompt was rendered
+    from (``meta["messages"]``, which the broker adds to a trajectory's prompt) with the task's
+    tools (``meta["tools"]``) — so that the prompt, the sampled ids and the observations are what the
+    template renders for the whole conversation, and nothing sampled is tokenized again. The
+    conversation holds the first prompt and this turn: a template that renders a message
+    differently for the turns between them is not one this reproduces (the renderer refuses the
+    ones it can tell: a turn rewritten, a tool message dropped)."""
+    message = {"role": "tool", "content": observation} if isinstance(observation, str) else dict(observation)
+    if not getattr(tokenizer, "chat_template", False):
+        return list(tokenizer.encode(message["content"]))
+    from april_async.agents.chat import ChatRenderer
+
+    messages = req.meta.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("the tool's message is rendered after the conversation so far, and meta has no "
+                         "'messages' (the broker adds them to a trajectory task's prompt rendered with the "
+                         "chat template; a prompt given as ids has none)")
+    last = req.context[-1] if req.context else None
+    sampled = req.response.tolist()[last.offset + last.count if last is not None else 0:]
+    return ChatRenderer(tokenizer, tools=req.meta.get("tools")).observation_ids(messages, sampled, message)

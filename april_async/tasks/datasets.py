@@ -111,6 +111,17 @@ def _problem(rec: dict[str, Any], where: str, path: Path, prompt_field: str, ans
             meta["answer"], reference = stated, text
         else:
             meta["answer"] = text
+    tools = rec.get("tools")
+    if tools is not None:  # a tool-using task's function schemas, shown by the chat template
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except ValueError as e:
+                raise DatasetError(f"{path}, {where}: field 'tools' is not JSON ({e})") from None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise DatasetError(f"{path}, {where}: field 'tools' must be a list of function schemas "
+                               f"(objects), got {tools!r:.80}")
+        meta["tools"] = tools
     n = where.split()[-1]
     prompt_id = str(_field(rec, id_field, where, path)) if id_field else f"{path.stem}-{n}"
     return Problem(prompt_id=prompt_id, prompt=template.replace("{prompt}", prompt), task=task,

@@ -153,9 +153,16 @@ class PromptSource:
 def encode_prompt(problem: Problem, tokenizer, *, chat: bool | None = None, system: str | None = None) -> list[int]:
     """The prompt's token ids: its own ``prompt_ids`` when set, else its text as ``tokenizer``
     makes a prompt of it (``model.tokenizer``): through the chat template, with ``system`` as the
-    system turn, when ``chat`` is true — or None and the tokenizer ships a template —, else the
+    system turn and the problem's ``meta["tools"]`` (function schemas) shown, when ``chat`` is true
+    — or None and the tokenizer ships a template —, else the
     plain text with the tokenizer's own special tokens (the built-in one's ``<bos>``)."""
     if problem.prompt_ids is not None:
         return list(problem.prompt_ids)
-    use_chat = tokenizer.chat_template if chat is None else chat
-    return tokenizer.encode_prompt(problem.prompt, chat=use_chat, system=system if use_chat else None)
+    use_chat = uses_chat(tokenizer, chat)
+    return tokenizer.encode_prompt(problem.prompt, chat=use_chat, system=system if use_chat else None,
+                                   tools=problem.meta.get("tools") if use_chat else None)
+
+
+def uses_chat(tokenizer, chat: bool | None) -> bool:
+    """Whether prompts go through ``tokenizer``'s chat template (``chat``, or None: where it has one)."""
+    return bool(tokenizer.chat_template if chat is None else chat)

@@ -323,3 +323,49 @@ def test_tool_calls_of_both_styles():
 def test_malformed_tool_calls_are_typed_errors_naming_the_problem(text, problem):
     with pytest.raises(ToolCallError, match=problem):
         tool_calls(text)
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_the_brokers_prompt_and_the_scorers_observations_are_the_whole_conversations_render(tmp_path, style):
+    """The path a run takes: the broker renders the prompt with the task's tools (``meta["tools"]``)
+    and keeps its conversation (``meta["messages"]``); the scorer answers each call with
+    ``observation_ids`` from the score request alone (the response so far, its context spans). Two
+    calls and a final answer: prompt + sampled + observations is the template's render of it all."""
+    import numpy as np
+
+    from april_async.model.tokenizer import chat_messages
+    from april_async.scorer.actor import observation_ids
+    from april_async.tasks.base import Problem
+    from april_async.tasks.source import encode_prompt
+    from april_async.wire import messages as m
+
+    def ids_of(ids):
+        return np.asarray(ids, dtype=np.int32)
+
+    template, specials, added, bos, eos, call, _ = STYLES[style]
+    tok = tokenizer(tmp_path, template, specials, added, bos, eos)
+    problem = Problem("p", QUESTION, "calc", meta={"tools": [CALC]})
+    prompt = encode_prompt(problem, tok, chat=True, system=SYSTEM)
+    meta = {"tools": [CALC], "messages": chat_messages(QUESTION, SYSTEM)}
+    response, context, conversation = [], [], list(meta["messages"])
+    for turn, expression in enumerate(RESULTS):
+        sampled = tok.encode(call(expression)) + [tok.eos_id]
+        response += sampled
+        req = m.ScoreRequest(sample_id=1, lease_id=turn + 1, group_id=1, prompt=ids_of(prompt),
+                             response=ids_of(response), finish_reason="stop", task="calc",
+                             meta=meta, turn=turn, context=list(context), takes_observation=True)
+        ids = observation_ids(tok, req, RESULTS[expression])
+        context.append(m.TokenSpan(len(response), len(ids)))
+        response += ids
+        answer = {"role": "tool", "content": RESULTS[expression]}
+        conversation += [ChatRenderer(tok).assistant_message(sampled), answer]
+    final = tok.encode(FINAL) + [tok.eos_id]
+    conversation.append({"role": "assistant", "content": FINAL})
+    whole = tok._tok.apply_chat_template(conversation, tools=[CALC], tokenize=True)["input_ids"]
+    ending = tok.encode(STYLES[style][6]) if STYLES[style][6] else []
+    assert prompt + response + final + ending == whole
+    bare = m.ScoreRequest(sample_id=1, lease_id=1, group_id=1, prompt=ids_of(prompt),
+                          response=ids_of(tok.encode(call("12 + 30"))), finish_reason="stop",
+                          task="calc", meta={}, turn=0, context=[], takes_observation=True)
+    with pytest.raises(ValueError, match="meta has no 'messages'"):
+        observation_ids(tok, bare, "42")
