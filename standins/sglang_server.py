@@ -88,14 +88,39 @@ Left out: batches of requests (lists of prompts, ``n`` > 1), ``text`` input and 
 be -1 or past the prompt), ``ignore_eos``, ``min_new_tokens`` > 0, penalties, ``min_p``, stop
 strings and constrained decoding (their SGLang fields are accepted only at their neutral values),
 tensor parallelism > 1, data parallelism, LoRA, multimodal input, every other weight-loading
-path (from disk, from tensors), and prefix caching (``cached_tokens`` is 0).
-A ``retract`` pause releases each running request's KV into the prefix cache and queues it again
+path (from disk, from tensors), 0.5.23's ``cache_salt`` (refused unless null), cache pages of more
+than one token, host and storage tiers of the cache, and the cache's part in what the model
+computes (below).
+
+The prefix cache (``mem_cache/radix_cache.py``) is modelled as far as a client sees it, in
+``meta_info.cached_tokens`` (``PrefixCache``): one tree of token ids per ``extra_key`` (a string,
+or null; ``RadixKey.child_key`` keys every node by it, so requests of different keys share
+nothing; 0.5.23 reads an empty key as none, ``io_struct.py`` ``_normalize_single_inputs``). A
+request the scheduler admits matches its longest cached prefix, at most its input but the last
+token (``schedule_batch.py`` ``Req._compute_max_prefix_len``, ``input_len - 1``); that length,
+counted at its first prefill only (``ScheduleBatch.prepare_for_extend``: ``retracted_stain``), is
+its ``cached_tokens``. After that prefill its input is in the tree (0.5.15
+``batch_result_processor.py`` ``maybe_cache_unfinished_req``; 0.5.23 ``mem_cache/common.py``
+``checkpoint_kv_cache``); a request that ran and ends (stop, length, an abort) adds its input and
+output but for the last output token, whose keys and values were never computed (0.5.15
+``RadixCache.cache_finished_req`` up to ``kv_committed_len``; 0.5.23 ``release_kv_cache`` with
+``checkpoint``, up to ``owned_kv_len``); a retract adds nothing (``release_req``: 0.5.15
+``is_insert=False``, 0.5.23 ``checkpoint=False``), and one ended while waiting was never in it.
+The least recently used leaves go when it holds more than ``--kv-tokens`` (``CACHE_TOKENS`` when
+that is 0). A flush that succeeds, ``/flush_cache`` or the one after a weight update, empties it
+(``Scheduler.flush_cache``: ``tree_cache.reset()``), as does ``/standin/reset``; one that fails
+(requests in flight, a pause in place) keeps it: then only an ``extra_key`` naming the weights
+keeps a later request off the keys and values older weights wrote. Health probes (a one-token
+request in SGLang) are not inserted.
+
+What the model computes does not depend on that cache (every request is prefilled in full), but
+for one case: a ``retract`` pause releases each running request's KV and queues it again
 (``scheduler.py`` ``pause_generation``: ``retract_all``); at ``/continue_generation`` it is
 prefilled again, over what the cache still holds of it: with a flush in between, the weights then
-loaded compute all of it; without one, it goes on over the keys and values the old weights wrote
-(the stand-in models the prefix cache for retracted requests only). ``in_place`` keeps each
-request's KV where it is, whatever is flushed. A
-/generate that arrives while paused waits before the engine, as SGLang's tokenizer manager holds
+loaded compute all of it; without one, it goes on over the keys and values the old weights wrote.
+``in_place`` keeps each request's KV where it is, whatever is flushed.
+
+A /generate that arrives while paused waits before the engine, as SGLang's tokenizer manager holds
 it before its scheduler sees it: it does not count as in flight for a cache flush (/flush_cache,
 or the flush after a weight update) nor in ``/v1/loads``, and an abort does not reach it.
 
@@ -157,6 +182,85 @@ SAMPLING_NEUTRAL = {"stop": (None, "", []), "stop_regex": (None, "", []), "min_p
                     "spaces_between_special_tokens": (True,), "regex": (None,), "json_schema": (None,),
                     "ebnf": (None,), "structural_tag": (None,),
                     "custom_params": (None,), "logit_bias": (None, {}), "stream_interval": (None,)}
+
+
+CACHE_TOKENS = 1 << 16
+"""Tokens the prefix cache holds at most when ``--kv-tokens`` is 0 (unbounded): the stand-in's own
+bound, so that a long-lived server does not grow without end."""
+
+
+class _Node:
+    __slots__ = ("children", "parent", "token", "used")
+
+    def __init__(self, parent: _Node | None, token: int):
+        self.children: dict[int, _Node] = {}
+        self.parent, self.token, self.used = parent, token, 0
+
+
+class PrefixCache:
+    """SGLang's radix cache as a client can see it (``meta_info.cached_tokens``): a tree of token ids
+    per ``extra_key`` namespace, one node a token (a page of one token). It holds ids only: what
+    the model computes never reads it (see the module docstring). Not thread-safe: ``Core``'s lock
+    guards it."""
+
+    def __init__(self) -> None:
+        self.roots: dict[str | None, _Node] = {}
+        self.size = 0  # tokens held, over every namespace
+        self.clock = 0  # for least-recently-used eviction (the radix cache's default strategy)
+
+    def match(self, namespace: str | None, ids: list[int]) -> int:
+        """How many leading tokens of ``ids`` the tree holds in ``namespace`` (``match_prefix``)."""
+        self.clock += 1
+        node, n = self.roots.get(namespace), 0
+        while node is not None and n < len(ids):
+            node = node.children.get(ids[n])
+            if node is None:
+                break
+            node.used = self.clock
+            n += 1
+        return n
+
+    def insert(self, namespace: str | None, ids: list[int], limit: int) -> None:
+        """Add ``ids`` to ``namespace``'s tree (``insert``), then evict down to ``limit`` tokens."""
+        self.clock += 1
+        node = self.roots.setdefault(namespace, _Node(None, -1))
+        for token in ids:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node(node, token)
+                self.size += 1
+            child.used = self.clock
+            node = child
+        if self.size > limit:
+            self._evict(limit)
+
+    def _evict(self, limit: int) -> None:
+        """Drop the least recently used leaves until ``limit`` tokens are left (``RadixCache.evict``:
+        leaves only, a parent once its last child went). The stand-in goes down to three quarters of
+        ``limit`` at once, so that each insert past it does not walk the whole tree."""
+        import heapq
+
+        leaves, stack = [], list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.children and node.parent is not None:
+                leaves.append((node.used, id(node), node))
+        heapq.heapify(leaves)
+        while leaves and self.size > limit * 3 // 4:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            del parent.children[node.token]
+            self.size -= 1
+            if not parent.children and parent.parent is not None:
+                heapq.heappush(leaves, (parent.used, id(parent), parent))
+        for key in [k for k, root in self.roots.items() if not root.children]:
+            del self.roots[key]
+
+    def clear(self) -> None:
+        """``RadixCache.reset``: a flush empties every namespace."""
+        self.roots.clear()
+        self.size = 0
 
 
 def engine_error(e: Exception) -> dict:
@@ -243,6 +347,9 @@ class Req:
     doomed: bool = False  # aborted while a pause held it in place: ends when generation continues
     versions: list[str] = field(default_factory=list)  # the weight version each output token was made with
     fail: dict | None = None  # test hook (/standin/abort_next): end with this status-coded abort
+    namespace: str | None = None  # its extra_key: the prefix cache's namespace (PrefixCache)
+    cached: int = 0  # meta_info.cached_tokens: its input tokens the prefix cache held when admitted
+    ran: bool = False  # admitted to the engine: its end inserts its tokens into the prefix cache
     # From the engine thread: the token count after each decode step, then None when it ended.
     events: queue.Queue = field(default_factory=queue.Queue)
     answered: threading.Event = field(default_factory=threading.Event)
@@ -266,6 +373,7 @@ class Core:
         self.pause_mode: str | None = None  # the scheduler's pause (retract | in_place); abort mode has none
         self.frozen_loads: tuple[int, int] | None = None  # /v1/loads while the scheduler is paused
         self.retracted_flushed = False  # a flush since the retract: the cache holds none of their old KV
+        self.cache = PrefixCache()  # what meta_info.cached_tokens reports (the module docstring)
         self.flushes = 0  # successful cache flushes, for the test hook /standin/flushes
         self.empty_caches = 0  # continues that emptied the CUDA cache (torch_empty_cache), same hook
         self.gate: int | None = None  # while an update waits for in-flight requests: admit seq < gate only
@@ -325,7 +433,13 @@ class Core:
         waiting writer of the model-update lock like any other."""
         return bool(self.health_probes) and self.gate is None
 
+    def cache_limit(self) -> int:
+        return self.args.kv_tokens or CACHE_TOKENS
+
     def _end(self, req: Req, finish: dict) -> None:
+        if req.ran and finish is not ABORT_WAITING:  # a retracted request (waiting) adds nothing
+            # its input and output but the last token: that one's keys and values were never computed
+            self.cache.insert(req.namespace, req.prompt + req.ids[:-1], self.cache_limit())
         req.finish = finish
         self.rids.discard(req.rid)
         req.events.put(None)
@@ -342,6 +456,7 @@ class Core:
                 if self._probe_admissible():  # its one token comes back: the tokenizer manager hears from us
                     self.health_probes = 0
                     self.last_receive = time.monotonic()
+                prefilled = []
                 while self._admissible() and len(self.running) < self.engine.slots:
                     req = self.waiting.popleft()
                     p = req.params
@@ -360,6 +475,8 @@ class Core:
                         self._end(req, req.fail["finish"])
                         continue
                     req.lease, self.lease = self.lease, self.lease + 1
+                    # at most its input but the last token: that one is computed for the first logits
+                    req.cached = self.cache.match(req.namespace, req.prompt[:-1])
                     try:  # the model's eos ids stop it too (SGLang: unless ignore_eos, refused here)
                         self.engine.submit(EngineRequest(
                             req.lease, req.lease, req.prompt, [], p["max_new_tokens"], p["temperature"],
@@ -369,6 +486,10 @@ class Core:
                         self._end(req, engine_error(e))
                         continue
                     self.running[req.lease] = req
+                    req.ran = True
+                    prefilled.append(req)
+                for req in prefilled:  # in the tree after their prefill: none of this batch matched another
+                    self.cache.insert(req.namespace, req.prompt, self.cache_limit())
                 try:
                     outs = self.engine.step() if self.running else []
                 except Exception as e:  # a bug: end what runs rather than hang its clients
@@ -479,7 +600,7 @@ class Core:
                     "weight_version": self.weight_version, "weights": weights.hexdigest(),
                     "groups": sorted(self.groups), "session": self.session,
                     "abort_next": len(self.fail_next), "refuse_next": self.refuse_next,
-                    "flushes": self.flushes, "hung": self.hung,
+                    "flushes": self.flushes, "hung": self.hung, "cached_tokens": self.cache.size,
                     "healthy": self.healthy, "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s)),
                     "settings": self.settings()}
 
@@ -533,6 +654,7 @@ class Core:
             self.fail_next.clear()
             self.refuse_next = 0
             self.flushes = 0
+            self.cache.clear()
             FAULTS.set(0.0, 0.0, 0, [], "either")
             self.cv.notify_all()
         log("reset to the state it started in")
@@ -547,7 +669,7 @@ class Core:
 
     def payload(self, req: Req, start: int, end: int, final: bool, logprobs: bool) -> dict:
         meta = {"id": req.rid, "finish_reason": req.finish if final else None,
-                "prompt_tokens": len(req.prompt), "completion_tokens": end, "cached_tokens": 0,
+                "prompt_tokens": len(req.prompt), "completion_tokens": end, "cached_tokens": req.cached,
                 "weight_version": self.weight_version}
         if self.args.sglang_version == "0.5.23" and final:  # utils/weight_versions.py: spans over [0, end),
             # on the answer that ends the request only (output_streamer.py: None while it runs)
@@ -682,6 +804,7 @@ class Core:
                     busy = self.flush_blocked()
                     if flush and not busy:  # weight_updater.py flush_cache_after_weight_update
                         self.flushes += 1
+                        self.cache.clear()
                         self.retracted_flushed = self.pause_mode == "retract"
                     self.last_receive = time.monotonic()  # the scheduler's answer reaches the tokenizer
         log(f"weights updated: {len(received)} tensors from group {name!r} in {time.monotonic() - t0:.2f} s, "
@@ -731,7 +854,28 @@ class Core:
 # ---------------------------------------------------------------------- HTTP
 
 
+def cache_namespace(core: Core, body: dict) -> str | None:
+    """The request's ``extra_key``, its prefix-cache namespace. ``GenerateReqInput.extra_key`` is typed
+    ``Optional[Union[List[str], str]]``, so FastAPI's parse of the body refuses any other type before
+    SGLang sees it (a ``RequestValidationError``: ``invalid``). A list is for batches: 0.5.23 refuses
+    it for one request (``io_struct.py`` ``_normalize_single_inputs``, a ``ValueError``); 0.5.15 checks
+    nothing there and the stand-in refuses it as unsupported. 0.5.23 reads ``""`` as no key; 0.5.15
+    keeps ``""`` a namespace of its own (``RadixKey.child_key`` tests ``extra_key is None``)."""
+    key = body.get("extra_key")
+    if key is None or isinstance(key, str):
+        return (key or None) if core.args.sglang_version.startswith("0.5.23") else key
+    if isinstance(key, list) and all(isinstance(k, str) for k in key):
+        if core.args.sglang_version.startswith("0.5.23"):
+            raise bad("extra_key should be a string for a single request.")
+        raise bad("a list `extra_key` (one per request of a batch) is not supported by the stand-in")
+    raise invalid(f"1 validation error: extra_key: Input should be a valid string or a list of strings, "
+                  f"got {key!r:.40}")
+
+
 def parse_generate(core: Core, body: dict) -> tuple[Req, bool, bool]:
+    namespace = cache_namespace(core, body)  # the body's types are checked before anything else
+    if body.get("cache_salt") is not None:
+        raise bad("`cache_salt` is not supported by the stand-in (send `extra_key`)")
     if body.get("text") is not None:
         raise bad("the stand-in has no tokenizer: send `input_ids`, not `text`")
     ids = body.get("input_ids")
@@ -784,7 +928,7 @@ def parse_generate(core: Core, body: dict) -> tuple[Req, bool, bool]:
     params = {"max_new_tokens": p["max_new_tokens"], "temperature": 0.0 if p["temperature"] < 1e-6 else float(
         p["temperature"]), "top_p": float(p["top_p"]), "top_k": max(p["top_k"], 0), "stop": tuple(stop),
               "seed": p["sampling_seed"]}
-    return Req(rid, list(ids), params), stream, logprobs
+    return Req(rid, list(ids), params, namespace=namespace), stream, logprobs
 
 
 class ClientGone(Exception):
@@ -1002,6 +1146,9 @@ class Handler(BaseHTTPRequestHandler):
         with self.core.cv:
             if self.core.pause_mode == "retract" and self.core.retracted_flushed:
                 self.core.engine._recompute()  # prefilled again, over nothing the old weights wrote
+            if self.core.pause_mode == "retract":  # prefilled again: in the tree once more, tokens so far
+                for req in self.core.running.values():  # (its cached_tokens stays: retracted_stain)
+                    self.core.cache.insert(req.namespace, req.prompt + req.ids, self.core.cache_limit())
             self.core.paused = False
             self.core.pause_mode = None
             self.core.frozen_loads = None
@@ -1098,6 +1245,7 @@ class Handler(BaseHTTPRequestHandler):
             if self.core.flush_blocked():
                 raise HTTPError(400, "Flush cache failed.\n")
             self.core.flushes += 1
+            self.core.cache.clear()  # Scheduler.flush_cache: tree_cache.reset()
             self.core.retracted_flushed = self.core.pause_mode == "retract"
         return ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
                 "requests, the operation will not be performed.)\n")

@@ -9,6 +9,16 @@ Per lease, top to bottom:
     submit   the least-loaded live server gets ``POST /generate`` with ``input_ids = prompt +
              resumed tokens``, the remaining budget, ``return_logprob`` and a prefix-free request
              id (``april_async.sglang.api``); streamed unless ``stream = false``;
+    prefix   every body names the weights the engine believes its server holds as it sends it
+             (``extra_key = api.weights_key(version)``): SGLang's radix cache matches a request only
+             to prefixes of the same key, so no request reuses keys and values other weights wrote,
+             even where a flush after an update failed or a request decoding through one inserted
+             its own when it ended (``april_async.sglang.api``). A lease that carries tokens on
+             (``resume``: earlier turns and their observations, a recycled partial) goes to the
+             server of its sample's last lease, whose cache holds them, while that server is live
+             and still holds the version that lease ran on from its last send to its end (else the
+             least-loaded choice; ``counters()``: ``prefix_hits``, ``prefix_misses``, and the
+             servers' ``cached_tokens``). Load is not weighed then: SGLang queues what it cannot run;
     tokens   each event's new tokens go out with their log-probs, each tagged with the policy
              version that made it: its span in ``meta_info.weight_versions`` where the server
              sends them (0.5.23), else the event's ``meta_info.weight_version``;
@@ -60,6 +70,7 @@ import json
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import httpx
@@ -96,6 +107,16 @@ class _Req:
     moves: int = 0  # times it moved to another server
     task: asyncio.Task | None = None
     rid: str = ""
+    sent_version: int = 0  # its server's version as the engine saw it when the last request was sent
+    # The server answered the last request, and its version did not change from that send to the end:
+    # the sample's tokens are in that server's cache under the key of ``sent_version``.
+    keeps_prefix: bool = False
+    torn: bool = False  # the last request decoded on torn weights (its keys are of no one version)
+
+
+PREFIXES_PER_SLOT = 4
+"""Samples whose last server the engine remembers, per slot: a few turns' worth of leases between
+two turns of one sample (least recently used forgotten first)."""
 
 
 class SGLangEngine(Engine):
@@ -118,6 +139,12 @@ class SGLangEngine(Engine):
         self.lost = 0  # requests ended early by a failure (server down, broken stream)
         self.moved = 0  # requests moved to another server when theirs went down
         self.torn_tokens = 0  # tokens decoded on torn weights (an unpaused push between buckets)
+        # sample -> (server, version): where its last lease left its tokens in the prefix cache
+        self._prefixes: OrderedDict[int, tuple[_Server, int]] = OrderedDict()
+        self._prefixes_max = PREFIXES_PER_SLOT * cfg.slots_per_server * len(self.servers)
+        self.prefix_hits = 0  # leases sent to the server that holds their sample's prefix
+        self.prefix_misses = 0  # leases whose sample's prefix is on a server now down or of other weights
+        self.cached_tokens = 0  # input tokens the servers' prefix caches supplied (meta_info.cached_tokens)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"{instance}-sglang")
         self._thread.start()
@@ -151,9 +178,11 @@ class SGLangEngine(Engine):
     def submit(self, request: EngineRequest) -> None:
         if self._fatal is not None:
             raise self._fatal
-        live = [s for s in self.servers if s.alive] or self.servers
-        new_enough = [s for s in live if s.version >= request.min_version] or live
-        server = min(new_enough, key=lambda s: s.running)
+        server = self._prefix_server(request)
+        if server is None:
+            live = [s for s in self.servers if s.alive] or self.servers
+            new_enough = [s for s in live if s.version >= request.min_version] or live
+            server = min(new_enough, key=lambda s: s.running)
         r = _Req(request, server)
         self._reqs[request.lease_id] = r
         server.running += 1
@@ -186,7 +215,35 @@ class SGLangEngine(Engine):
                 r = self._reqs.pop(lid, None)
                 if r is not None:
                     r.server.running -= 1
+                    self._remember_prefix(r)
         return list(merged.values())
+
+    def _prefix_server(self, request: EngineRequest) -> _Server | None:
+        """The server whose cache holds the tokens ``request`` carries on from (its sample's last lease
+        left them there), if it is live, new enough and still on the weights that wrote them; None
+        otherwise, or for a lease with nothing to carry on from."""
+        if not request.resume:
+            return None
+        known = self._prefixes.pop(request.sample_id, None)  # this lease's end records it anew
+        if known is None:
+            return None
+        server, version = known
+        if server.alive and server.version == version and version >= request.min_version:
+            self.prefix_hits += 1
+            return server
+        self.prefix_misses += 1
+        return None
+
+    def _remember_prefix(self, r: _Req) -> None:
+        """After a lease ended: where its sample's tokens now are in a prefix cache, under the key of
+        which weights; forgotten where none is known (its server's weights changed, it decoded on torn
+        weights, the server refused it or never answered), as the sample's older record is stale."""
+        sample = r.request.sample_id
+        self._prefixes.pop(sample, None)
+        if r.keeps_prefix and not r.torn and r.server.alive and r.server.version == r.sent_version:
+            self._prefixes[sample] = (r.server, r.sent_version)
+            while len(self._prefixes) > self._prefixes_max:
+                self._prefixes.popitem(last=False)
 
     def abort(self, lease_id: int) -> None:
         """Ask the server to stop the lease; its end (with the tokens made) comes through ``step``."""
@@ -407,8 +464,9 @@ class SGLangEngine(Engine):
             params = api.sampling_params(max_new_tokens=left, temperature=req.temperature, top_p=req.top_p,
                                          top_k=req.top_k, stop_token_ids=req.stop_token_ids, seed=req.seed,
                                          send_seed=self.cfg.send_seed)
+            r.sent_version, r.keeps_prefix, r.torn = r.server.version, False, False
             body = api.generate_body(req.prompt + req.resume + r.tokens, params, r.rid,
-                                     stream=self.cfg.stream)
+                                     stream=self.cfg.stream, extra_key=api.weights_key(r.sent_version))
             stream = api.Stream(r.server.url, r.rid)
             last = None
             try:
@@ -422,6 +480,10 @@ class SGLangEngine(Engine):
                 if last is None:
                     raise SGLangError(r.server.url, "/generate", f"request {r.rid}: the answer ended without a "
                                                                  f"finish_reason")
+                self.cached_tokens += last.cached_tokens or 0
+                # SGLang keeps an ended request's tokens in its cache (a status-coded abort's need not
+                # have run); they are under the key sent only while the server's weights stayed put
+                r.keeps_prefix = last.status_code is None and r.server.version == r.sent_version
             except Refused as e:
                 if r.abort_asked:
                     return "abort", None
@@ -476,6 +538,7 @@ class SGLangEngine(Engine):
         versions = [self._span_version(v, version, old) for v in delta.versions] or [version] * len(delta.tokens)
         torn = sum(api.torn_version(v) is not None for v in raws)
         if torn:
+            r.torn = True
             self.torn_tokens += torn
             self.log.debug("torn_tokens", lease=r.request.lease_id, tokens=torn, tagged=old)
         r.tokens += delta.tokens
@@ -493,7 +556,9 @@ class SGLangEngine(Engine):
         return self.cfg.initial_version if version is None else version
 
     def counters(self) -> dict[str, int]:
-        return {"resumed": self.resumed, "lost": self.lost, "moved": self.moved, "torn_tokens": self.torn_tokens}
+        return {"resumed": self.resumed, "lost": self.lost, "moved": self.moved,
+                "torn_tokens": self.torn_tokens, "prefix_hits": self.prefix_hits,
+                "prefix_misses": self.prefix_misses, "cached_tokens": self.cached_tokens}
 
     async def _events(self, s: _Server, body: dict, rid: str = ""):
         """The answer's events as parsed JSON: one per server-sent event, or the whole answer.

@@ -40,6 +40,18 @@ the bodies, ``managers/tokenizer_manager.py`` for the responses and streaming,
   over the positions of the output tokens since the request began, clamped to the tokens
   returned (``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``), and sets
   ``weight_version`` to the last span's. ``Delta.versions`` tags each new token with its span.
+- ``extra_key`` (a string; both releases, ``io_struct.py`` ``GenerateReqInput``) namespaces the radix
+  cache: a request matches only prefixes that requests of the same key left there
+  (``mem_cache/radix_cache.py`` ``RadixKey.child_key`` keys every node by it). The cache outlives a
+  weight update whenever its flush fails (``Scheduler.flush_cache`` refuses while requests run or
+  wait, as in an ``in_place`` pause), and a request decoding through an update inserts its keys and
+  values, written under both weights, when it ends (``cache_finished_req``): only a key that names
+  the weights keeps a later request off them (``weights_key``). ``meta_info.cached_tokens`` is how
+  many input tokens came from the cache: the prefix matched when the scheduler first admitted the
+  request (``schedule_batch.py`` ``ScheduleBatch.prepare_for_extend``), never the last input token
+  (``Req._compute_max_prefix_len``: ``input_len - 1``), and of an ended request's tokens never its
+  last output one, whose keys were not computed (``kv_committed_len``). A flush empties every
+  namespace (``tree_cache.reset()``).
 """
 
 from __future__ import annotations
@@ -125,9 +137,22 @@ def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, to
     return params
 
 
-def generate_body(input_ids: list[int], params: dict[str, Any], rid: str, *, stream: bool) -> dict[str, Any]:
-    return {"input_ids": input_ids, "sampling_params": params, "rid": rid, "return_logprob": True,
+def generate_body(input_ids: list[int], params: dict[str, Any], rid: str, *, stream: bool,
+                  extra_key: str | None = None) -> dict[str, Any]:
+    """The ``/generate`` body of one request. ``extra_key`` (``weights_key``): the radix-cache namespace
+    it reads and writes, so that it reuses only keys and values the same weights wrote (the module
+    docstring); none, the shared namespace."""
+    body = {"input_ids": input_ids, "sampling_params": params, "rid": rid, "return_logprob": True,
             "logprob_start_len": -1, "stream": stream}
+    if extra_key is not None:
+        body["extra_key"] = extra_key
+    return body
+
+
+def weights_key(version: int) -> str:
+    """The ``extra_key`` of a request sent to a server believed to hold policy ``version``: requests
+    of other versions share no cached prefix with it. Not empty (0.5.23 reads ``""`` as no key)."""
+    return f"april-v{version}"
 
 
 TORN_PREFIX = "torn:"
@@ -166,6 +191,8 @@ class Delta:
     # Per new token, the raw ``version`` of its ``weight_versions`` span (a string; "default" before
     # any update), None where no span covers it; empty where the server sends no spans.
     versions: list[Any] = field(default_factory=list)
+    cached_tokens: int | None = None
+    """``meta_info.cached_tokens``: input tokens the server's prefix cache supplied; None if not sent."""
 
     @property
     def weight_version(self) -> int | None:
@@ -210,7 +237,10 @@ class Stream:
             pairs = pairs[self.seen:]
         elif len(pairs) != new:
             raise self._bad(f"{len(pairs)} log-probs for {new} new of {total} tokens")
-        delta = Delta(raw_weight_version=meta.get("weight_version"))
+        cached = meta.get("cached_tokens")
+        if not isinstance(cached, int) or isinstance(cached, bool):
+            cached = None
+        delta = Delta(raw_weight_version=meta.get("weight_version"), cached_tokens=cached)
         try:
             for item in pairs:
                 delta.logprobs.append(float(item[0]))

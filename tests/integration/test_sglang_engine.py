@@ -958,6 +958,59 @@ def test_a_lease_that_needs_the_new_version_starts_on_a_server_that_has_it(ckpts
     assert all(o.finish == "length" and o.versions == [1] * 4 for o in got.values()), got
 
 
+def test_a_samples_next_turn_goes_to_the_server_that_caches_its_prefix_but_never_over_older_weights(
+        ckpts, standins):
+    """Multi-turn: a lease that carries a sample's earlier turns on (``resume``) goes to the server of
+    the sample's last lease, whose radix cache holds them (``meta_info.cached_tokens``), though the
+    other server is less loaded. Every body names the weights its server holds (``extra_key``), so
+    once that server's version changed, its cache kept (``/update_weight_version`` flushes nothing),
+    the next turn is not routed by that record and matches nothing the older weights left there."""
+    a, b = standins(), standins()
+    engine = make_engine(a.url, b.url)
+    sample, prompt, obs = 77, PROMPTS[0], [200, 201]
+
+    def turn(lease, resume, *others):
+        """One turn of the sample (with ``others`` submitted before it): its output, and the input
+        tokens the servers' caches supplied to it."""
+        before = engine.counters()["cached_tokens"]
+        got = drive(engine, [*others, EngineRequest(lease, sample, list(prompt), list(resume), 6,
+                                                    temperature=0.0)])
+        assert all(o.finish == "length" for o in got.values()), got
+        return got[lease].tokens, engine.counters()["cached_tokens"] - before
+
+    try:
+        first, cached = turn(0, [])
+        assert cached == 0 and engine.counters()["prefix_hits"] == 0
+        resume = first + obs
+        # a lease of another sample first takes the server the first turn ran on: the least-loaded
+        # choice is now the other one, but the second turn goes where its prefix is cached
+        second, cached = turn(1, resume, request(100, PROMPTS[2], 6))
+        assert second == greedy(ckpts / "v0", prompt, 6, resume=resume).tokens
+        assert cached == len(prompt) + len(first) - 1  # all but the first turn's last token (no keys yet)
+        assert (engine.counters()["prefix_hits"], engine.counters()["prefix_misses"]) == (1, 0)
+        # the first server now holds other weights (a version change that flushes nothing)
+        r = HTTP.post(f"{a.url}/update_weight_version", json={"new_version": "1",
+                                                              "abort_all_requests": False})
+        assert r.status_code == 200
+        engine.refresh_versions()
+        wait_for("the engine sees version 1 on the first server", lambda: engine.servers[0].version == 1)
+        resume = resume + second + obs
+        third, cached = turn(2, resume)
+        assert (engine.counters()["prefix_hits"], engine.counters()["prefix_misses"]) == (1, 1)
+        assert cached == 0  # the least-loaded choice is that server again: its v0 prefix is not matched
+        # ... though it is still there, under the older weights' key
+        old = HTTP.post(f"{a.url}/generate", json={"input_ids": prompt + resume, "extra_key": "april-v0",
+                                                   "sampling_params": {"max_new_tokens": 1}})
+        assert old.json()["meta_info"]["cached_tokens"] == len(prompt + first + obs + second) - 1
+        # the third turn ran on unchanged weights: the fourth finds its prefix, under the new key
+        resume = resume + third + obs
+        _, cached = turn(3, resume)
+        assert (engine.counters()["prefix_hits"], engine.counters()["prefix_misses"]) == (2, 1)
+        assert cached == len(prompt) + len(resume) - len(obs) - 1
+    finally:
+        engine.close()
+
+
 def flaky(monkeypatch, method: str, fail: set[int]) -> list[str]:
     """``ServerClient.<method>`` fails the calls numbered in ``fail`` (from 1) as a dropped connection
     would; the servers it was called for are listed."""

@@ -240,7 +240,8 @@ def test_validation(server):
 
 
 def test_generate_length(server, ckpt):
-    body = {**gen(SHORT, 8, temperature=0.0, frequency_penalty=0.0), "rid": "len-1", "unknown_key": 1}
+    body = {**gen(SHORT, 8, temperature=0.0, frequency_penalty=0.0), "rid": "len-1", "unknown_key": 1,
+            "extra_key": "test_generate_length"}  # a prefix-cache namespace of its own: nothing cached
     r = server.http.post("/generate", json=body)
     assert r.status_code == 200
     body = r.json()
@@ -1094,3 +1095,67 @@ def test_a_retracted_request_is_prefilled_again_over_what_the_cache_kept(ckpt, t
         del store
         s.http.close()
         assert s.stop() == 0
+
+
+def test_cached_tokens_count_the_prefix_cached_in_the_requests_extra_key_and_a_flush_clears_it(
+        server, v23_server, ckpt):
+    """``meta_info.cached_tokens``: the input tokens the radix cache held when the request was admitted,
+    in its ``extra_key`` namespace only (``mem_cache/radix_cache.py`` ``RadixKey.child_key``), at most
+    all of its input but the last token (``schedule_batch.py`` ``Req._compute_max_prefix_len``). A
+    request that ended left its input and output there, but for its last output token
+    (``cache_finished_req``: up to ``kv_committed_len``). A successful flush, ``/flush_cache`` or the
+    one after a weight update, empties every namespace (``Scheduler.flush_cache``); an update
+    without one keeps them. ``extra_key`` is a string or null (``GenerateReqInput``)."""
+    h = server.http
+    wait_idle(server)  # a flush: nothing cached in any namespace
+
+    def cached(prompt, s=server, n=6, **body):
+        r = s.http.post("/generate", json={**gen(prompt, n, temperature=0.0), **body})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
+
+    first, hit = cached(SHORT, extra_key="april-v0")
+    assert first == ckpt.short[:6] and hit == 0
+    assert cached(SHORT, extra_key="april-v0")[1] == len(SHORT) - 1  # its last token is always computed
+    turn = SHORT + first + [9]  # the next turn: the first one's tokens, then an observation
+    assert cached(turn, extra_key="april-v0")[1] == len(SHORT) + len(first) - 1
+    assert cached(turn, extra_key="april-v1")[1] == 0  # another namespace shares nothing
+    assert cached(turn)[1] == 0  # nor does none
+    assert cached(turn, extra_key="")[1] == 0  # 0.5.15: "" is a namespace of its own
+    assert cached(turn, extra_key="april-v1")[1] == len(turn) - 1  # ... which the request before filled
+    assert server.http.get("/standin/state").json()["cached_tokens"] > 0
+    r = h.post("/flush_cache")
+    assert (r.status_code, r.text) == (200, FLUSHED)
+    assert server.http.get("/standin/state").json()["cached_tokens"] == 0
+    assert cached(turn, extra_key="april-v0")[1] == 0
+    # the weights: an update that flushes empties the cache, one that does not keeps it
+    pg, store = form_group(server, "cache-test")
+    try:
+        assert cached(turn, extra_key="april-v0")[1] == len(turn) - 1
+        r = push_weights(server, pg, "cache-test", ckpt.model.state_dict(), "cache-1", flush=False)
+        assert r.status_code == 200 and r.json()["success"] is True
+        assert cached(turn, extra_key="april-v0")[1] == len(turn) - 1  # kept: the old weights' keys
+        r = push_weights(server, pg, "cache-test", ckpt.model.state_dict(), "cache-2")
+        assert r.status_code == 200 and r.json()["success"] is True
+        assert cached(turn, extra_key="april-v0")[1] == 0
+        assert h.post("/destroy_weights_update_group", json={"group_name": "cache-test"}).status_code == 200
+    finally:
+        leave_custom_group(pg)
+        del store
+    # a wrong type is refused by the body's parse (400, an ErrorResponse), streamed or not
+    for key in (5, {"a": 1}, [1]):
+        for stream in (False, True):
+            r = h.post("/generate", json={**gen(SHORT, 2), "extra_key": key, "stream": stream})
+            assert r.status_code == 400 and r.json()["object"] == "error", (key, stream, r.text)
+            assert "extra_key" in r.json()["message"]
+    # a list of strings is a batch's: 0.5.23 refuses it for one request (a ValueError: streamed, an event)
+    r = v23_server.http.post("/generate", json={**gen(SHORT, 2), "extra_key": ["a"]})
+    refusal = "extra_key should be a string for a single request."
+    assert (r.status_code, r.json()) == (400, {"error": {"message": refusal}})
+    with v23_server.http.stream("POST", "/generate", json={**gen(SHORT, 2), "extra_key": ["a"],
+                                                            "stream": True}) as r:
+        assert r.status_code == 200 and events(r)[0]["error"]["message"] == refusal
+    # 0.5.23 reads "" as no key
+    wait_idle(v23_server)
+    assert cached(SHORT, v23_server, n=2)[1] == 0
+    assert cached(SHORT, v23_server, n=2, extra_key="")[1] == len(SHORT) - 1
