@@ -366,3 +366,50 @@ def test_an_output_flood_is_truncated_and_said_so():
     assert "truncated" in result.as_observation()
     assert result.wall_s < FAST.wall_s
     _assert_nothing_left(result.stdout)
+
+
+def _turn(text: str, *, turn: int = 0, finish: str = "stop", last: bool = False, answer: str = "84"):
+    from april_async.agents.env import Trajectory, Turn
+
+    turns = [Turn([1], [2], "earlier") for _ in range(turn)] + [Turn([3], [], text)]
+    return Trajectory(sample_id=5, prompt_ids=[1], turns=turns, finish_reason=finish, task="math_python",
+                      meta={"answer": answer}, last_turn=last)
+
+
+def _qwen_call(code: str, name: str = "python") -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": {"code": code}}) + "\n</tool_call>"
+
+
+@needs_root
+def test_the_math_tasks_python_tool_runs_calls_in_the_sandbox_and_rewards_the_final_answer():
+    """``tasks.math_python``: a call's program runs in the sandbox and its output is the tool's
+    message; an escape is stopped and the message carries its typed error; a malformed call or
+    another tool is a ``bad_call`` the policy sees; the final answer is rewarded."""
+    from april_async.agents.env import Continue, Done
+    from april_async.tasks.math_python import TOOL_NAME, PythonToolEnvironment
+
+    env = PythonToolEnvironment(limits=FAST)
+    step = env.step(_turn("Let me compute.\n" + _qwen_call("print((12 + 30) * 2)")))
+    assert isinstance(step, Continue)
+    assert step.observation == {"role": "tool", "name": TOOL_NAME, "content": "84\n"}
+
+    def said(text: str) -> str:
+        return env.step(_turn(text)).observation["content"]
+
+    escape = said(_qwen_call("open('/etc/escaped', 'w').write('x')"))
+    assert "error: crashed" in escape and "Read-only file system" in escape
+    assert not Path("/etc/escaped").exists()
+    slow = PythonToolEnvironment(limits=SandboxLimits(wall_s=1.0, cpu_s=5, processes=8, file_mb=1,
+                                                      output_kb=16))
+    assert "error: timeout" in slow.step(_turn(_qwen_call("while True: pass"))).observation["content"]
+    assert said('{"name": "python", "parameters": {"code": "print(7)"}}') == "7\n"  # a Llama-3.1-style call
+    assert said(_qwen_call("x", name="shell")).startswith("error: bad_call: there is no tool 'shell'")
+    assert said("<tool_call>{not json</tool_call>").startswith("error: bad_call:")
+    assert env.step(_turn("The answer is \\boxed{84}.", turn=1)) == Done(1.0)
+    assert env.step(_turn("The answer is \\boxed{85}.", turn=1)) == Done(0.0)
+    # the last turn (the broker's, or the limit) and a turn cut by its budget end it: no code runs
+    assert env.step(_turn(_qwen_call("print(1)"), last=True)) == Done(0.0)
+    assert env.step(_turn(_qwen_call("print(1)"), turn=3)) == Done(0.0)
+    assert env.step(_turn(_qwen_call("print(1)"), finish="length")) == Done(0.0)
+    with pytest.raises(ValueError, match="max_turns"):
+        PythonToolEnvironment(max_turns=0)
