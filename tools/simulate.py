@@ -4,6 +4,7 @@
     .venv/bin/python tools/simulate.py --generators 100 # the same ratios in ~15 s
     .venv/bin/python tools/simulate.py --smoke          # seconds (CI)
     .venv/bin/python tools/simulate.py --costs cpu --modes sync,april:2 --eta 1 --json out.json
+    .venv/bin/python tools/simulate.py --turns 8 --modes april:2  # 8-turn trajectories (agents)
 
 (``april simulate`` takes the same flags.) Every mode — ``sync``, ``april`` at r = 1.5 and 2,
 ``async`` at r = 2 — runs the same cluster around the real ``BrokerCore``: every lease, early
@@ -19,6 +20,18 @@ APRIL-like long responses: the ``math`` workload with a budget of 8,192 tokens (
 p90 4,549, 3 % run into the budget); η = 4; the learner takes no time (``--train-s 0``), so
 this is rollout throughput, as APRIL's figures are. Two warm-up batches and two measured ones per
 mode (april's step lengths alternate long/short: a window of two is stable).
+
+Trajectories (``--turns K``, issue 45, ``docs/agents.md``): every sample is an agent's
+conversation of K policy turns. The simulated task is listed in the rollout's ``environments`` with
+``max_turns`` = K; a turn's length is the workload's, scaled to the turn budget (``turn_tokens``:
+K turns and K − 1 of the longest observations fit ``--budget``, 968 tokens at K = 8), and it ends
+with ``stop``. The scorer answers every turn but the last with an observation of 16–64 tokens
+(``--observation-min``, ``--observation-max``) through the core's ``observed`` call, after
+``--tool-s`` seconds of tool time (0.1) in which the sample waits in ``stepping``; the last turn,
+with a reward. The core leases the next turn as a recycled partial (it counts under ``recycled``,
+and the observations' tokens among the useful tokens). A second table gives each mode's turns,
+observations and their tokens, trajectories over η demoted to context, and the mean turns per
+delivered sample; ``observed`` joins the calls timed and shown, and the bounds.
 
 Reported per mode: simulated seconds of the measured batches; finished groups/s and useful
 tokens/s (tokens delivered to the learner); the ratio to the first mode; ``idle`` = 1 − busy

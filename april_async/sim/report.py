@@ -2,7 +2,9 @@
 
 Runs the same cluster in several modes (``sync``, ``april`` at each r, ``async``) and prints one
 row per mode, then the broker core's call latencies, then the ratio that the project's goal is
-stated in (april at r = 2 against sync). See ``tools/simulate.py`` for what the numbers mean.
+stated in (april at r = 2 against sync). With ``--turns K`` every sample is a trajectory of K turns:
+a table of its turns and observations follows the first, and ``observed`` joins the calls shown.
+See ``tools/simulate.py`` for what the numbers mean.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 DEFAULT_MODES = "sync,april:1.5,april:2,async:2"
 GOAL = 1.44  # APRIL's best published rollout-throughput gain over the synchronous baseline
 LATENCY_CALLS = ("admit", "lease", "finish", "scored", "pull_batch", "publish_version")
+TRAJECTORY_CALLS = ("observed",)  # shown too when the samples are trajectories
 # Issue 18's bounds on the broker core at cluster scale: every per-message call at most 1 ms at
 # p99, and nothing (pull_batch and full garbage collections included) holding the broker over 10 ms.
 MESSAGE_P99_BOUND_US = 1_000.0
@@ -146,6 +149,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
       f"{spec.step_b_s * 1e3:g} ms per sequence ({spec.preset_name}), prefill {spec.prefill_s * 1e6:g} µs per token, "
       f"prompts of {spec.prompt_tokens} tokens")
     p(f"workload: {workload.describe()}")
+    if spec.turns:
+        turn = parse_workload(spec.workload, max_tokens=spec.turn_tokens, seed=spec.seed)
+        p(f"trajectories: {spec.turns} turns each, a turn {turn.describe()}; observations of "
+          f"{spec.observation_min}-{spec.observation_max} tokens, {spec.tool_s:g} s of tool time each")
     p(f"batch: B={B} groups × n={spec.group_size} = {B * spec.group_size} samples; learner {spec.train_s:g} s per "
       f"batch; η={args.eta} (april, async); {spec.warmup} warm-up + {spec.batches} measured batches per mode")
     p(f"allocator: {allocator_in_use()} (the broker's call times depend on it: see run.broker_allocator)")
@@ -165,20 +172,33 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         p(f"{r.mode:<6} {r.r:4g} {r.eta:2d} {r.sim_seconds:8.1f} {r.groups_per_s:9.3f} {r.tokens_per_s:10.0f} "
           f"{r.tokens_per_s / base.tokens_per_s:7.2f}x {r.idle_fraction:6.1%} {r.empty_fraction:6.1%} "
           f"{r.off_policy_fraction:8.1%} {r.discarded_tokens:10d} {r.recycled:9d}")
+    calls = LATENCY_CALLS
+    if spec.turns:
+        calls += TRAJECTORY_CALLS
+        p("")
+        p("trajectories, in the measured batches: turns ended, observations answered and their tokens, "
+          "trajectories over η")
+        p("demoted to context; turns per delivered sample (whole run: how many delivered had k turns)")
+        p(f"{'mode':<6} {'r':>4} {'turns':>9} {'observed':>9} {'obs. tokens':>11} {'demoted':>8} "
+          f"{'turns/sample':>12}  delivered by turns")
+        for r in results:
+            hist = " ".join(f"{k}:{n}" for k, n in r.turn_counts.items())
+            p(f"{r.mode:<6} {r.r:4g} {r.turns_finished:9d} {r.observations:9d} {r.observation_tokens:11d} "
+              f"{r.turns_demoted:8d} {r.turns_per_sample:12.2f}  {hist}")
     p("")
     p("broker core, wall-clock µs per call (p50 / p99) over the whole run; full garbage collections:")
-    p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in LATENCY_CALLS) + f" {'full GC: n, max ms':>19}")
+    p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in calls) + f" {'full GC: n, max ms':>19}")
     for r in results:
         cells = []
-        for c in LATENCY_CALLS:
+        for c in calls:
             p50, p99, n = r.latency(c)
             cells.append(f"{p50:7.1f} / {p99:7.1f}" if n else f"{'-':>17}")
         cells.append(f"{len(r.gc_pauses_ms):9d}, {max(r.gc_pauses_ms, default=0.0):7.0f}")
         p(f"{r.mode:<6} {r.r:4g} " + " ".join(cells))
     p("slowest call of each kind, ms:")
-    p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in LATENCY_CALLS))
+    p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in calls))
     for r in results:
-        p(f"{r.mode:<6} {r.r:4g} " + " ".join(f"{r.max_us(c) / 1e3:17.2f}" for c in LATENCY_CALLS))
+        p(f"{r.mode:<6} {r.r:4g} " + " ".join(f"{r.max_us(c) / 1e3:17.2f}" for c in calls))
     p(bounds_line(results))
     goal = next((r for r in results if r.mode == "april" and r.r == 2.0), None)
     if goal is not None and base.mode == "sync":
@@ -187,7 +207,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
           f"(goal: >= {GOAL}x, APRIL's best published gain): {'reached' if gain >= GOAL else 'NOT reached'}")
     if args.json:
         args.json.write_text(json.dumps({
-            "settings": {"modes": args.modes, "eta": args.eta, **spec.model_dump(), "batch_groups": B},
+            "settings": {"modes": args.modes, "eta": args.eta, **spec.model_dump(), "batch_groups": B,
+                         **({"turn_tokens": spec.turn_tokens} if spec.turns else {})},
             "workload": workload.stats(),
             "rows": [{**r.row(), "vs_base": r.tokens_per_s / base.tokens_per_s} for r in results],
         }, indent=2, default=str))

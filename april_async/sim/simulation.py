@@ -3,9 +3,10 @@
 G simulated generators, each with S decode slots, take leases from the real ``BrokerCore``
 (every decision — leases, early termination, recycling, staleness — is the core's, through its
 public methods, with the calls the broker service makes: admit to keep two steps' worth of
-samples queued, lease into free slots, finish, score_lease/scored, pull_batch, publish_version,
-report_batch). Scoring is instant; the learner takes ``train_s`` per batch and then publishes the
-next policy version; generators load it at once.
+samples queued, lease into free slots, finish, score_lease/scored (and observed), pull_batch,
+publish_version, report_batch). Scoring is instant (a trajectory's tool takes ``tool_s``: below);
+the learner takes ``train_s`` per batch and then publishes the next policy version; generators
+load it at once.
 
 The generator model. A generator runs decode steps back to back while it has active sequences;
 a step with k active sequences takes ``a + b·k`` seconds and gives each of them one token, made
@@ -18,6 +19,19 @@ offered leases first come, first served.
 
 Sample lengths come from a workload (``april_async/sim/workload.py``) keyed by the sample id
 (= prompt index · n + k), so every mode, and a resumed partial, sees the same true lengths.
+
+Trajectories (``SimSettings.turns`` = K). Every prompt is admitted under the task the rollout
+config lists in ``environments`` (``max_turns`` = K), so each sample is K policy turns, as an
+agent's conversation with a tool. Turn k's length comes from the workload scaled to the turn
+budget (``turn_budget``: K turns and K − 1 of the longest observations fit the response budget),
+keyed by (sample, k). A turn ends with ``stop``; the core moves the sample to ``stepping`` and the
+simulated scorer answers it: every turn but the last with an observation of ``observation_min``
+to ``observation_max`` tokens (16–64, drawn from the sample and turn) through ``observed``,
+``tool_s`` seconds later (the tool's time: the sample sits in ``stepping`` meanwhile); the last
+turn, or one after which no observation fits, with a reward through ``scored``, at once. The core
+then leases the next turn as a recycled partial; a generator resumes it (prompt, turns and
+observations prefilled) and decodes to the end of that turn. The scorer remembers each sample's
+turns, and the delivered batches are counted by them (mean turns per delivered sample).
 
 Jumps. Between two events a generator's set of active sequences does not change, so every step
 costs the same and every active sequence gains one token per step: the simulation does not visit
@@ -47,6 +61,7 @@ import random
 import time
 from array import array
 from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -54,13 +69,14 @@ import msgspec
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
 from april_async.broker.core import AbortLease, BrokerCore
 from april_async.engines.base import version_runs
-from april_async.sim.config import SimError, SimSettings
+from april_async.sim.config import SIM_TASK, SimError, SimSettings, turn_budget
 from april_async.sim.workload import parse_workload
 
 BATCH_SLICE_SAMPLES = BrokerServiceConfig.model_fields["batch_slice_samples"].default  # as the service packs
 
-CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "pull_batch", "pull_empty", "ack_batches",
-              "report_batch", "publish_version")  # pull_empty: a pull_batch call that found no batch
+# pull_empty: a pull_batch call that found no batch; observed: a trajectory's turn answered by its tool
+CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "observed", "pull_batch", "pull_empty",
+              "ack_batches", "report_batch", "publish_version")
 _TOKEN, _LOGPROB = 7, -1.0
 
 
@@ -84,6 +100,19 @@ class SimResult:
     gc_pauses_ms: array  # every full (generation 2) garbage collection in the run, ms
     counters: dict = field(repr=False)  # the core's counters at the end of the run
     ledger_ok: bool = True
+    turns: int = 0  # K: policy turns of a trajectory (0: single-turn samples)
+    observations: int = 0  # turns answered with an observation, in the window
+    observation_tokens: int = 0  # their tokens (delivered ones are among the useful tokens)
+    turns_finished: int = 0  # turns of trajectories that ended, in the window
+    turns_demoted: int = 0  # trajectories over η whose stale turns became context, in the window
+    samples_delivered: int = 0  # in the window
+    turns_delivered: int = 0  # the policy turns of the samples delivered in the window
+    turn_counts: dict[int, int] = field(default_factory=dict, repr=False)  # turns -> delivered samples (run)
+
+    @property
+    def turns_per_sample(self) -> float:
+        """Mean policy turns of a delivered sample (trajectories; 0 otherwise)."""
+        return self.turns_delivered / max(1, self.samples_delivered)
 
     @property
     def groups_per_s(self) -> float:
@@ -120,7 +149,11 @@ class SimResult:
                "off_policy_fraction": self.off_policy_fraction, "discarded_tokens": self.discarded_tokens,
                "discarded_fraction": self.discarded_fraction, "recycled": self.recycled, "wall_s": self.wall_s,
                "ledger_ok": self.ledger_ok, "gc_full": len(self.gc_pauses_ms),
-               "gc_full_ms": sum(self.gc_pauses_ms), "gc_full_max_ms": max(self.gc_pauses_ms, default=0.0)}
+               "gc_full_ms": sum(self.gc_pauses_ms), "gc_full_max_ms": max(self.gc_pauses_ms, default=0.0),
+               "turns": self.turns, "observations": self.observations,
+               "observation_tokens": self.observation_tokens,
+               "turns_finished": self.turns_finished, "turns_demoted": self.turns_demoted,
+               "turns_per_sample": self.turns_per_sample}
         for call in CORE_CALLS:
             p50, p99, n = self.latency(call)
             out[f"{call}_p50_us"], out[f"{call}_p99_us"], out[f"{call}_calls"] = p50, p99, n
@@ -172,7 +205,8 @@ class _Gen:
     busy_s: float = 0.0  # seconds with at least one active sequence, up to ``at``
 
 
-_PUBLISH, _GEN = 0, 1  # event kinds; at equal times a publish goes first, then generators by index
+# Event kinds; at equal times a publish goes first, then generators by index, then tools' answers.
+_PUBLISH, _GEN, _TOOL = 0, 1, 2
 
 
 class Simulation:
@@ -197,9 +231,27 @@ class Simulation:
         self.next_prompt = 0
         self.queue_target = 2 * rollout.max_inflight_groups * rollout.group_size  # like the service
         self.lengths: dict[int, int] = {}
+        self.turns = spec.turns
+        if self.turns:
+            if SIM_TASK not in rollout.environments or rollout.max_turns != self.turns:
+                raise SimError(f"turns={self.turns}: the rollout config must list {SIM_TASK!r} in "
+                               f"environments with max_turns={self.turns} (SimSettings.rollout does)")
+            cap = turn_budget(rollout.max_response_tokens, self.turns, spec.observation_max)
+            cap = min(cap, rollout.turn_tokens or cap)
+            if cap < 1:
+                raise SimError(f"turns={self.turns}: no room for a turn in max_response_tokens="
+                               f"{rollout.max_response_tokens}")
+            # A turn's length: the workload at the turn budget (its fractions of the budget scale).
+            self.turn_workload = parse_workload(spec.workload, max_tokens=cap, seed=spec.seed)
+        self.turn_ends: dict[int, int] = {}  # trajectories: the token count at which a sample's turn ends
+        self.turns_of: dict[int, int] = {}  # trajectories: the turns of a sample that got its reward
+        self.tool_waits: deque[list[tuple[int, int, int, int, int]]] = deque()  # observations due, in order
+        self.turns_delivered = 0
+        self.turn_counts: dict[int, int] = {}  # turns -> delivered samples with that many
         self.prompt = [1] * spec.prompt_tokens
         self.latency: dict[str, array] = {c: array("d") for c in CORE_CALLS}  # µs per call
-        self.marks: list[tuple[float, dict, float, float]] = []  # (time, counters, slot_s, busy_s) per batch
+        # (time, counters, slot_s, busy_s, turns delivered) per batch
+        self.marks: list[tuple[float, dict, float, float, int]] = []
         self.gc_pauses = array("d")  # ms of each full garbage collection during the run
         self._gc_t0 = 0.0
 
@@ -217,10 +269,28 @@ class Simulation:
             n = self.lengths[sample_id] = self.workload.length(sample_id)
         return n
 
+    def _turn_end(self, sample_id: int) -> int:
+        """Trajectories: the token count at which the current turn of ``sample_id`` ends (its first
+        turn's, the first time it is asked; ``_observe`` sets the next one's)."""
+        end = self.turn_ends.get(sample_id)
+        if end is None:
+            end = self.turn_ends[sample_id] = self._turn_length(sample_id, 0)
+        return end
+
+    def _turn_length(self, sample_id: int, turn: int) -> int:
+        return self.turn_workload.length(sample_id * self.turns + turn)
+
+    def _observation_tokens(self, sample_id: int, turn: int) -> int:
+        """The length of the observation after ``turn`` of ``sample_id``: a pure function of both
+        and the seed (a hash of ints is the same in every process), cheaper than a seeded RNG."""
+        lo, hi = self.spec.observation_min, self.spec.observation_max
+        return lo + hash((self.spec.seed, sample_id, turn)) % (hi - lo + 1)
+
     def _admit(self) -> None:
         core = self.core
+        task = SIM_TASK if self.turns else ""
         while core.place_counts()["queued"] < self.queue_target:
-            self._call("admit", core.admit, f"sim-{self.next_prompt}", self.prompt, self.now)
+            self._call("admit", core.admit, f"sim-{self.next_prompt}", self.prompt, self.now, task)
             self.next_prompt += 1
 
     def _report(self, g: _Gen, slot: _Slot, reason: str) -> None:
@@ -260,9 +330,23 @@ class Simulation:
 
     def _score_and_learn(self) -> None:
         core = self.core
+        steps: list[tuple[int, int, int, int, int]] = []  # turns for a tool: (sample, lease, held, turn, n)
         for task in self._call("score_lease", core.score_lease, "scorer", 1 << 30, self.now):
+            if self.turns:
+                n = self._observation_tokens(task.sample_id, task.turn) if task.takes_observation else 0
+                if n and len(task.response) + n < self.cfg.max_response_tokens:  # room for a turn after it
+                    steps.append((task.sample_id, task.lease_id, len(task.response), task.turn, n))
+                    continue
+                self.turns_of[task.sample_id] = task.turn + 1  # its last turn (or the last that fits)
+                self.turn_ends.pop(task.sample_id, None)
             self._effects(self._call("scored", core.scored, task.sample_id, task.lease_id,
                                      float(self.rng.random() < 0.5), self.now))
+        if steps:
+            if self.spec.tool_s > 0:  # every tool takes as long: they come back in the order they went
+                self.tool_waits.append(steps)
+                self._push(self.now + self.spec.tool_s, _TOOL, 0, 0)
+            else:
+                self._observe(steps)
         if self.learning is None:  # the learner waits for a batch: the service tries on every tick
             batch = None
             if not core.batch_pending():
@@ -273,11 +357,35 @@ class Simulation:
                 # The learner holds it, and so does nobody here: the acknowledgement frees it, as in
                 # the service (where only ``unacked_batches`` holds a batch sent).
                 batch_id = batch.batch_id
+                if self.turns:
+                    self._count_turns(batch)
                 del batch
                 self._call("ack_batches", core.ack_batches, batch_id)
                 self._mark()
                 self.learning = batch_id
                 self._push(self.now + self.spec.train_s, _PUBLISH, 0, 0)
+
+    def _observe(self, steps: list[tuple[int, int, int, int, int]]) -> None:
+        """The tools answered: each turn's observation goes to the core, and the sample's next turn
+        is drawn (it ends that many tokens after the observation)."""
+        core, limit = self.core, self.cfg.max_response_tokens
+        for sample_id, lease_id, held, turn, n in steps:
+            self._effects(self._call("observed", core.observed, sample_id, lease_id, [_TOKEN] * n, self.now))
+            self.turn_ends[sample_id] = min(limit, held + n + self._turn_length(sample_id, turn + 1))
+
+    def _tool_answers(self) -> None:
+        """A ``_TOOL`` event: the oldest waiting observations come back; their next turns are leased."""
+        self._observe(self.tool_waits.popleft())
+        self._offer()
+
+    def _count_turns(self, batch) -> None:
+        """The turns of a delivered batch's samples (what the scorer remembered of each)."""
+        counts, turns_of = self.turn_counts, self.turns_of
+        for group in batch.groups:
+            for s in group.samples:
+                k = turns_of.pop(s.sample_id, 0)
+                self.turns_delivered += k
+                counts[k] = counts.get(k, 0) + 1
 
     def _publish(self) -> None:
         core = self.core
@@ -325,13 +433,17 @@ class Simulation:
             self._admit()  # the service keeps the queue topped up the same way
 
     def _start(self, g: _Gen, grants: list[_Grant]) -> None:
-        exact = self.spec.step_by_step
+        exact, turns = self.spec.step_by_step, self.turns
         for grant in grants:
             held = grant.held
-            left = min(self._length(grant.sample_id), self.cfg.max_response_tokens) - held
+            if turns:  # the end of its current turn
+                end = self._turn_end(grant.sample_id)
+            else:
+                end = min(self._length(grant.sample_id), self.cfg.max_response_tokens)
+            left = end - held
             if left <= 0:
-                raise SimError(f"sample {grant.sample_id} resumed at {held} tokens, past its length "
-                               f"{self._length(grant.sample_id)}")
+                raise SimError(f"sample {grant.sample_id} resumed at {held} tokens, past its "
+                               f"{'turn' if turns else 'length'}'s end {end}")
             g.slots[grant.lease_id] = _Slot(grant.lease_id, grant.sample_id, held, g.steps, g.steps + left,
                                             [] if exact else None)
             heapq.heappush(g.ends, (g.steps + left, grant.lease_id))
@@ -451,7 +563,7 @@ class Simulation:
             k = len(g.slots)
             slot_s += g.slot_s + (self.now - g.at) * k
             busy_s += g.busy_s + (self.now - g.at if k else 0.0)
-        self.marks.append((self.now, self.core.counters.as_dict(), slot_s, busy_s))
+        self.marks.append((self.now, self.core.counters.as_dict(), slot_s, busy_s, self.turns_delivered))
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -493,19 +605,24 @@ class Simulation:
                     continue
                 self.now = t
                 self._boundary(g, steps)
-            else:
+            elif kind == _PUBLISH:
                 self.now = t
                 self._publish()
+            else:
+                self.now = t
+                self._tool_answers()
         return self._result(time.perf_counter() - wall0)
 
     def _result(self, wall_s: float) -> SimResult:
         spec, cfg = self.spec, self.cfg
-        (t0, c0, s0, b0), (t1, c1, s1, b1) = self.marks[spec.warmup], self.marks[-1]
+        (t0, c0, s0, b0, k0), (t1, c1, s1, b1, k1) = self.marks[spec.warmup], self.marks[-1]
         span = t1 - t0
         if span <= 0:
             raise SimError(f"mode {cfg.mode}: the measured batches took no simulated time")
         d = {k: c1[k] - c0[k] for k in ("groups_delivered", "tokens_delivered", "tokens_generated",
-                                         "off_policy_tokens", "tokens_discarded", "partials_recycled")}
+                                         "off_policy_tokens", "tokens_discarded", "partials_recycled",
+                                         "observations", "tokens_observed", "turns_finished", "turns_demoted",
+                                         "samples_delivered")}
         core = self.core
         ledger_ok = core.audit()["balanced"]
         return SimResult(
@@ -517,4 +634,8 @@ class Simulation:
             idle_fraction=max(0.0, 1.0 - (s1 - s0) / (span * spec.generators * spec.slots)),
             empty_fraction=max(0.0, 1.0 - (b1 - b0) / (span * spec.generators)),
             wall_s=wall_s, latency_us=self.latency, gc_pauses_ms=self.gc_pauses, counters=core.counters.as_dict(),
-            ledger_ok=ledger_ok)
+            ledger_ok=ledger_ok, turns=self.turns, observations=d["observations"],
+            observation_tokens=d["tokens_observed"], turns_finished=d["turns_finished"],
+            turns_demoted=d["turns_demoted"], samples_delivered=d["samples_delivered"],
+            turns_delivered=k1 - k0,
+            turn_counts=dict(sorted(self.turn_counts.items())))
