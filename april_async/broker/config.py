@@ -119,7 +119,13 @@ class RolloutConfig(BaseModel):
     """Tasks whose samples are trajectories (issue 45, ``docs/agents.md``): each finished turn goes
     to a scorer, whose environment for the task (``[scorer] environments``) answers a reward or an
     observation; an observation is appended as context and the next turn is leased as a recycled
-    partial. ``max_response_tokens`` bounds the whole trajectory."""
+    partial. ``max_response_tokens`` bounds the policy's tokens of the whole trajectory (its
+    response budget), ``max_context_tokens`` every token after the prompt, observations included."""
+    max_context_tokens: int | None = Field(None, ge=1)
+    """A trajectory's tokens after its prompt at most, the policy's and its observations (and turns
+    demoted to context) together: its context budget. Observations count against it, not against
+    ``max_response_tokens``. None: ``max_response_tokens``, one budget for both. Single-turn
+    samples have no context: ``max_response_tokens`` alone bounds them."""
     max_turns: int = Field(8, ge=1)
     """Policy turns of a trajectory at most: the last one's step must end it."""
     turn_tokens: int | None = Field(None, ge=1)
@@ -153,7 +159,17 @@ class RolloutConfig(BaseModel):
         if self.async_admission != "continuous" and self.mode != "async":
             raise ValueError(f"async_admission {self.async_admission!r} is a choice of mode 'async' only, "
                              f"not {self.mode!r}")
+        if self.max_context_tokens is not None and self.max_context_tokens < self.max_response_tokens:
+            raise ValueError(f"max_context_tokens = {self.max_context_tokens} is below max_response_tokens = "
+                             f"{self.max_response_tokens}: the context holds the response and its "
+                             f"observations")
         return self
+
+    @property
+    def context_budget(self) -> int:
+        """A trajectory's tokens after its prompt at most (``max_context_tokens``, else
+        ``max_response_tokens``)."""
+        return self.max_context_tokens if self.max_context_tokens is not None else self.max_response_tokens
 
     @property
     def counts_steps(self) -> bool:

@@ -249,17 +249,23 @@ class Policy(Ledger):
             group_id=s.group_id,
             prompt=list(g.prompt),
             resume_bytes=bytes(s.token_bytes),
-            max_new_tokens=self._turn_budget(g, held),
+            max_new_tokens=self._room(s, g),
             min_policy_version=self.version,
             trajectory=self._trajectory(g),
         )
 
-    def _turn_budget(self, g: Group, held: int) -> int:
-        """New tokens a lease may make: what is left of the response, and of a trajectory's turn."""
-        room = self.config.max_response_tokens - held
-        if self.config.turn_tokens is not None and self._trajectory(g):
-            return min(room, self.config.turn_tokens)
-        return room
+    def _room(self, s: Sample, g: Group | None = None, *, per_turn: bool = True) -> int:
+        """Tokens the policy may still add to ``s``: what is left of its response budget (the
+        policy's tokens: all but its context spans) and, for a trajectory, of its context budget
+        (every token after the prompt) and, with ``per_turn``, of a lease (``turn_tokens``)."""
+        held = s.n_tokens
+        if not self._trajectory(g or self.groups[s.group_id]):
+            return self.config.max_response_tokens - held
+        policy = held - sum(count for _, count in s.context)
+        room = min(self.config.max_response_tokens - policy, self.config.context_budget - held)
+        if self.config.turn_tokens is None or not per_turn:
+            return room
+        return min(room, self.config.turn_tokens)
 
     # ------------------------------------------------------------------ generator reports
 
@@ -295,7 +301,7 @@ class Policy(Ledger):
             self.counters.tokens_duplicate += len(tokens)
             return 0
         self.counters.tokens_duplicate += skip
-        room = self.config.max_response_tokens - held
+        room = self._room(s, per_turn=False)  # a lease's turn budget is the generator's to keep
         take = min(len(tokens) - skip, room)
         self.counters.tokens_over_budget += len(tokens) - skip - take
         if take <= 0:
@@ -358,7 +364,7 @@ class Policy(Ledger):
             return self.retire_group(s.group_id, "engine_refused")
         accepted = self._accept(s, offset, tokens, logprobs, spans)
         self._end_lease(lease)
-        if s.n_tokens >= self.config.max_response_tokens:
+        if self._room(s, per_turn=False) <= 0:
             reason = "length"
         elif accepted is None:
             reason = "abort"  # the end of the response never reached us: resume from what we hold
@@ -463,7 +469,7 @@ class Policy(Ledger):
         """Whether a finished turn of ``s`` may be answered with an observation: a trajectory below
         its turn limit, with room for a token after one."""
         return (s.place is Place.STEPPING and s.turn + 1 < self.config.max_turns
-                and s.n_tokens + 1 < self.config.max_response_tokens)
+                and s.n_tokens + 1 < self.config.context_budget and self._room(s, per_turn=False) > 0)
 
     def _return_to_scoring(self, sid: int) -> None:
         del self.scoring[sid]
@@ -505,7 +511,7 @@ class Policy(Ledger):
         if not self._takes_observation(s) or not len(tokens):
             return self._fail_score(s, "bad_step")
         held = s.n_tokens
-        if held + len(tokens) + 1 > self.config.max_response_tokens:
+        if held + len(tokens) + 1 > self.config.context_budget:  # no room left for a turn after it
             return self._fail_score(s, "context_full")
         try:
             new_tokens = _token_bytes(tokens)

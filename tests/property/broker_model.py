@@ -77,6 +77,7 @@ def configs(modes: tuple[str, ...], trajectories: bool | str = True):
             environments=st.just([TASK]) if trajectories == "always" else st.sampled_from([[], [], [TASK]]),
             max_turns=st.integers(1, 3),
             turn_tokens=st.sampled_from([None, 1, 2]),
+            max_context_tokens=st.sampled_from([None, 8]),
             on_env_failure=st.sampled_from(["retire", "retry"]),
             env_retries=st.integers(0, 2),
         )
@@ -104,6 +105,7 @@ class MSample:
     reward: float | None = None
     attempts: int = 0  # leases issued for it
     turn: int = 0  # observations received (a trajectory)
+    context: set = field(default_factory=set)  # positions of its context tokens: observations, demoted turns
     step_failures: int = 0  # failed runs of its current step sent again (``on_env_failure = "retry"``)
 
 
@@ -202,10 +204,12 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 return self.m_retire(m.group_id)
             if self.trajectories:  # its stale tokens become context, as new as the version: it goes on
                 limit = self.V - self.cfg.staleness_bound
+                m.context |= {i for i, (_, _, v) in enumerate(m.tokens) if v < limit}
                 m.tokens = [(t, lp, self.V if v < limit else v) for t, lp, v in m.tokens]
                 return set()
             self.scoring.pop(sid, None)
             m.tokens, m.place, m.finished_by, m.reward, m.turn = [], Place.PARTIAL, None, None, 0
+            m.context = set()
             if m.attempts >= self.cfg.max_attempts:
                 return self.m_retire(m.group_id)
             return set()
@@ -216,7 +220,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
             if offset > held:
                 return None
             skip = held - offset
-            take = max(0, min(len(toks) - skip, self.cfg.max_response_tokens - held))
+            take = max(0, min(len(toks) - skip, self.room(m, per_turn=False)))
             m.tokens.extend(toks[skip : skip + take])
             return take
 
@@ -293,9 +297,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.agree(m.place in (Place.QUEUED, Place.PARTIAL), f"leased sample {g.sample_id} was {m.place}")
                 held = [t for t, _, _ in m.tokens]
                 require(1, g.resume == held, f"lease of {g.sample_id} resumes {g.resume}, broker held {held}")
-                room = self.cfg.max_response_tokens - len(held)
-                if self.trajectories and self.cfg.turn_tokens is not None:
-                    room = min(room, self.cfg.turn_tokens)
+                room = self.room(m)
                 self.agree(g.max_new_tokens == room,
                            f"lease budget {g.max_new_tokens} with {len(held)} tokens held")
                 self.agree(g.min_policy_version == self.V, "lease names an old policy version")
@@ -379,7 +381,7 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 return
             taken = self.m_accept(sid, offset, toks)
             del self.leases[lid]
-            if len(m.tokens) >= self.cfg.max_response_tokens:
+            if self.room(m, per_turn=False) <= 0:
                 reason = "length"
             elif taken is None:
                 reason = "abort"
@@ -519,10 +521,11 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
                 self.agree(not effects, f"observation of sample {sid} in {m.place} had effects")
                 return
             self.scoring.pop(sid, None)
-            if not self.takes(m) or len(m.tokens) + k + 1 > self.cfg.max_response_tokens:
+            if not self.takes(m) or len(m.tokens) + k + 1 > self.context_budget:
                 expected = self.m_retire(m.group_id)
             else:
                 version = m.tokens[-1][2] if m.tokens else self.V
+                m.context |= set(range(len(m.tokens), len(m.tokens) + k))
                 m.tokens.extend((t, 0.0, version) for t in toks)
                 m.turn += 1
                 m.step_failures = 0
@@ -537,10 +540,24 @@ def make_machine(core_cls: type[BrokerCore], modes: tuple[str, ...] = ("sync", "
         def trajectories(self) -> bool:
             return TASK in self.cfg.environments
 
+        @property
+        def context_budget(self) -> int:
+            c = self.cfg.max_context_tokens
+            return self.cfg.max_response_tokens if c is None else c
+
+        def room(self, m: MSample, *, per_turn: bool = True) -> int:
+            """Tokens the policy may still add to ``m``: its response budget counts policy tokens (not
+            its context), a trajectory's context budget all of them, a lease's ``turn_tokens`` a turn."""
+            if not self.trajectories:
+                return self.cfg.max_response_tokens - len(m.tokens)
+            room = min(self.cfg.max_response_tokens - (len(m.tokens) - len(m.context)),
+                       self.context_budget - len(m.tokens))
+            return room if self.cfg.turn_tokens is None or not per_turn else min(room, self.cfg.turn_tokens)
+
         def takes(self, m: MSample) -> bool:
             """Whether the broker takes an observation for ``m``'s finished turn (``ScoreTask``)."""
             return (m.place is Place.STEPPING and m.turn + 1 < self.cfg.max_turns
-                    and len(m.tokens) + 1 < self.cfg.max_response_tokens)
+                    and len(m.tokens) + 1 < self.context_budget and self.room(m, per_turn=False) > 0)
 
         @rule(step=st.sampled_from([1, 1, 1, 0, -1]))
         def publish_version(self, step):

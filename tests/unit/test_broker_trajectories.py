@@ -223,3 +223,41 @@ def test_the_sample_clock_gives_quantiles_of_admission_to_reward_and_counts_turn
     assert out["n"] == 100 and (out["p50"], out["p90"], out["p99"], out["max"]) == (51.0, 91.0, 100.0, 100.0)
     assert out["turns"] == {"1": 34, "2": 34, "3": 33}
     assert SampleClock().summary() == {"n": 0, "max": None, "turns": {}}
+
+
+def test_observations_count_against_the_context_budget_not_the_response_budget():
+    """``max_response_tokens`` bounds the policy's tokens of a trajectory, ``max_context_tokens``
+    every token after the prompt: an observation takes context, not response; the next turn gets
+    what is left of both; a turn that spends the response budget ends at ``length`` and takes no
+    observation. Without ``max_context_tokens`` one budget holds both (an observation past it is
+    ``context_full``)."""
+    import pytest
+    from pydantic import ValidationError
+
+    core = make(group_size=1, max_response_tokens=6, max_context_tokens=12, turn_tokens=None)
+    core.admit("p0", [1, 2, 3], 0.0, task="calc")
+    g = core.lease("gen", 10, 0.0)[0]
+    assert g.max_new_tokens == 6
+    finish(core, g, [7, 7, 7, 7])
+    t = core.score_lease("scorer", 10, 1.0)[0]
+    assert t.takes_observation
+    core.observed(g.sample_id, t.lease_id, [*OBS, 43, 44], 1.0)  # 4 + 5 + 1 <= 12: room for a turn
+    g = core.lease("gen", 10, 1.0)[0]
+    assert g.max_new_tokens == 2  # min(6 - 4 policy tokens, 12 - 9 held)
+    core.finish(g.lease_id, 9, [8, 8, 8], [-0.5] * 3, [[0, 3]], "stop", 1.0)  # one past the budget: cut
+    s = core.samples[g.sample_id]
+    assert s.n_tokens == 11 and s.finish_reason == "length" and core.counters.tokens_over_budget == 1
+    t = core.score_lease("scorer", 10, 2.0)[0]
+    assert not t.takes_observation  # no response budget left for another turn
+    core.scored(g.sample_id, t.lease_id, 1.0, 2.0)
+    assert core.audit()["balanced"]
+
+    one = make(group_size=1, max_response_tokens=8, turn_tokens=None)  # one budget for both
+    one.admit("p0", [1, 2, 3], 0.0, task="calc")
+    g = one.lease("gen", 10, 0.0)[0]
+    finish(one, g, [7, 7, 7, 7])
+    t = one.score_lease("scorer", 10, 1.0)[0]
+    one.observed(g.sample_id, t.lease_id, [*OBS, 43], 1.0)  # 4 + 4 + 1 > 8
+    assert one.counters.groups_retired == {"context_full": 1}
+    with pytest.raises(ValidationError, match="max_context_tokens = 4 is below max_response_tokens = 8"):
+        RolloutConfig(max_response_tokens=8, max_context_tokens=4)

@@ -33,7 +33,7 @@ LATER_CALLS = {"observed"}  # issue 45: a trajectory's observation
 NEW_COUNTERS = ("turns_finished", "observations", "tokens_observed", "turns_demoted",  # issue 45, 0 here
                 "tokens_demoted", "steps_retried")
 NEW_CONFIG = {"environments": [], "max_turns": 8, "turn_tokens": None,  # issue 45, at their defaults
-              "turn_stop_token_ids": [], "on_env_failure": "retire", "env_retries": 2}
+              "turn_stop_token_ids": [], "on_env_failure": "retire", "env_retries": 2, "max_context_tokens": None}
 
 
 def recover(name: str, tmp_path: Path):
