@@ -96,19 +96,19 @@ def bound_violations(r: SimResult) -> list[str]:
         _, p99, n = r.latency(call)
         if n and call not in NOT_PER_MESSAGE and p99 > MESSAGE_P99_BOUND_US:
             found.append((p99, f"{call} p99 {p99 / 1e3:.1f} ms"))
-        worst = r.max_us(call)
+        worst = r.max_cpu_us(call)
         if worst > ANY_CALL_BOUND_US:
-            found.append((worst, f"{call} max {worst / 1e3:.1f} ms"))
-    gc_worst = max(r.gc_pauses_ms, default=0.0) * 1e3
+            found.append((worst, f"{call} max {worst / 1e3:.1f} ms of CPU"))
+    gc_worst = max(r.gc_cpu_ms, default=0.0) * 1e3
     if gc_worst > ANY_CALL_BOUND_US:
-        found.append((gc_worst, f"full GC {gc_worst / 1e3:.0f} ms"))
+        found.append((gc_worst, f"full GC {gc_worst / 1e3:.0f} ms of CPU"))
     return [text for _, text in sorted(found, reverse=True)]
 
 
 def bounds_line(results: list[SimResult]) -> str:
     """One line: PASS, or FAIL and what each mode broke of the bounds."""
     head = (f"bounds (p99 <= {MESSAGE_P99_BOUND_US / 1e3:g} ms a message call, "
-            f"max <= {ANY_CALL_BOUND_US / 1e3:g} ms any call or full GC):")
+            f"max <= {ANY_CALL_BOUND_US / 1e3:g} ms of CPU any call or full GC):")
     broken = [(r, bound_violations(r)) for r in results]
     if not any(v for _, v in broken):
         return f"{head} PASS"
@@ -199,6 +199,14 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in calls))
     for r in results:
         p(f"{r.mode:<6} {r.r:4g} " + " ".join(f"{r.max_us(c) / 1e3:17.2f}" for c in calls))
+    from april_async.sim.simulation import SLOW_CALL_US
+
+    p(f"most CPU time of a call over {SLOW_CALL_US / 1e3:g} ms of wall time, ms (the rest of its wall time "
+      f"the OS ran something else); full GC: most CPU of one:")
+    p(f"{'mode':<6} {'r':>4} " + " ".join(f"{c:>17}" for c in calls) + f" {'full GC':>19}")
+    for r in results:
+        p(f"{r.mode:<6} {r.r:4g} " + " ".join(f"{r.max_cpu_us(c) / 1e3:17.2f}" for c in calls)
+          + f" {max(r.gc_cpu_ms, default=0.0):19.1f}")
     p(bounds_line(results))
     goal = next((r for r in results if r.mode == "april" and r.r == 2.0), None)
     if goal is not None and base.mode == "sync":

@@ -78,6 +78,8 @@ BATCH_SLICE_SAMPLES = BrokerServiceConfig.model_fields["batch_slice_samples"].de
 CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "observed", "pull_batch", "pull_empty",
               "ack_batches", "report_batch", "publish_version")
 _TOKEN, _LOGPROB = 7, -1.0
+SLOW_CALL_US = 1_000.0
+"""A call over this wall time has its CPU time kept too (``SimResult.slow_calls``)."""
 
 
 @dataclass
@@ -98,6 +100,10 @@ class SimResult:
     wall_s: float
     latency_us: dict[str, array]  # core call -> its durations, µs (the whole run)
     gc_pauses_ms: array  # every full (generation 2) garbage collection in the run, ms
+    gc_cpu_ms: array  # ... the CPU time of each (a collection the OS descheduled took longer than it worked)
+    # core call -> (wall, CPU) µs of each call over SLOW_CALL_US: whether a slow call worked that long,
+    # or the OS ran something else meanwhile (a 2-core machine's other processes, a VM's steal)
+    slow_calls: dict[str, list[tuple[float, float]]] = field(repr=False)
     counters: dict = field(repr=False)  # the core's counters at the end of the run
     ledger_ok: bool = True
     turns: int = 0  # K: policy turns of a trajectory (0: single-turn samples)
@@ -140,6 +146,11 @@ class SimResult:
     def max_us(self, call: str) -> float:
         """The slowest call of one kind (µs; 0 when there was none)."""
         return max(self.latency_us.get(call, ()), default=0.0)
+
+    def max_cpu_us(self, call: str) -> float:
+        """The most CPU time one call of a kind took, among those over ``SLOW_CALL_US`` of wall time
+        (µs; 0 when none was): the core's own cost of its slowest calls."""
+        return max((cpu for _, cpu in self.slow_calls.get(call, ())), default=0.0)
 
     def row(self) -> dict:
         """The numbers as a flat dict (JSON, CSV)."""
@@ -253,14 +264,22 @@ class Simulation:
         # (time, counters, slot_s, busy_s, turns delivered) per batch
         self.marks: list[tuple[float, dict, float, float, int]] = []
         self.gc_pauses = array("d")  # ms of each full garbage collection during the run
+        self.gc_cpu_ms = array("d")  # ... and the CPU time this thread spent in it
+        self._gc_c0 = 0
+        self.slow: dict[str, list[tuple[float, float]]] = {c: [] for c in CORE_CALLS}  # (wall, CPU) µs
         self._gc_t0 = 0.0
 
     # ------------------------------------------------------------------ calls into the core
 
     def _call(self, kind: str, fn, *args):
+        c0 = time.thread_time_ns()  # outside the wall interval: it costs ~0.4 µs a read here
         t0 = time.perf_counter()
         out = fn(*args)
-        self.latency[kind].append((time.perf_counter() - t0) * 1e6)
+        wall = (time.perf_counter() - t0) * 1e6
+        cpu = (time.thread_time_ns() - c0) / 1e3
+        self.latency[kind].append(wall)
+        if wall > SLOW_CALL_US:
+            self.slow[kind].append((wall, cpu))
         return out
 
     def _length(self, sample_id: int) -> int:
@@ -567,9 +586,10 @@ class Simulation:
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_t0 = time.perf_counter()
+            self._gc_t0, self._gc_c0 = time.perf_counter(), time.thread_time_ns()
         elif info["generation"] == 2:
             self.gc_pauses.append((time.perf_counter() - self._gc_t0) * 1e3)
+            self.gc_cpu_ms.append((time.thread_time_ns() - self._gc_c0) / 1e6)
 
     def run(self) -> SimResult:
         """Run until ``warmup + batches`` batches went out. Python's cyclic garbage collector
@@ -633,7 +653,8 @@ class Simulation:
             recycled=d["partials_recycled"],
             idle_fraction=max(0.0, 1.0 - (s1 - s0) / (span * spec.generators * spec.slots)),
             empty_fraction=max(0.0, 1.0 - (b1 - b0) / (span * spec.generators)),
-            wall_s=wall_s, latency_us=self.latency, gc_pauses_ms=self.gc_pauses, counters=core.counters.as_dict(),
+            wall_s=wall_s, latency_us=self.latency, gc_pauses_ms=self.gc_pauses, gc_cpu_ms=self.gc_cpu_ms,
+            slow_calls=self.slow, counters=core.counters.as_dict(),
             ledger_ok=ledger_ok, turns=self.turns, observations=d["observations"],
             observation_tokens=d["tokens_observed"], turns_finished=d["turns_finished"],
             turns_demoted=d["turns_demoted"], samples_delivered=d["samples_delivered"],

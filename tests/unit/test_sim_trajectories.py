@@ -119,5 +119,5 @@ def test_cli_reports_turns_and_the_observed_call(capsys):
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("sync ", "april "))]
     assert any(r[-2] == "3.00" and r[-1].startswith("3:") for r in rows)  # the trajectory table
     heads = [ln.split() for ln in out.splitlines() if ln.startswith("mode ") and "publish_version" in ln]
-    assert len(heads) == 2 and all("observed" in h for h in heads)  # p50 / p99, and the slowest call
+    assert len(heads) == 3 and all("observed" in h for h in heads)  # p50 / p99, the slowest, their CPU
     assert "bounds (p99 <= 1 ms a message call" in out
