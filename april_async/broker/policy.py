@@ -518,8 +518,12 @@ class Policy(Ledger):
         except (TypeError, OverflowError, ValueError) as e:
             raise BrokerError(f"observation for sample {s.sample_id}: a token id is not a number: "
                               f"{e}") from None
-        s.token_bytes = bytearray(s.token_bytes) + new_tokens
-        s.logprob_bytes = bytearray(s.logprob_bytes) + _logprob_bytes([0.0] * len(tokens))
+        new_logprobs = _logprob_bytes([0.0] * len(tokens))
+        if held:  # in place, as a chunk is: a copy of the whole buffer per turn freed one per turn
+            s.token_bytes += new_tokens
+            s.logprob_bytes += new_logprobs
+        else:  # a turn that ended with no token: buffers of the sample's own
+            s.token_bytes, s.logprob_bytes = bytearray(new_tokens), bytearray(new_logprobs)
         if s.spans:
             version, count = s.spans[-1]
             s.spans = s.spans[:-1] + ((version, count + len(tokens)),)

@@ -68,6 +68,7 @@ import msgspec
 
 from april_async.broker.config import BrokerServiceConfig, RolloutConfig
 from april_async.broker.core import AbortLease, BrokerCore
+from april_async.scorer.config import ScorerConfig
 from april_async.engines.base import version_runs
 from april_async.sim.config import SIM_TASK, SimError, SimSettings, turn_budget
 from april_async.sim.workload import parse_workload
@@ -78,6 +79,10 @@ BATCH_SLICE_SAMPLES = BrokerServiceConfig.model_fields["batch_slice_samples"].de
 CORE_CALLS = ("admit", "lease", "finish", "score_lease", "scored", "observed", "pull_batch", "pull_empty",
               "ack_batches", "report_batch", "publish_version")
 _TOKEN, _LOGPROB = 7, -1.0
+SCORE_LEASE_TASKS = ScorerConfig.model_fields["capacity"].default
+"""Score tasks one ``score_lease`` call takes: a scorer's default capacity, what the service asks
+for a scorer with every slot free (one call for every finished sample made a call of thousands of
+tasks, each with its token lists, that no broker makes)."""
 SLOW_CALL_US = 1_000.0
 """A call over this wall time has its CPU time kept too (``SimResult.slow_calls``)."""
 
@@ -350,7 +355,7 @@ class Simulation:
     def _score_and_learn(self) -> None:
         core = self.core
         steps: list[tuple[int, int, int, int, int]] = []  # turns for a tool: (sample, lease, held, turn, n)
-        for task in self._call("score_lease", core.score_lease, "scorer", 1 << 30, self.now):
+        for task in self._score_tasks():
             if self.turns:
                 n = self._observation_tokens(task.sample_id, task.turn) if task.takes_observation else 0
                 if n and len(task.response) + n < self.cfg.max_response_tokens:  # room for a turn after it
@@ -383,6 +388,15 @@ class Simulation:
                 self._mark()
                 self.learning = batch_id
                 self._push(self.now + self.spec.train_s, _PUBLISH, 0, 0)
+
+    def _score_tasks(self):
+        """Every finished sample's score task, taken as the service takes them: at most a scorer's
+        capacity a call (``SCORE_LEASE_TASKS``), each slice handled before the next is asked for."""
+        while True:
+            tasks = self._call("score_lease", self.core.score_lease, "scorer", SCORE_LEASE_TASKS, self.now)
+            if not tasks:
+                return
+            yield from tasks
 
     def _observe(self, steps: list[tuple[int, int, int, int, int]]) -> None:
         """The tools answered: each turn's observation goes to the core, and the sample's next turn
