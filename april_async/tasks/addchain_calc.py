@@ -89,18 +89,12 @@ class CalcEnvironment:
                     and trajectory.finish_reason == "stop" and trajectory.turn + 1 < limit
                     and not trajectory.last_turn)
         if not calls_on:
-            return Done(self._reward(trajectory))
+            return Done(math_answer.final_answer_reward(trajectory))
         try:
             return Continue(f"\n= {evaluate(expression)}\n")
         except CalcError:
             return Continue(f"\n{BAD_EXPRESSION}\n")
 
-    @staticmethod
-    def _reward(trajectory: Trajectory) -> float:
-        if "answer" not in trajectory.meta:
-            raise KeyError(f"task {trajectory.task!r}: meta has no 'answer' "
-                           f"(keys: {sorted(trajectory.meta)})")
-        return math_answer.score(trajectory.last_text, trajectory.meta["answer"])
 
 
 def uses_tool(prompt: str) -> bool:

@@ -98,3 +98,11 @@ def answers_match(predicted: str | None, gold: str | int | float) -> bool:
 def score(response_text: str, answer: str | int | float) -> float:
     """1.0 when the response's final answer matches ``answer``, else 0.0."""
     return 1.0 if answers_match(extract_answer(response_text), answer) else 0.0
+
+
+def final_answer_reward(trajectory) -> float:
+    """The reward of a conversation (an ``agents.env.Trajectory``): its last turn's final answer
+    against ``meta["answer"]`` (``score``); a ``KeyError`` naming the task where meta has none."""
+    if "answer" not in trajectory.meta:
+        raise KeyError(f"task {trajectory.task!r}: meta has no 'answer' (keys: {sorted(trajectory.meta)})")
+    return score(trajectory.last_text, trajectory.meta["answer"])

@@ -60,10 +60,10 @@ class PythonToolEnvironment:
             calls = tool_calls(text)
         except ToolCallError as e:
             if not goes_on:
-                return Done(self._reward(trajectory))
+                return Done(math_answer.final_answer_reward(trajectory))
             return Continue({"role": "tool", "name": TOOL_NAME, "content": f"error: bad_call: {e}"})
         if not calls or not goes_on:
-            return Done(self._reward(trajectory))
+            return Done(math_answer.final_answer_reward(trajectory))
         return Continue({"role": "tool", "name": TOOL_NAME,
                          "content": "\n".join(self._run(call) for call in calls)})
 
@@ -77,10 +77,3 @@ class PythonToolEnvironment:
         if len(out) > MAX_OUTPUT_CHARS:
             out = out[:MAX_OUTPUT_CHARS] + f"\n[output cut at {MAX_OUTPUT_CHARS} characters]"
         return out
-
-    @staticmethod
-    def _reward(trajectory: Trajectory) -> float:
-        if "answer" not in trajectory.meta:
-            raise KeyError(f"task {trajectory.task!r}: meta has no 'answer' "
-                           f"(keys: {sorted(trajectory.meta)})")
-        return math_answer.score(trajectory.last_text, trajectory.meta["answer"])
