@@ -5,8 +5,9 @@ The policy may hand part of a chain to a tool. A turn that ends in a call, its l
     calc{17+8x3}
 
 is answered with the observation ``= 41`` on a line of its own and the conversation goes on; a
-turn that writes the final answer (``#### 57``) ends it, with the math-answer reward of that answer. So a model can
-write ``calc{17+8x5}``, read ``= 57`` and answer ``#### 57`` in two turns instead of five lines.
+turn that writes the final answer (``#### 57``) ends it, with the math-answer reward of that
+answer. So a model can write ``calc{17+8x5}``, read ``= 57`` and answer ``#### 57`` in two turns
+instead of five lines.
 Braces, not parentheses: the character tokenizer has both, the answer's lines use ``)`` (``5)
 17+8=25``) and never ``}``, so ``}`` can end a turn as a stop token of the lease.
 
