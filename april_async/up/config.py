@@ -91,7 +91,8 @@ class RunConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many learner steps."""
     duration_s: float | None = Field(None, gt=0)
-    """Stop after this long, counted from ``april up``'s start: a warm start counts too."""
+    """Stop after this long, counted from the actors' start: the training time. A warm start before
+    them does not count (its budget is ``warmstart.max_seconds``)."""
     warm_start: bool = True
     """Make the initial policy with the built-in warm start when ``learner.checkpoint`` is empty."""
     console: bool = True

@@ -86,6 +86,10 @@ class Supervisor:
         self.say(f"warm start done in {time.monotonic() - t0:.0f} s: {json.dumps(stats, default=str)}")
 
     def start(self) -> None:
+        # The run's clock (``run.duration_s``, the status line, the summary's wall time) starts with
+        # the actors: a warm start before them has its own budget (``warmstart.max_seconds``), and a
+        # run of ``duration_s = 180`` after a 6-minute warm start trained nothing.
+        self.started = time.monotonic()
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.dir / "config").mkdir(parents=True, exist_ok=True)
         for c in sorted(self.children, key=lambda c: ACTOR_KINDS.index(c.kind)):

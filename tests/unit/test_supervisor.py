@@ -421,3 +421,19 @@ def test_a_child_that_does_not_stop_leaves_its_threads_stacks_in_its_log_before_
     assert hung.proc.returncode == -signal.SIGKILL
     log = hung.log.read_text()
     assert "Current thread" in log and "stuck_in_its_loop" in log, log
+
+
+def test_duration_s_counts_from_the_actors_start_not_from_april_ups(tmp_path):
+    """``run.duration_s`` is the training time: a warm start (here, the time before ``start``) does
+    not count, so a run whose warm start outlasts its duration still runs for the whole duration."""
+    sleeper = child(tmp_path, "scorer-0", "scorer", "import time; time.sleep(60)")
+    sup = Supervisor(RunConfig(dir=tmp_path, console=False, duration_s=1.5), [sleeper], {"scorer-0": {}})
+    time.sleep(2.0)  # what a warm start would take: longer than the duration
+    sup.start()
+    try:
+        t0 = time.monotonic()
+        sup.watch()
+        ran = time.monotonic() - t0
+    finally:
+        sup.stop()
+    assert sup.stop_reason == "duration_s=1.5 reached" and 1.5 <= ran <= 6.0, (sup.stop_reason, ran)
