@@ -60,6 +60,7 @@ import sys
 from april_async.config import ConfigError
 from april_async.runfiles import per_node
 from april_async.up.config import ACTOR_KINDS, SECTIONS, RunConfig, RunFile, load_document, parse_actors
+from april_async.up import preflight
 from april_async.up.console import Console, SafeStream, safe_console
 from april_async.up.plan import Child, allocator_env, allocator_library, plan, plan_run
 from april_async.up.supervisor import Supervisor
@@ -82,6 +83,13 @@ def _main(args, console: Console) -> int:
         run, children, configs = plan_run(files)
     except ConfigError as e:
         print(f"april up: {e}", file=sys.stderr)
+        return 2
+    found = preflight.problems(files)
+    if found and not args.dry_run:
+        plural = "s" * (len(found) > 1)
+        print(f"april up: {len(found)} problem{plural} found before any actor started:", file=sys.stderr)
+        for line in found:
+            print(f"  {line}", file=sys.stderr)
         return 2
     if args.dry_run:
         for c in children:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -437,3 +438,49 @@ def test_duration_s_counts_from_the_actors_start_not_from_april_ups(tmp_path):
     finally:
         sup.stop()
     assert sup.stop_reason == "duration_s=1.5 reached" and 1.5 <= ran <= 6.0, (sup.stop_reason, ran)
+
+
+def test_a_run_missing_its_data_and_its_model_says_both_and_starts_nothing(tmp_path, capsys, no_cluster_env,
+                                                                          monkeypatch):
+    """``launch/math.toml`` on a machine without its data and model: both problems, one line each,
+    exit 2, before any actor (or the warm start) starts; with them in place it goes on."""
+    from april_async.up import RunFile
+    from april_async.up.preflight import problems
+
+    monkeypatch.chdir(tmp_path)  # the preset's paths are relative: read from where april up runs
+    preset = Path(__file__).resolve().parents[2] / "launch" / "math.toml"
+    args = argparse.Namespace(config=str(preset), set=[f"run.dir='{tmp_path / 'run'}'"],
+                              actors=None, dry_run=False, warm_start_only=False)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "2 problems found before any actor started" in err, err
+    assert "broker.prompts.path 'data/gsm8k_train.jsonl': no such file" in err
+    assert "learner.checkpoint 'models/Qwen2.5-0.5B-Instruct': no such directory" in err
+    assert not (tmp_path / "run" / "logs").exists(), "an actor was started"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gsm8k_train.jsonl").write_text("")
+    (tmp_path / "models" / "Qwen2.5-0.5B-Instruct").mkdir(parents=True)
+    files = RunFile.load(load_document(args.config, args.set))
+    assert problems(files) == ["learner.checkpoint 'models/Qwen2.5-0.5B-Instruct': no config.json there "
+                               "(a Hugging Face checkpoint directory)"]
+    (tmp_path / "models" / "Qwen2.5-0.5B-Instruct" / "config.json").write_text("{}")
+    assert problems(files) == []
+
+
+def test_a_port_in_use_and_a_missing_keys_directory_are_found_before_the_start(tmp_path, no_cluster_env):
+    import socket
+
+    from april_async.up import RunFile
+    from april_async.up.preflight import problems
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        doc = load_document(None, [f"run.dir='{tmp_path}'", f"run.broker_port={port}",
+                                   "run.actors=['broker']", f"run.keys='{tmp_path / 'no-keys'}'"])
+        found = problems(RunFile.load(doc))
+    assert found == [f"run.keys '{tmp_path / 'no-keys'}': no such directory (make one with `april keys`)",
+                     f"run.broker_port {port} at 127.0.0.1: in use (another run, or a process of an "
+                     "earlier one still running?)"], found
+    assert problems(RunFile.load(doc)) == [found[0]]  # the port is free again
