@@ -259,13 +259,16 @@ class Policy(Ledger):
         policy's tokens: all but its context spans) and, for a trajectory, of its context budget
         (every token after the prompt) and, with ``per_turn``, of a lease (``turn_tokens``)."""
         held = s.n_tokens
-        if not self._trajectory(g or self.groups[s.group_id]):
-            return self.config.max_response_tokens - held
-        policy = held - sum(count for _, count in s.context)
-        room = min(self.config.max_response_tokens - policy, self.config.context_budget - held)
-        if self.config.turn_tokens is None or not per_turn:
+        if not s.context:  # every token is the policy's (a single-turn sample's always): the response
+            room = self.config.max_response_tokens - held  # budget binds, the context's being no smaller
+        else:
+            policy = held - sum(count for _, count in s.context)
+            room = min(self.config.max_response_tokens - policy, self.config.context_budget - held)
+        if not per_turn or self.config.turn_tokens is None:
             return room
+        return min(room, self.config.turn_tokens) if self._trajectory(g or self.groups[s.group_id]) else room
         return min(room, self.config.turn_tokens)
+
 
     # ------------------------------------------------------------------ generator reports
 

@@ -34,9 +34,9 @@ def problems(files: RunFile) -> list[str]:
         path = prompts.path
         if prompts.kind in ("jsonl", "parquet") and path is not None and not Path(path).is_file():
             out.append(f"broker.prompts.path {str(path)!r}: no such file (the {prompts.kind} prompts)")
-        out += _tokenizer("broker.prompts.tokenizer", prompts.tokenizer, policy, made_here)
+        out += _tokenizer("broker.prompts.tokenizer", prompts.tokenizer, policy)
     if "scorer" in kinds:
-        out += _tokenizer("scorer.tokenizer", files.scorer.tokenizer, policy, made_here)
+        out += _tokenizer("scorer.tokenizer", files.scorer.tokenizer, policy)
     run = files.run
     if run.keys is not None and not Path(run.keys).is_dir():
         out.append(f"run.keys {str(run.keys)!r}: no such directory (make one with `april keys`)")
@@ -80,9 +80,9 @@ def _checkpoint(setting: str, path: str) -> list[str]:
     return []
 
 
-def _tokenizer(setting: str, spec: str, policy: str, made_here: bool) -> list[str]:
+def _tokenizer(setting: str, spec: str, policy: str) -> list[str]:
     """A tokenizer of its own; the policy's is the checkpoint's, checked (or made) with it."""
-    if spec == "char" or spec == policy or (made_here and Path(spec) == Path(policy)):
+    if spec == "char" or Path(spec) == Path(policy):
         return []
     if not Path(spec).exists():
         return [f"{setting} {spec!r}: no such file or directory (a tokenizer: 'char', a checkpoint directory "
