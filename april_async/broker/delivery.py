@@ -22,7 +22,8 @@ import msgspec
 import numpy as np
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.ledger import NO_TOKENS, Counters, Place, Sample, Spans, _bump, _logprob_view, _token_view
+from april_async.broker.ledger import (NO_TOKENS, Counters, Place, Runs, Sample, Spans, _bump, _logprob_view,
+                                       _token_view, pairs)
 from april_async.broker.policy import Policy
 
 
@@ -36,9 +37,19 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     finish_reason: str
     token_bytes: bytearray | bytes  # packed TOKEN_DTYPE: the sample's own buffer, handed over (it keeps none)
     logprob_bytes: bytearray | bytes  # packed LOGPROB_DTYPE, likewise
-    spans: Spans
+    span_runs: Runs  # the sample's, flat (``Sample.span_runs``)
     resumed_at: tuple[int, ...] = ()  # where a lease resumed it: the KV cache was written again from there
-    context: tuple[tuple[int, int], ...] = ()  # (offset, count) spans that are context: observations
+    context_runs: Runs = ()  # the sample's context (observations), flat
+
+    @property
+    def spans(self) -> Spans:
+        """Run-length versions of its tokens, ``((version, count), ...)``."""
+        return pairs(self.span_runs)
+
+    @property
+    def context(self) -> Spans:
+        """Its context (observations, demoted turns): ``((offset, count), ...)``."""
+        return pairs(self.context_runs)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -102,14 +113,13 @@ class _DeliveryTally:
     def add(self, s: Sample) -> None:
         self.samples += 1
         self.tokens += s.n_tokens
-        if not s.spans:
+        runs = s.span_runs
+        if not runs:
             return
         by_version = self.tokens_by_version
-        oldest = None
-        for version, count in s.spans:
-            by_version[version] = by_version.get(version, 0) + count
-            if oldest is None or version < oldest:
-                oldest = version
+        for k in range(0, len(runs), 2):
+            by_version[runs[k]] = by_version.get(runs[k], 0) + runs[k + 1]
+        oldest = min(runs[0::2])
         self.samples_by_oldest[oldest] = self.samples_by_oldest.get(oldest, 0) + 1
 
     def count_into(self, c: Counters, V: int) -> None:
@@ -188,7 +198,7 @@ class Delivery(Policy):
                     # The token arrays leave with the batch (the sample gets empty ones below); the
                     # spans are shared: a delivered sample's never change again.
                     [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.token_bytes, s.logprob_bytes,
-                                    s.spans, s.resumed_at, s.context)
+                                    s.span_runs, s.resumed_at, s.context_runs)
                      for s in samples],
                 )
             )

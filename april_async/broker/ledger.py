@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections.abc import Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -106,9 +107,33 @@ class BrokerError(ValueError):
 
 
 Spans = tuple[tuple[int, int], ...]
-"""Run-length versions of a sample's tokens, ``((version, count), ...)``: tuples of ints, which the
-garbage collector stops tracking at its first look (lists of lists it walks at every full
-collection); a chunk replaces the tuple, a few pairs long, instead of editing it."""
+"""Run-length versions of a sample's tokens, ``((version, count), ...)``, as the ledger's readers see them."""
+
+Runs = array | tuple[()]
+"""How a sample holds its ``(a, b)`` pairs: flat, in an ``array("q")`` ``[a0, b0, a1, b1, ...]``
+(``()`` while there are none), extended in place. An array is no container to the garbage
+collector: never tracked, never walked. Tuples were, in two ways that cost a multi-turn cluster
+(``tools/simulate.py --turns 8``) up to 17 ms of CPU a collection: a tuple of pairs is untracked
+only once its pairs are, and CPython visits it before them, so one made while its sample was
+being served reached the oldest generation tracked; and a small tuple taken from CPython's free
+list is tracked without counting as an allocation, so the tens of thousands a chunk-heavy
+interval replaced piled up in the young generation beyond its threshold, and the collection that
+came at last walked them all inside whichever call it fell in."""
+
+
+def new_runs(*ints: int) -> array:
+    return array("q", ints)
+
+
+def pairs(runs: Runs) -> Spans:
+    """``[a0, b0, a1, b1, ...]`` as ``((a0, b0), (a1, b1), ...)``."""
+    return tuple(zip(runs[0::2], runs[1::2]))
+
+
+def runs_of(items: Iterable[Sequence[int]]) -> Runs:
+    """Pairs, as a snapshot or the wire holds them, as a sample holds them."""
+    flat = [int(x) for pair in items for x in pair]
+    return array("q", flat) if flat else ()
 
 
 # The ledger's records are msgspec Structs with ``gc=False``: never tracked by the cyclic garbage
@@ -125,20 +150,30 @@ class Sample(msgspec.Struct, gc=False):
     place: Place = Place.QUEUED
     token_bytes: bytearray | bytes = NO_TOKENS  # packed TOKEN_DTYPE (see NO_TOKENS)
     logprob_bytes: bytearray | bytes = NO_TOKENS  # packed LOGPROB_DTYPE
-    spans: Spans = ()
+    span_runs: Runs = ()  # the ``spans``, flat
     attempts: int = 0  # leases issued for it
     lease_id: int | None = None
     finish_reason: str | None = None
     reward: float | None = None
     finished_by: int | None = None  # the lease that finished it; scores must name it
     resumed_at: tuple[int, ...] = ()  # response offsets at which a lease resumed it (prefilling them again)
-    context: tuple[tuple[int, int], ...] = ()  # (offset, count) of the response's context: observations
+    context_runs: Runs = ()  # the ``context``, flat: (offset, count) of the response's context: observations
     turn: int = 0  # a trajectory's policy turns before the one in progress (observations received)
     step_failures: int = 0  # failed runs of its current step sent again (``on_env_failure = "retry"``)
 
     @property
+    def spans(self) -> Spans:
+        """Run-length versions of its tokens, ``((version, count), ...)``."""
+        return pairs(self.span_runs)
+
+    @property
+    def context(self) -> Spans:
+        """The response's context (observations, demoted turns): ``((offset, count), ...)``."""
+        return pairs(self.context_runs)
+
+    @property
     def oldest_version(self) -> int | None:
-        return _oldest_of(self.spans) if self.spans else None
+        return _oldest_of(self.span_runs) if self.span_runs else None
 
     @property
     def n_tokens(self) -> int:
@@ -243,13 +278,9 @@ def _count_down(d: dict[int, int], key: int) -> None:
         del d[key]
 
 
-def _oldest_of(spans: Spans) -> int:
-    """The oldest version in non-empty run-length ``spans``."""
-    oldest = spans[0][0]
-    for version, _ in spans:
-        if version < oldest:
-            oldest = version
-    return oldest
+def _oldest_of(runs: Runs) -> int:
+    """The oldest version in a sample's non-empty ``span_runs``."""
+    return min(runs[0::2])
 
 
 class Ledger:
@@ -355,8 +386,8 @@ class Ledger:
             return
         self._moved_at[sid] = self._moves
         self._moves += 1
-        if s.spans:
-            self._index_oldest(sid, _oldest_of(s.spans))
+        if s.span_runs:
+            self._index_oldest(sid, _oldest_of(s.span_runs))
         else:
             self._unindex_oldest(sid)
         if place is _QUEUED:

@@ -39,7 +39,8 @@ import numpy as np
 
 from april_async.broker.config import RolloutConfig
 from april_async.broker.ledger import (_TOKEN_SIZE, HELD_PLACES, NO_TOKENS, BrokerError, Group, Lease, Ledger, Place,
-                                       Sample, _bump, _logprob_bytes, _oldest_of, _token_bytes, _token_view)
+                                       Sample, _bump, _logprob_bytes, _oldest_of, _token_bytes, _token_view,
+                                       new_runs, runs_of)
 from april_async.broker.paged import FifoSet
 
 RETRIED_STEP_FAILURES = frozenset({"env_error", "env_timeout"})
@@ -259,10 +260,10 @@ class Policy(Ledger):
         policy's tokens: all but its context spans) and, for a trajectory, of its context budget
         (every token after the prompt) and, with ``per_turn``, of a lease (``turn_tokens``)."""
         held = s.n_tokens
-        if not s.context:  # every token is the policy's (a single-turn sample's always): the response
-            room = self.config.max_response_tokens - held  # budget binds, the context's being no smaller
+        if not s.context_runs:  # every token is the policy's (a single-turn sample's always): the
+            room = self.config.max_response_tokens - held  # response budget binds, the context's no smaller
         else:
-            policy = held - sum(count for _, count in s.context)
+            policy = held - sum(s.context_runs[1::2])
             room = min(self.config.max_response_tokens - policy, self.config.context_budget - held)
         if not per_turn or self.config.turn_tokens is None:
             return room
@@ -324,18 +325,19 @@ class Policy(Ledger):
         # Slice the run-length version spans to [skip, skip + take).
         pos, lo, hi = 0, skip, skip + take
         lowest = None
-        held_spans = s.spans
+        runs = s.span_runs
+        if not runs:
+            runs = s.span_runs = new_runs()
         for version, count in spans:
             a, b = max(pos, lo), min(pos + count, hi)
             if a < b:
                 version = int(version)
-                if held_spans and held_spans[-1][0] == version:
-                    held_spans = held_spans[:-1] + ((version, held_spans[-1][1] + b - a),)
+                if runs and runs[-2] == version:
+                    runs[-1] += b - a
                 else:
-                    held_spans = held_spans + ((version, b - a),)
+                    runs.extend((version, b - a))
                 lowest = version if lowest is None else min(lowest, version)
             pos += count
-        s.spans = held_spans
         old = self._oldest.get(s.sample_id)
         if s.sample_id in self._moved_at and (old is None or lowest < old):
             self._index_oldest(s.sample_id, lowest)
@@ -527,12 +529,14 @@ class Policy(Ledger):
             s.logprob_bytes += new_logprobs
         else:  # a turn that ended with no token: buffers of the sample's own
             s.token_bytes, s.logprob_bytes = bytearray(new_tokens), bytearray(new_logprobs)
-        if s.spans:
-            version, count = s.spans[-1]
-            s.spans = s.spans[:-1] + ((version, count + len(tokens)),)
+        if s.span_runs:
+            s.span_runs[-1] += len(tokens)
         else:  # a turn that ended with no token: the observation is as new as the policy
-            s.spans = ((self.version, len(tokens)),)
-        s.context += ((held, len(tokens)),)
+            s.span_runs = new_runs(self.version, len(tokens))
+        if s.context_runs:
+            s.context_runs.extend((held, len(tokens)))
+        else:
+            s.context_runs = new_runs(held, len(tokens))
         s.turn += 1
         s.step_failures = 0
         s.attempts = 0  # ``max_attempts`` bounds the leases of one turn: each turn needs one of its own
@@ -577,8 +581,8 @@ class Policy(Ledger):
             return []
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
-        s.token_bytes, s.logprob_bytes, s.spans, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
-        s.finish_reason, s.reward, s.finished_by, s.context, s.turn = None, None, None, (), 0
+        s.token_bytes, s.logprob_bytes, s.span_runs, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
+        s.finish_reason, s.reward, s.finished_by, s.context_runs, s.turn = None, None, None, (), 0
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
             return self.retire_group(s.group_id, "attempts_exhausted")
@@ -608,8 +612,8 @@ class Policy(Ledger):
                 merged[-1] = (start, max(merged[-1][0] + merged[-1][1], offset + count) - start)
             else:
                 merged.append((offset, count))
-        s.spans, s.context = tuple(spans), tuple(merged)
-        self._index_oldest(s.sample_id, _oldest_of(s.spans))
+        s.span_runs, s.context_runs = runs_of(spans), runs_of(merged)
+        self._index_oldest(s.sample_id, _oldest_of(s.span_runs))
         self.counters.turns_demoted += 1
         self.counters.tokens_demoted += demoted
 
