@@ -88,6 +88,10 @@ FIELD_CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("WeightsUpdate", "offset"): {"minimum": 0},
     ("WeightsUpdate", "total_bytes"): {"minimum": 0},
     ("WeightsAnnounce", "digests"): {"items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
+    ("AdapterSpec", "base_digest"): {"minLength": 1},
+    ("AdapterSpec", "rank"): {"minimum": 1},
+    ("AdapterSpec", "alpha"): {"exclusiveMinimum": 0},
+    ("AdapterSpec", "target_modules"): {"minItems": 1, "items": {"type": "string", "minLength": 1}},
 }
 
 CROSS_FIELD_RULES: dict[str, str] = {
@@ -101,7 +105,7 @@ CROSS_FIELD_RULES: dict[str, str] = {
         "response_len; its context spans are in increasing order, apart, inside the response"
     ),
     "ScoreRequest": "turn >= 0; the context spans are in increasing order, apart, inside response",
-    "WeightsUpdate": "part < parts",
+    "WeightsUpdate": "part < parts; only part 0 carries an adapter",
     "WeightsAnnounce": "digests is empty or holds one digest per bucket, ceil(num_bytes / bucket_bytes)",
 }
 
@@ -246,6 +250,15 @@ def _bucket_digests(data: bytes, bucket_bytes: int, alg: str = m.BLAKE2B_128) ->
     hash_ = {m.BLAKE2B_128: lambda b: hashlib.blake2b(b, digest_size=m.DIGEST_BYTES).hexdigest(),
              m.BLAKE3_128: lambda b: blake3.blake3(b).hexdigest(m.DIGEST_BYTES)}[alg]
     return [hash_(data[i : i + bucket_bytes]) for i in range(0, len(data), bucket_bytes)]
+
+
+# Version 7 of the vectors (since 1.10): a LoRA adapter of rank 1 on layer 0's q_proj, for a 2x2 weight:
+# lora_A [1, 2] then lora_B [2, 1], float32.
+_V7_BYTES = np.asarray([0.5, -1.0, 0.25, 2.0], dtype="<f4").tobytes()
+_V7_TENSORS = [m.TensorSpec("model.layers.0.self_attn.q_proj.lora_A.weight", "float32", [1, 2], 0),
+               m.TensorSpec("model.layers.0.self_attn.q_proj.lora_B.weight", "float32", [2, 1], 8)]
+_V7_ADAPTER = m.AdapterSpec(base_digest="blake3-128:9a4f0c2e7b1d5386a0e4c7f21b9d3e58", rank=1, alpha=2.0,
+                            target_modules=["q_proj"])
 
 
 SENT_AT = 1767225600.25  # 2026-01-01T00:00:00.25Z: exact in binary
@@ -450,6 +463,12 @@ VECTORS: list[Vector] = [
                data=np.frombuffer(np.asarray([0.25, -0.5, 2.0, 4.0], dtype="<f4").tobytes(), dtype="|u1"),
                part=1, parts=2, offset=8),
            msg_id="d000000000000005"),
+    Vector("weights_update_adapter", "since 1.10: version 7 is a LoRA adapter, not full weights: rank 1, "
+           "alpha 2 (scale 2) on q_proj, for the base checkpoint whose content digest it names; its tensors "
+           "are layer 0's lora_A [1, 2] and lora_B [2, 1], 16 bytes", "learner-0", 6, lambda: m.WeightsUpdate(
+               version=7, tensors=_V7_TENSORS, data=np.frombuffer(_V7_BYTES, dtype="|u1"),
+               adapter=_V7_ADAPTER),
+           msg_id="d000000000000006"),
     Vector("weights_announce", "the broadcaster asks rank 1 of a 3-process gloo group to receive version 5",
            "broadcaster", 2, lambda: m.WeightsAnnounce(
                version=5, group=m.GroupSpec(epoch=2, rank=1, world_size=3, store="127.0.0.1:29600", backend="gloo"),
@@ -468,6 +487,17 @@ VECTORS: list[Vector] = [
            "broadcaster", 5, lambda: _verified_announce(digests=_bucket_digests(_V5_BYTES, 16, m.BLAKE3_128),
                                                         digest_alg=m.BLAKE3_128),
            msg_id="e000000000000005"),
+    Vector("weights_announce_adapter", "since 1.10: the announce of adapter version 7 (that of the "
+           "weights_update_adapter vector) to a group whose members all speak 1.10: the adapter, its layout "
+           "and the BLAKE3-128 digest of its one 16-byte bucket",
+           "broadcaster", 6, lambda: m.WeightsAnnounce(
+               version=7, group=m.GroupSpec(epoch=3, rank=1, world_size=2, store="127.0.0.1:29600",
+                                            backend="gloo", key_prefix="5f1c0a9e2b7d4c3e8a6f0b1d2c3e4f50",
+                                            rendezvous="tcp://127.0.0.1:29601"),
+               tensors=_V7_TENSORS, num_bytes=16, bucket_bytes=16,
+               digests=_bucket_digests(_V7_BYTES, 16, m.BLAKE3_128), digest_alg=m.BLAKE3_128,
+               adapter=_V7_ADAPTER),
+           msg_id="e000000000000006"),
     Vector("weights_published", "the broadcaster has fanned out version 4", "broadcaster", 3,
            lambda: m.WeightsPublished(version=4, num_bytes=988_160_000, source="runs/demo/weights/v4"),
            msg_id="e000000000000003"),

@@ -77,6 +77,13 @@ generation its handle names, is answered with ``error`` ``region_unavailable``, 
 sends the bytes instead; a region found overwritten once its digests are computed is not
 broadcast (``region_overwritten``).
 
+LoRA adapters (protocol 1.10). A version may be a LoRA adapter (``weights_update.adapter``, in part
+0): it is taken, held, hashed and broadcast as any version, and every announce of it carries the
+adapter. Its rounds leave out the generators whose hello said a protocol older than 1.10 (they
+would load the adapter's tensors as full weights) and the SGLang members (whose distributed weight
+update would do the same; their LoRA route is not built yet): each is warned about once per
+version, and none is waited for (``rounds``).
+
 The round logic (sessions, epochs, acks, benching, publishing) is ``rounds.RoundPlanner``, pure
 and tested on its own; this module carries out what it decides. The broker link runs on its own
 thread (a ``Peer`` waits while it reconnects, and the hub must not). The group's collectives run
@@ -185,6 +192,8 @@ class Buffer:
     """The learner's shared-memory region that ``data`` views, when the version came in one."""
     prehashed: tuple[str, list[Future]] | None = None
     """``(digest_alg, one future per bucket)``: the digests of an assembly, hashed as its parts came."""
+    adapter: m.AdapterSpec | None = None
+    """Since 1.10: the version is this LoRA adapter's tensors (None: full weights)."""
 
 
 
@@ -400,7 +409,8 @@ class BroadcasterActor:
             self._update_region(sender, identity, msg, now)
             return
         try:
-            whole = self.parts.take(sender, body, lambda: self.planner.digest_alg(now))
+            adapter = body.adapter is not None
+            whole = self.parts.take(sender, body, lambda: self.planner.digest_alg(now, adapter))
         except PartRefused as e:
             self.log.warning("update_part_refused", version=body.version, part=body.part, parts=body.parts,
                              field=e.field, error=e.why, learner=sender)
@@ -435,7 +445,8 @@ class BroadcasterActor:
                        parent_id=msg.msg_id)
             return
         self._region_learner = sender
-        self._complete(sender, Whole(body.version, body.tensors, mapped.array), identity, msg, now, region=mapped)
+        whole = Whole(body.version, body.tensors, mapped.array, adapter=body.adapter)
+        self._complete(sender, whole, identity, msg, now, region=mapped)
 
     def _regions_in_use(self) -> tuple[m.SharedRegion, ...]:
         """The learner's regions this process still reads: the held version's, a broadcast's."""
@@ -464,7 +475,7 @@ class BroadcasterActor:
         except ValueError as e:
             layout_error = str(e)
         effects = self.planner.update(sender, whole.version, whole.tensors, len(whole.data), layout_error, now,
-                                      digests=None)
+                                      digests=None, adapter=whole.adapter)
         self._apply(effects, identity, msg, update=(whole, region))
         if whole.owned and not any(isinstance(e, Keep) for e in effects):
             self.parts.unused(whole)  # ignored or refused: the buffer is free again
@@ -486,7 +497,8 @@ class BroadcasterActor:
                 self.parts.free(data)  # copied to the GPU: the receive buffer is free again
                 owned = False
             region = None  # copied to the GPU: the learner's region is free again
-        self.held = Buffer(version, list(whole.tensors), held, data if owned else None, region, whole.prehashed)
+        self.held = Buffer(version, list(whole.tensors), held, data if owned else None, region,
+                           whole.prehashed, whole.adapter)
         if replaced is not None and replaced.owned is not None:
             self.parts.free(replaced.owned)  # reused once no collective reads it (``PartsReceiver._buffer``)
 
@@ -573,7 +585,8 @@ class BroadcasterActor:
         t2 = time.monotonic() if spec is not None else t1  # no broadcast: no rate to report
         pushed = {}
         if servers:
-            pushed = self.fanout.push(servers, held.version, held.tensors, held.data, bucket_bytes)
+            pushed = self.fanout.push(servers, held.version, held.tensors, held.data, bucket_bytes,
+                                      adapter=held.adapter)
         return CollectiveResult(t1 - t0, t2 - t1, failed, pushed)
 
     # ------------------------------------------------------------------ tick

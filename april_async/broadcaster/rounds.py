@@ -40,6 +40,14 @@ A member that says hello again mid-round is answered for at once by what its hel
 holds, or, while the collective still runs, sent its announce again. A member on SGLang servers
 is sent a ``heartbeat`` naming the version as soon as its servers took it: that heartbeat is its
 generator's notice of the version (``weights.link``).
+
+A held version may be a LoRA adapter (protocol 1.10, ``HeldVersion.adapter``): every announce of it
+says so. Its rounds leave out the generators that cannot take one (``_cannot_take``): those whose
+hello said a protocol older than 1.10 (they would load the adapter's tensors as full weights and
+fail on names they do not know) and those on SGLang servers (whose weight update would do the same;
+adapters reach them through SGLang's LoRA routes, not built yet). Such a generator is warned about
+once per version, neither waited for nor blamed, and the version is published once every other
+generator holds it; it takes part again in the next full-weight version's round.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ from april_async.wire import messages as m
 ROLES = ("learner", "generator")
 BLAKE3_SINCE = (1, 7)
 """The protocol version since which a member checks digests of ``digest_alg`` ``blake3-128``."""
+SGLANG_NO_ADAPTER = "adapter versions reach SGLang servers through its LoRA routes, not built yet"
+"""Why an adapter version is not pushed to SGLang servers (``update_weights_from_distributed`` would
+load the adapter's tensors as full weights)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +205,7 @@ class HeldVersion:
     learner: str
     digests: tuple[str, ...] | None = ()  # one per bucket, in order; None: being computed
     digest_alg: str = m.BLAKE2B_128  # what ``digests`` are (or are being computed) under
+    adapter: m.AdapterSpec | None = None  # since 1.10: the version is this LoRA adapter (None: full weights)
 
 
 @dataclass
@@ -261,6 +273,8 @@ class RoundPlanner:
         self.admit_s = cfg.link.peer_timeout_s
         """How long after a round re-forming the group starts every member must have reached its
         rendezvous (registered its key): one that has not is given up on (``absent``)."""
+        self.left_out: set[tuple[str, int]] = set()
+        """``(generator, version)``: told (logged) that the held adapter version is not sent to it."""
 
     @property
     def held_version(self) -> int | None:
@@ -358,12 +372,13 @@ class RoundPlanner:
 
     def update(self, name: str, version: int, tensors: list[m.TensorSpec], num_bytes: int,
                layout_error: str | None, now: float, digests: list[str] | tuple[str, ...] | None = (),
-               digest_alg: str = m.BLAKE2B_128) -> list[Effect]:
+               digest_alg: str = m.BLAKE2B_128, adapter: m.AdapterSpec | None = None) -> list[Effect]:
         """A ``weights_update`` from the session ``name``: held when it comes from a learner, is
         newer than the held version and its layout fits (``layout_error`` says why not).
         ``digests``: its bucket digests under ``digest_alg``, or None when the actor is to compute
         them (``Hash`` follows ``Keep``, under the algorithm a round starting now would use, and
-        rounds of the version wait for ``digested``)."""
+        rounds of the version wait for ``digested``). ``adapter``: the version is that LoRA adapter
+        (protocol 1.10), kept with it and named in every announce of it."""
         s = self.sessions.get(name)
         if s is None:
             return []
@@ -377,11 +392,13 @@ class RoundPlanner:
             return [_log("warning", "update_refused", version=version, error=layout_error),
                     Send(name, m.Error(code="refused", message=why, field="tensors"), reply=True)]
         if digests is None:
-            digest_alg = self.digest_alg(now)
+            digest_alg = self.digest_alg(now, adapter=adapter is not None)
         self.held = HeldVersion(version, list(tensors), num_bytes, name,
-                                None if digests is None else tuple(digests), digest_alg)
+                                None if digests is None else tuple(digests), digest_alg, adapter)
+        self.left_out.clear()  # about older versions, which never come back
         return [Keep(version), *([Hash(version, digest_alg)] if digests is None else []), StatusChanged(),
-                _log("info", "update", version=version, tensors=len(tensors), bytes=num_bytes, learner=name)]
+                _log("info", "update", version=version, tensors=len(tensors), bytes=num_bytes, learner=name,
+                     adapter=adapter is not None)]
 
     def digested(self, version: int, digests: list[str], now: float,
                  digest_alg: str = m.BLAKE2B_128) -> list[Effect]:
@@ -401,9 +418,10 @@ class RoundPlanner:
         self.held = replace(held, digests=tuple(digests))
         return [_log("debug", "digested", version=version, buckets=count, digest_alg=digest_alg)]
 
-    def digest_alg(self, now: float) -> str:
-        """The hash of the digests a round starting now would announce (``_digest_alg``)."""
-        return self._digest_alg(tuple(g for g in self._members(now) if not self.sessions[g].servers))
+    def digest_alg(self, now: float, adapter: bool = False) -> str:
+        """The hash of the digests a round starting now would announce (``_digest_alg``), of an
+        adapter version when ``adapter`` (whose rounds leave some generators out)."""
+        return self._digest_alg(tuple(g for g in self._members(now, adapter) if not self.sessions[g].servers))
 
     def _digest_alg(self, receivers: tuple[str, ...]) -> str:
         """BLAKE3-128 when there are ``receivers`` (generators receiving over the group) and every
@@ -526,19 +544,60 @@ class RoundPlanner:
         if self.round is not None:
             out += self._progress(self.round, now)
         if self.round is None and now >= self.retry_at:
+            out += self._tell_left_out(now)
             out += self._maybe_start(now)
+        return out
+
+    def _cannot_take(self, name: str, adapter: bool) -> str | None:
+        """Why generator ``name`` is left out of the rounds of the held version (None: it is not):
+        an adapter version (``adapter``) goes to no generator whose hello said a protocol older than
+        1.10, nor to SGLang servers (``SGLANG_NO_ADAPTER``)."""
+        if not adapter:
+            return None
+        s = self.sessions[name]
+        if s.servers:
+            return SGLANG_NO_ADAPTER
+        if s.proto is None or s.proto < m.ADAPTER_SINCE:
+            said = "stated no protocol" if s.proto is None else f"said protocol {s.proto[0]}.{s.proto[1]}"
+            since = ".".join(map(str, m.ADAPTER_SINCE))
+            return (f"its hello {said}; an adapter version needs {since} or later (an older generator would "
+                    f"load the adapter's tensors as full weights)")
+        return None
+
+    def _tell_left_out(self, now: float) -> list[Effect]:
+        """Warn, once per generator and version, that the held adapter version is not sent to a
+        generator that needs it but cannot take it; the SGLang ones in one line per version."""
+        held = self.held
+        if held is None or held.adapter is None:
+            return []
+        out: list[Effect] = []
+        sglang = []
+        for g in self._generators(now):
+            why = self._cannot_take(g, True)
+            if why is None or self.sessions[g].version >= held.version or (g, held.version) in self.left_out:
+                continue
+            self.left_out.add((g, held.version))
+            if self.sessions[g].servers:
+                sglang.append(g)
+            else:
+                out.append(_log("warning", "adapter_not_announced", member=g, version=held.version, why=why,
+                                base_digest=held.adapter.base_digest))
+        if sglang:
+            out.append(_log("warning", "adapter_not_pushed", version=held.version, members=sglang,
+                            why=SGLANG_NO_ADAPTER))
         return out
 
     def _maybe_start(self, now: float) -> list[Effect]:
         held = self.held
         if held is None:
             return []
-        gens = self._generators(now)
+        adapter = held.adapter is not None
+        gens = self._generators(now, adapter)
         if not any(self.sessions[g].version < held.version for g in gens):
             if held.version > self.published:  # no generator, or all hold it already
                 return self._publish(held.version, held.num_bytes, members=len(gens))
             return []
-        members = self._members(now)
+        members = self._members(now, adapter)
         if not any(self.sessions[g].version < held.version for g in members):
             return []  # those that need it are quiet: wait until they speak again or expire
         servers = {g: list(self.sessions[g].servers) for g in members if self.sessions[g].servers}
@@ -561,7 +620,7 @@ class RoundPlanner:
             announces[name] = m.WeightsAnnounce(
                 version=held.version, tensors=held.tensors, num_bytes=held.num_bytes,
                 bucket_bytes=self.cfg.bucket_bytes, group=self._spec(rank, world), digests=list(held.digests),
-                digest_alg=held.digest_alg)
+                digest_alg=held.digest_alg, adapter=held.adapter)
             out.append(Send(name, announces[name]))
         root = self._spec(0, world) if receivers else None
         out.append(StartCollective(held.version, root, rejoin, servers, self.cfg.bucket_bytes))
@@ -569,18 +628,21 @@ class RoundPlanner:
                            announces=announces)
         out.append(StatusChanged())
         out.append(_log("debug", "round_started", version=held.version, epoch=self.epoch,
-                        members=list(members), rejoin=rejoin, sglang=sorted(servers)))
+                        members=list(members), rejoin=rejoin, sglang=sorted(servers), adapter=adapter))
         return out
 
-    def _generators(self, now: float) -> list[str]:
-        """The generators with a session, not benched, in order of arrival."""
+    def _generators(self, now: float, adapter: bool = False) -> list[str]:
+        """The generators with a session, not benched, in order of arrival; for an adapter version
+        (``adapter``), only those that can take one (``_cannot_take``)."""
         return [name for name, s in sorted(self.sessions.items(), key=lambda kv: kv[1].joined)
-                if s.role == "generator" and self.benched.get(name, 0.0) <= now]
+                if s.role == "generator" and self.benched.get(name, 0.0) <= now
+                and self._cannot_take(name, adapter) is None]
 
-    def _members(self, now: float) -> tuple[str, ...]:
+    def _members(self, now: float, adapter: bool = False) -> tuple[str, ...]:
         """The members of a round starting now: the generators heard from lately (a dead one is
-        not waited for in a rendezvous)."""
-        return tuple(g for g in self._generators(now) if now - self.sessions[g].heard <= self.fresh_s)
+        not waited for in a rendezvous), of those that can take an adapter when ``adapter``."""
+        return tuple(g for g in self._generators(now, adapter)
+                     if now - self.sessions[g].heard <= self.fresh_s)
 
     def _spec(self, rank: int, world: int) -> m.GroupSpec:
         return m.GroupSpec(epoch=self.epoch, rank=rank, world_size=world, store=self.store,

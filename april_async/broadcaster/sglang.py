@@ -68,12 +68,13 @@ import torch
 import torch.distributed as dist
 
 from april_async.broadcaster.config import SGLangFanoutConfig
+from april_async.broadcaster.rounds import SGLANG_NO_ADAPTER
 from april_async.logs import get_logger
 from april_async.sglang.api import TORN_PREFIX, SGLangError
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 from april_async.weights.flat import DTYPES, tensor_buckets, unflatten
-from april_async.wire.messages import TensorSpec
+from april_async.wire.messages import AdapterSpec, TensorSpec
 
 RESUME_BACKOFF_S = (0.5, 1.0, 2.0)
 """Waits before each retry of a ``/continue_generation`` that failed."""
@@ -155,6 +156,7 @@ class SGLangFanout:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-recover")
         self._timed: Future | None = None  # the last timed recovery (one at a time: servers may not answer)
         self._lock = threading.Lock()  # one of recover and push at a time: they share the state above
+        self._adapter_told = -1  # the last adapter version not pushed (warned about once)
 
     def _client(self, url: str) -> ServerClient:
         if url not in self.clients:
@@ -305,9 +307,18 @@ class SGLangFanout:
     # ------------------------------------------------------------------ push
 
     def push(self, servers: dict[str, list[str]], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
-             bucket_bytes: int) -> dict[str, str | None]:
+             bucket_bytes: int, adapter: AdapterSpec | None = None) -> dict[str, str | None]:
         """Bring every server of ``servers`` (member name -> its URLs) to ``version``; per member,
-        None when all its servers hold it, else what failed."""
+        None when all its servers hold it, else what failed. An ``adapter`` version (protocol 1.10)
+        is not pushed: ``update_weights_from_distributed`` would load the adapter's tensors as full
+        weights. The planner leaves SGLang members out of such rounds; this is the last guard, and
+        each member is answered as failed (one warning per version)."""
+        if adapter is not None:
+            if self._adapter_told != version:
+                self._adapter_told = version
+                self.log.warning("adapter_not_pushed", version=version, members=sorted(servers),
+                                 why=SGLANG_NO_ADAPTER)
+            return {member: SGLANG_NO_ADAPTER for member in servers}
         with self._lock:
             return self._push(servers, version, tensors, buffer, bucket_bytes)
 

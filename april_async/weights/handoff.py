@@ -32,9 +32,18 @@ Two ways to hand a version over:
               if not (yield start, view):
                   buf = None  # still referenced by ZeroMQ: never write into it again
 
+LoRA adapters (protocol 1.10). A version may be an adapter rather than full weights: ``send`` and
+``send_parts`` take ``adapter``, an ``AdapterSpec`` naming the base checkpoint (by its content
+digest), rank, alpha and target modules, and the version's tensors are then the adapter's own. It
+rides on the (first) ``weights_update`` of the version, by bytes or in shared memory alike; the
+bytes, layout and digests are those of any version.
+
 The session says ``hello`` as a learner with the version it holds, read from ``current()``, which
-returns ``(version, weights)``. When the broadcaster restarts (a second session opens), the
-current version is handed over again, since a new broadcaster holds nothing; ``weights`` says how:
+returns ``(version, weights)`` or ``(version, weights, adapter)``. When the broadcaster restarts (a
+second session opens), the current version is handed over again, since a new broadcaster holds
+nothing, with its adapter: the one ``current()`` names, else the one this process last handed that
+version over with (so a learner whose ``current()`` names no adapter still re-sends an adapter
+version as one); ``weights`` says how:
 
 - a state dict: handed over with ``send``;
 - a parts factory, a callable with no argument that returns ``(specs, total_bytes, parts,
@@ -99,6 +108,8 @@ Part = tuple[int, np.ndarray]
 PartsFactory = Callable[[], tuple[list[m.TensorSpec], int, Iterable[Part], int]]
 """Makes ``(specs, total_bytes, parts, num_parts)``: the arguments of ``send_parts`` after the version."""
 Weights = Mapping[str, torch.Tensor] | PartsFactory | None
+Current = tuple[int, Weights] | tuple[int, Weights, m.AdapterSpec | None]
+"""What ``current()`` returns: the version held, its weights, and optionally its adapter (1.10)."""
 
 PARTS_SINCE = (1, 4)  # the protocol version that added hand-offs in parts
 HandoffMode = Literal["auto", "shm", "zmq"]
@@ -122,11 +133,12 @@ class BroadcastRefused(ActorFailed):
 
 
 class WeightHandoff:
-    def __init__(self, name: str, peer_factory, current: Callable[[], tuple[int, Weights]], *,
+    def __init__(self, name: str, peer_factory, current: Callable[[], Current], *,
                  mode: HandoffMode = "auto", slots: int = SHM_SLOTS):
         """``peer_factory(on_connect)`` returns a connected transport ``Peer`` to the broadcaster;
-        ``current()`` gives the version held and its weights (read again after a reconnect; see the
-        module docstring for what ``weights`` may be). ``mode``, ``slots``: shared memory, see there."""
+        ``current()`` gives the version held, its weights and optionally its adapter (read again after
+        a reconnect; see the module docstring for what ``weights`` may be). ``mode``, ``slots``: shared
+        memory, see there."""
         if mode not in ("auto", "shm", "zmq"):
             raise ValueError(f"mode must be auto, shm or zmq, got {mode!r}")
         if slots < 1:
@@ -161,13 +173,25 @@ class WeightHandoff:
         """Parts whose bytes ZeroMQ still referenced when the next was asked for (since start)."""
         self._flat: tuple[torch.Tensor, zmq.MessageTracker | None] | None = None
         """The buffer of the last one-message hand-off and its send's tracker (``_reusable``)."""
+        self._last_adapter: tuple[int, m.AdapterSpec | None] = (-1, None)
+        """The last version handed over and its adapter: what a re-send of that version carries."""
         self.log = get_logger(actor="learner", instance=name)
         if mode != "zmq" and (stale := shm.remove_stale(name)):
             self.log.info("shm_stale_removed", regions=stale)
         self.peer = peer_factory(self._on_connect)
 
+    def _current(self) -> tuple[int, Weights, m.AdapterSpec | None]:
+        """``current()`` as ``(version, weights, adapter)``: an adapter it does not name is the one
+        that version was last handed over with (None: full weights)."""
+        got = self.current()
+        version, weights = got[0], got[1]
+        if len(got) > 2:
+            return version, weights, got[2]
+        last_version, adapter = self._last_adapter
+        return version, weights, adapter if last_version == version else None
+
     def _on_connect(self, peer) -> None:
-        version, weights = self.current()
+        version, weights, _ = self._current()
         peer.send(m.Hello(role="learner", instance=self.name, policy_version=version,
                           incarnation=incarnation()))
         self.sessions += 1
@@ -178,23 +202,27 @@ class WeightHandoff:
 
     def _resend(self, peer) -> None:
         """Hand the current version over again (or name it in ``resend_due``)."""
-        version, weights = self.current()
+        version, weights, adapter = self._current()
         if version <= 0:
             return
         self.resend_due = version
         if weights is None:
-            self.log.info("resend_due", version=version)
+            self.log.info("resend_due", version=version, adapter=adapter is not None)
         elif isinstance(weights, Mapping):
-            self._send(peer, version, weights)
+            self._send(peer, version, weights, adapter)
         else:
             specs, total_bytes, parts, num_parts = weights()
-            self._send_parts(peer, version, specs, total_bytes, parts, num_parts)
+            self._send_parts(peer, version, specs, total_bytes, parts, num_parts, adapter)
 
-    def send(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        """Hand ``weights`` over as ``version``, in one message."""
-        self._send(self.peer, version, weights)
+    def send(self, version: int, weights: Mapping[str, torch.Tensor],
+             adapter: m.AdapterSpec | None = None) -> None:
+        """Hand ``weights`` over as ``version``, in one message; ``adapter``: the version is that LoRA
+        adapter's tensors (protocol 1.10), not full weights."""
+        self._send(self.peer, version, weights, adapter)
 
-    def _send(self, peer, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+    def _send(self, peer, version: int, weights: Mapping[str, torch.Tensor],
+              adapter: m.AdapterSpec | None = None) -> None:
+        self._check_adapter(version, adapter)
         t0 = time.monotonic()
         if self._use_shm():
             specs, num_bytes = layout((name, t.dtype, t.shape) for name, t in weights.items())
@@ -202,18 +230,28 @@ class WeightHandoff:
             if slot is not None:
                 slot.region.begin_write()
                 flatten(weights, out=slot.region.tensor)  # the one copy, into the region
-                self._send_region(peer, version, specs, slot)
+                self._send_region(peer, version, specs, slot, adapter)
                 self.last_send_s = time.monotonic() - t0
-                self._handed_over(version)
+                self._handed_over(version, adapter)
                 return
         self.last_mode = "zmq"
         # The one copy: the caller may change its weights at once.
         specs, buf = flatten(weights, out=self._reusable())
         self._flat = None
-        peer.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy()), track=True)
+        peer.send(m.WeightsUpdate(version=version, tensors=specs, data=buf.numpy(), adapter=adapter),
+                  track=True)
         self._flat = (buf, peer.last_tracker)
         self.last_send_s = time.monotonic() - t0
-        self._handed_over(version)
+        self._handed_over(version, adapter)
+
+    def _check_adapter(self, version: int, adapter: m.AdapterSpec | None) -> None:
+        """An adapter goes only to a broadcaster of 1.10 or later: an older one ignores the field and
+        would announce the adapter's tensors as full weights, which every generator fails to load."""
+        if adapter is not None and self.peer_proto is not None and parse(self.peer_proto) < m.ADAPTER_SINCE:
+            since = ".".join(map(str, m.ADAPTER_SINCE))
+            raise BroadcastRefused(f"the broadcaster speaks protocol {self.peer_proto}: version {version} is "
+                                   f"a LoRA adapter, which needs {since} or newer; upgrade the broadcaster, "
+                                   f"or hand over full weights")
 
     def _reusable(self) -> torch.Tensor | None:
         """The last hand-off's buffer when ZeroMQ no longer references it (sent, or dropped), else
@@ -225,27 +263,29 @@ class WeightHandoff:
         return buf if tracker is None or tracker.done else None
 
     def send_parts(self, version: int, specs: list[m.TensorSpec], total_bytes: int, parts: Iterable[Part],
-                   num_parts: int | None = None) -> None:
+                   num_parts: int | None = None, adapter: m.AdapterSpec | None = None) -> None:
         """Hand ``version`` over in parts: ``parts`` yields ``(offset, uint8 array)`` in order, ranges
         of the buffer laid out by ``specs`` (``total_bytes`` long) without gaps, ``num_parts`` of
         them (default ``len(parts)``). Returns when the last part is released (or its wait timed
         out). A producer that yields a range not following the one before, or a number of ranges
         other than ``num_parts``, gets a ``ValueError`` (the broadcaster drops the part-built
-        version); see the module docstring for when a producer may reuse an array."""
-        self._send_parts(self.peer, version, specs, total_bytes, parts, num_parts)
+        version); see the module docstring for when a producer may reuse an array. ``adapter``: the
+        version is that LoRA adapter's tensors (protocol 1.10), said in part 0."""
+        self._send_parts(self.peer, version, specs, total_bytes, parts, num_parts, adapter)
 
     def _send_parts(self, peer, version: int, specs: list[m.TensorSpec], total_bytes: int, parts: Iterable[Part],
-                    num_parts: int | None) -> None:
+                    num_parts: int | None, adapter: m.AdapterSpec | None = None) -> None:
         if num_parts is None:
             num_parts = len(parts)
         if num_parts < 1:
             raise ValueError(f"version {version}: a hand-off has at least one part, got num_parts={num_parts}")
+        self._check_adapter(version, adapter)
         slot = self._slot(total_bytes) if self._use_shm() else None
         if slot is not None:
             slot.region.begin_write()
             self._parts_slot = slot
             try:
-                self._parts_into(peer, slot, version, specs, total_bytes, parts, num_parts)
+                self._parts_into(peer, slot, version, specs, total_bytes, parts, num_parts, adapter)
             finally:
                 self._parts_slot = None
             return
@@ -257,18 +297,21 @@ class WeightHandoff:
         self.last_mode = "zmq"
 
         def emit(k: int, offset: int, data: np.ndarray) -> bool:
-            peer.send(m.WeightsUpdate(version=version, tensors=list(specs) if k == 0 else [], data=data, part=k,
-                                      parts=num_parts, offset=offset, total_bytes=total_bytes if k == 0 else 0),
+            first = k == 0
+            peer.send(m.WeightsUpdate(version=version, tensors=list(specs) if first else [], data=data,
+                                      part=k, parts=num_parts, offset=offset,
+                                      total_bytes=total_bytes if first else 0,
+                                      adapter=adapter if first else None),
                       track=True)
             del data  # ours is not the reference that matters: ZeroMQ's is, which the tracker follows
             return self._released(peer, version, k)
 
         _each_part(version, total_bytes, parts, num_parts, emit)
         self.last_send_s = time.monotonic() - t0
-        self._handed_over(version)
+        self._handed_over(version, adapter)
 
     def _parts_into(self, peer, slot: _Slot, version: int, specs: list[m.TensorSpec], total_bytes: int,
-                    parts: Iterable[Part], num_parts: int) -> None:
+                    parts: Iterable[Part], num_parts: int, adapter: m.AdapterSpec | None = None) -> None:
         """A hand-off in parts through shared memory: each part copied into the region at its
         offset (not at all when it was produced there, ``part_target``), then one update."""
         t0 = time.monotonic()
@@ -281,9 +324,9 @@ class WeightHandoff:
             return True  # copied (or already in place): the producer may write into its array again
 
         _each_part(version, total_bytes, parts, num_parts, emit)
-        self._send_region(peer, version, specs, slot)
+        self._send_region(peer, version, specs, slot, adapter)
         self.last_send_s = time.monotonic() - t0
-        self._handed_over(version)
+        self._handed_over(version, adapter)
 
     def part_target(self, start: int, stop: int) -> np.ndarray | None:
         """Where a producer of ``send_parts`` may write bytes ``[start, stop)`` of the version being
@@ -328,10 +371,12 @@ class WeightHandoff:
         self._slots.append(slot)
         return slot
 
-    def _send_region(self, peer, version: int, specs: list[m.TensorSpec], slot: _Slot) -> None:
+    def _send_region(self, peer, version: int, specs: list[m.TensorSpec], slot: _Slot,
+                     adapter: m.AdapterSpec | None = None) -> None:
         handle = slot.region.export(version)
         slot.busy, slot.version = True, version
-        peer.send(m.WeightsUpdate(version=version, tensors=list(specs), data=EMPTY, region=handle))
+        peer.send(m.WeightsUpdate(version=version, tensors=list(specs), data=EMPTY, region=handle,
+                                  adapter=adapter))
         self.shm_sends += 1
         self.last_mode = "shm"
 
@@ -372,7 +417,8 @@ class WeightHandoff:
             return False
         return True
 
-    def _handed_over(self, version: int) -> None:
+    def _handed_over(self, version: int, adapter: m.AdapterSpec | None = None) -> None:
+        self._last_adapter = (version, adapter)
         if self.resend_due is not None and version >= self.resend_due:
             self.resend_due = None
 

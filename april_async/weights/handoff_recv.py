@@ -4,13 +4,13 @@ in parts. The sending half is ``weights.handoff`` (``WeightHandoff.send`` and ``
 Parts (protocol 1.4). A version may come as ``parts`` messages, consecutive byte ranges of its
 buffer. Part 0 (layout, ``total_bytes``) starts an assembly in a receive buffer, abandoning any
 unfinished one; each later part is copied in at its offset; the last one hands the whole buffer
-on exactly as a one-part update (``Whole``); each bucket (``bucket_bytes``) is hashed for the
-announce's digests as soon as its last byte is in, while later parts still arrive, so the digests
-are ready almost with the last part. A part that does not fit the sequence (another version or
-part count, no part 0 before it, out of turn, a gap or an overlap, bytes past ``total_bytes`` or a
-last part ending short of it, a layout in a later part) drops the assembly and raises
-``PartRefused`` naming the field, which the broadcaster answers with ``error`` ``refused``, once per
-version: that version's later parts are dropped unanswered. A ``total_bytes`` over
+on exactly as a one-part update (``Whole``, with part 0's ``adapter``, protocol 1.10); each bucket
+(``bucket_bytes``) is hashed for the announce's digests as soon as its last byte is in, while later
+parts still arrive, so the digests are ready almost with the last part. A part that does not fit
+the sequence (another version or part count, no part 0 before it, out of turn, a gap or an overlap,
+bytes past ``total_bytes`` or a last part ending short of it, a layout in a later part) drops the
+assembly and raises ``PartRefused`` naming the field, which the broadcaster answers with ``error``
+``refused``, once per version: that version's later parts are dropped unanswered. A ``total_bytes`` over
 ``max_update_bytes`` is ``too_large``.
 
 Receive buffers are reused between versions of one size: the receiver keeps one spare, which the
@@ -45,6 +45,8 @@ class Whole:
     """``data`` is a receive buffer of the receiver (assembled from parts), to be handed back."""
     prehashed: tuple[str, list[Future]] | None = None
     """``(digest_alg, one future per bucket)``: the digests of an assembly, hashed as its parts came."""
+    adapter: m.AdapterSpec | None = None
+    """Since 1.10: the version is this LoRA adapter's tensors (None: full weights)."""
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Assembly:
     """What ``digests`` are hashed with: the broadcaster's choice for a round starting at part 0."""
     digests: list[Future] = field(default_factory=list)
     """The digests of the buckets already complete, being hashed while later parts arrive."""
+    adapter: m.AdapterSpec | None = None
+    """What part 0 said the version is (since 1.10): a LoRA adapter's tensors, or None: full weights."""
 
 
 class PartRefused(Exception):
@@ -100,7 +104,7 @@ class PartsReceiver:
                     if body.total_bytes not in (0, len(body.data)):
                         raise PartRefused("total_bytes", f"total_bytes {body.total_bytes} but the one part "
                                                          f"has {len(body.data)} bytes")
-                    return Whole(body.version, body.tensors, body.data)
+                    return Whole(body.version, body.tensors, body.data, adapter=body.adapter)
                 self._start(sender, body, digest_alg)
                 return None
             if self.refused == (sender, body.version):  # refused once: the rest goes unanswered
@@ -110,7 +114,8 @@ class PartsReceiver:
             if a is None:
                 return None
             self.assembly = None
-            return Whole(a.version, a.tensors, a.data, owned=True, prehashed=(a.digest_alg, a.digests))
+            return Whole(a.version, a.tensors, a.data, owned=True, prehashed=(a.digest_alg, a.digests),
+                         adapter=a.adapter)
         except PartRefused:
             if self.assembly is not None and self.assembly.sender == sender:
                 self.drop("refused")
@@ -132,7 +137,7 @@ class PartsReceiver:
         if len(body.data) > total:
             raise PartRefused("data", f"bytes [0, {len(body.data)}) run past total_bytes {total}")
         a = Assembly(sender, body.version, body.parts, list(body.tensors), self._buffer(total),
-                     digest_alg=digest_alg())
+                     digest_alg=digest_alg(), adapter=body.adapter)
         a.data[: len(body.data)] = body.data
         a.filled = len(body.data)
         self.assembly = a

@@ -14,6 +14,7 @@ a key is sent as its decimal digits.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -451,6 +452,39 @@ class SharedRegion(msgspec.Struct, kw_only=True, frozen=True):
                              f"generation {self.generation} >= 1")
 
 
+ADAPTER_SINCE = (1, 10)
+"""The protocol version that added ``AdapterSpec``: an older peer would take an adapter's tensors for
+full weights (it ignores the field), so none is sent one."""
+
+
+class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """Since 1.10: a weights version that is a LoRA adapter, not full weights. Its tensors are the
+    adapter's own (``<module>.lora_A.weight`` of shape [rank, in], ``<module>.lora_B.weight`` of
+    shape [out, rank]); a receiver merges each pair into the base weights it holds as
+    W = W_base + scale · B @ A, and only into the base checkpoint ``base_digest`` names: on any
+    other base the same tensors mean other weights."""
+
+    base_digest: str  # the base checkpoint's content digest, e.g. "blake3-128:<32 hex digits>"
+    rank: int  # r, the inner size of every A and B
+    alpha: float  # LoRA's alpha: the update is scaled by alpha / rank
+    target_modules: list[str]  # the module names the adapter wraps (``q_proj``, ``v_proj``, ...)
+
+    def __post_init__(self) -> None:
+        if not self.base_digest:
+            raise ValueError("an adapter needs the base_digest of its base checkpoint, got ''")
+        if self.rank < 1:
+            raise ValueError(f"adapter rank must be >= 1, got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"adapter alpha must be a finite number > 0, got {self.alpha}")
+        if not self.target_modules or not all(self.target_modules):
+            raise ValueError(f"adapter target_modules must be non-empty names, got {self.target_modules!r}")
+
+    @property
+    def scale(self) -> float:
+        """What B @ A is multiplied by before it is added to the base weight."""
+        return self.alpha / self.rank
+
+
 class WeightsUpdate(Body):
     """learner → broadcaster: every weight of policy ``version``, flattened into one byte buffer,
     in one message or (since 1.4) in ``parts`` messages sent in order, each the next byte range."""
@@ -466,11 +500,16 @@ class WeightsUpdate(Body):
     total_bytes: int = 0  # since 1.4, part 0: the buffer's size; 0 means len(data) (one part)
     # since 1.7: the bytes lie in this shared-memory region, not in ``data`` (which is empty); one part
     region: SharedRegion | None = None
+    # since 1.10, part 0: the version is this LoRA adapter's tensors, for the base whose digest it
+    # names; None: full weights
+    adapter: AdapterSpec | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.parts < 1 or not 0 <= self.part < self.parts:
             raise ValueError(f"part {self.part} of {self.parts}: parts must be >= 1 and 0 <= part < parts")
+        if self.adapter is not None and self.part != 0:
+            raise ValueError(f"part {self.part} carries an adapter: only part 0 says what the version is")
         if self.region is not None and (self.parts != 1 or len(self.data) or self.offset
                                         or self.total_bytes not in (0, self.region.nbytes)):
             raise ValueError(f"an update in region {self.region.name!r} is one part with empty data, offset 0 and "
@@ -530,6 +569,9 @@ class WeightsAnnounce(Body):
     # member older than 1.7 in the group): BLAKE2b-128. Not checked here: a member must still
     # take part in the broadcast of an announce whose algorithm it does not know, then refuse it
     digest_alg: str = BLAKE2B_128
+    # since 1.10: the version is this LoRA adapter's tensors, to merge into the base whose digest it
+    # names; None: full weights. Never sent to a member whose hello said a protocol older than 1.10
+    adapter: AdapterSpec | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:

@@ -5,7 +5,7 @@ major differs from its own; a minor bump only adds optional fields or new messag
 ``proto/SPEC.md`` and every schema in ``proto/schemas/`` state the same value (tested).
 """
 
-PROTO_VERSION = "1.9"
+PROTO_VERSION = "1.10"
 PROTO_MAJOR = int(PROTO_VERSION.split(".")[0])
 
 

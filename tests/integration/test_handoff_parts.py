@@ -483,3 +483,90 @@ class _Pending:
     """A ``zmq.MessageTracker`` whose message ZeroMQ still references."""
 
     done = False
+
+
+class _Capture:
+    """A broadcaster session stand-in for ``WeightHandoff``: keeps what is sent, as the broadcaster
+    would decode it off the wire (the producer may write into an array again once it is sent)."""
+
+    def __init__(self, on_connect):
+        self.sent: list[m.Body] = []
+        self.last_tracker = None
+        on_connect(self)
+
+    def send(self, body, parent_id=None, *, track=False):
+        frames = encode(body, sender="learner-0", seq=len(self.sent) + 1)
+        self.sent.append(decode([bytes(f) for f in frames]).body)
+
+    def poll(self, timeout_s):
+        return None
+
+    def close(self):
+        pass
+
+
+def test_an_adapter_handed_over_in_parts_is_held_and_announced_to_1_10_members_only():
+    """``send_parts`` with a LoRA adapter (protocol 1.10): the broadcaster holds the version with its
+    adapter, every announce of it carries it, and a 1.9 generator is announced nothing (told in the
+    log, once); the next full-weight version goes to both, with no adapter."""
+    from types import SimpleNamespace
+
+    from april_async.broadcaster.actor import BroadcasterActor
+    from april_async.broadcaster.config import BroadcasterConfig
+    from april_async.broadcaster.rounds import Log, Send, StartCollective
+
+    adapter = m.AdapterSpec(base_digest="blake3-128:" + "c3" * 16, rank=4, alpha=8.0,
+                            target_modules=["q_proj"])
+    lora = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.full((4, 64), 0.5),
+            "model.layers.0.self_attn.q_proj.lora_B.weight": torch.full((64, 4), -0.25)}
+    hub = _Hub()
+    actor = BroadcasterActor(BroadcasterConfig(store_port=0, backend="gloo", bucket_mb=256 / (1 << 20)), hub,
+                             NoBroker)
+    ids = iter(range(1000))
+    now = time.monotonic()
+
+    def handle(sender, body, proto="1.10"):
+        actor.handle(sender.encode(), SimpleNamespace(body=body, sender=sender, msg_id=f"m{next(ids)}",
+                                                      msg_type=body.msg_type, proto_version=proto), now)
+
+    def round_of(version):
+        """The held version's digests in, the effects of a round starting (not carried out: no group)."""
+        assert actor._digest_job is not None and actor._digest_job[2].wait(10)
+        actor._take_digests(now)
+        return actor.planner.tick(now)
+
+    handoff = WeightHandoff("learner-0", _Capture, lambda: (0, None), mode="zmq")
+    try:
+        handle("learner-0", m.Hello(role="learner", instance="learner-0", policy_version=0))
+        handle("gen-new", m.Hello(role="generator", instance="gen-new", policy_version=0), proto="1.10")
+        handle("gen-old", m.Hello(role="generator", instance="gen-old", policy_version=0), proto="1.9")
+        specs, total, parts, n = state_parts(lora, bucket_bytes=1 << 10)
+        assert n == 2
+        handoff.send_parts(1, specs, total, parts, n, adapter=adapter)
+        assert [(u.part, u.adapter) for u in handoff.peer.sent if isinstance(u, m.WeightsUpdate)] == [
+            (0, adapter), (1, None)]
+        for body in handoff.peer.sent:
+            if isinstance(body, m.WeightsUpdate):
+                handle("learner-0", body)
+        assert actor.held.version == 1 and actor.held.adapter == adapter
+        assert actor.planner.held.adapter == adapter
+        assert actor.held.data.numpy().tobytes() == flatten(lora)[1].numpy().tobytes()  # the bytes unchanged
+        effects = round_of(1)
+        announces = {e.name: e.body for e in effects if isinstance(e, Send)}
+        assert list(announces) == ["gen-new"] and announces["gen-new"].adapter == adapter
+        assert announces["gen-new"].tensors == specs and announces["gen-new"].digest_alg == m.BLAKE3_128
+        (left,) = [e for e in effects if isinstance(e, Log) and e.event == "adapter_not_announced"]
+        assert left.fields["member"] == "gen-old" and "protocol 1.9" in left.fields["why"]
+        (start,) = [e for e in effects if isinstance(e, StartCollective)]
+        assert start.root.world_size == 2
+        actor.planner.round = None  # the round is not run here: only what it would announce matters
+
+        handoff.send(2, {name: t + 1 for name, t in lora.items()})  # full weights, as before 1.10
+        handle("learner-0", handoff.peer.sent[-1])
+        assert actor.held.adapter is None and actor.planner.held.adapter is None
+        announces = {e.name: e.body for e in round_of(2) if isinstance(e, Send)}
+        assert sorted(announces) == ["gen-new", "gen-old"]
+        assert all(a.adapter is None for a in announces.values())
+        assert not [b for b in hub.sent if isinstance(b, m.Error)]
+    finally:
+        actor.close()

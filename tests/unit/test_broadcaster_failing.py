@@ -3,11 +3,23 @@ broadcaster's planner counts each member's rounds in a row without the version."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from april_async.broadcaster.config import BroadcasterConfig
-from april_async.broadcaster.rounds import CollectiveResult, Log, RoundPlanner, Sever, StartCollective
+from april_async.broadcaster.rounds import (
+    SGLANG_NO_ADAPTER,
+    CollectiveResult,
+    Hash,
+    Log,
+    Publish,
+    RoundPlanner,
+    Send,
+    Sever,
+    StartCollective,
+)
 from april_async.weights.flat import bucket_digests, flatten
+from april_async.wire import messages as m
 
 CONFIG = BroadcasterConfig(timeout_s=2.0, bucket_mb=64 / (1 << 20), report_failing_after=3)
 
@@ -128,3 +140,121 @@ def test_a_member_not_at_the_rendezvous_in_time_is_given_up_and_benched_for_long
     fresh = CONFIG.link.peer_timeout_s / 2
     assert benched == [fresh, 2 * fresh]
     assert p.absent({1, 2}, now) == [], "no round running: nothing to look at"
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA adapter versions (protocol 1.10)
+
+ADAPTER = m.AdapterSpec(base_digest="blake3-128:" + "0f" * 16, rank=4, alpha=8.0, target_modules=["q_proj"])
+
+
+def held_adapter(p: RoundPlanner, version: int, now: float, adapter: m.AdapterSpec | None) -> None:
+    """Hold ``version`` as ``adapter``'s tensors (None: full weights), digested as a round asks."""
+    specs, buf = flatten({"model.layers.0.self_attn.q_proj.lora_A.weight": torch.full((4, 8), float(version)),
+                          "model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(8, 4)})
+    effects = p.update("learner-0", version, specs, buf.numel(), None, now, digests=None, adapter=adapter)
+    (hash_,) = [e for e in effects if isinstance(e, Hash)]
+    p.digested(version, bucket_digests(buf, CONFIG.bucket_bytes, hash_.digest_alg), now, hash_.digest_alg)
+
+
+def mixed_planner() -> RoundPlanner:
+    """gen-new speaks 1.10, gen-old 1.9, gen-none states no protocol, gen-sg is on SGLang servers."""
+    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    p.hello("gen-new", "generator", 0, [], 0.0, proto=(1, 10))
+    p.hello("gen-old", "generator", 0, [], 0.0, proto=(1, 9))
+    p.hello("gen-none", "generator", 0, [], 0.0)
+    p.hello("gen-sg", "generator", 0, ["http://s:1"], 0.0, proto=(1, 10))
+    return p
+
+
+def _announces(effects) -> dict[str, m.WeightsAnnounce]:
+    return {e.name: e.body for e in effects if isinstance(e, Send) and isinstance(e.body, m.WeightsAnnounce)}
+
+
+def test_an_adapter_version_is_announced_to_1_10_members_only_and_nobody_waits_for_the_others():
+    p = mixed_planner()
+    now = 10.0
+    for g in ("gen-new", "gen-old", "gen-none", "gen-sg"):
+        p.touch(g, now)
+    held_adapter(p, 1, now, ADAPTER)
+    assert p.held.adapter == ADAPTER and p.held.digest_alg == m.BLAKE3_128  # its receivers all speak 1.7 on
+    effects = p.tick(now)
+    announces = _announces(effects)
+    assert list(announces) == ["gen-new"] and announces["gen-new"].adapter == ADAPTER
+    (start,) = [e for e in effects if isinstance(e, StartCollective)]
+    assert start.servers == {} and start.root.world_size == 2  # no push to SGLang, no old rank in the group
+    left = [e for e in effects if isinstance(e, Log) and e.level == "warning"]
+    assert {(e.event, e.fields.get("member")) for e in left} == {("adapter_not_announced", "gen-old"),
+                                                                  ("adapter_not_announced", "gen-none"),
+                                                                  ("adapter_not_pushed", None)}
+    (old,) = [e for e in left if e.fields.get("member") == "gen-old"]
+    assert "protocol 1.9" in old.fields["why"] and "1.10" in old.fields["why"] and old.fields["version"] == 1
+    (sg,) = [e for e in left if e.event == "adapter_not_pushed"]
+    assert sg.fields["members"] == ["gen-sg"] and sg.fields["why"] == SGLANG_NO_ADAPTER
+    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None))
+    p.heartbeat("gen-new", 1, now + 0.2)
+    done = p.tick(now + 0.3)
+    assert any(isinstance(e, Publish) and e.version == 1 for e in done)
+    assert p.round is None and p.published == 1
+    # Neither waited for nor blamed, and told once per version: later ticks say nothing more.
+    later = p.tick(now + 20.0)
+    assert not [e for e in later if isinstance(e, (StartCollective, Send))]
+    assert not [e for e in later if isinstance(e, Log) and e.event.startswith("adapter_not")]
+    assert p.benched == {} and p.failing == {} and set(p.sessions) >= {"gen-old", "gen-none", "gen-sg"}
+
+    # A later adapter version is told about again; a full-weight version reaches everyone, unchanged.
+    now += 40.0
+    for g in ("gen-new", "gen-old", "gen-none", "gen-sg"):
+        p.touch(g, now)
+    held_adapter(p, 2, now, ADAPTER)
+    again = [e for e in p.tick(now) if isinstance(e, Log) and e.event == "adapter_not_announced"]
+    assert sorted(e.fields["member"] for e in again) == ["gen-none", "gen-old"]
+    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None))
+    p.heartbeat("gen-new", 2, now + 0.2)
+    p.tick(now + 0.3)
+    now += 40.0
+    for g in ("gen-new", "gen-old", "gen-none", "gen-sg"):
+        p.touch(g, now)
+    held_adapter(p, 3, now, None)
+    assert p.held.adapter is None and p.held.digest_alg == m.BLAKE2B_128  # gen-none may not check BLAKE3
+    full = p.tick(now)
+    announces = _announces(full)
+    assert sorted(announces) == ["gen-new", "gen-none", "gen-old"]
+    assert all(a.adapter is None for a in announces.values())
+    (start,) = [e for e in full if isinstance(e, StartCollective)]
+    assert start.servers == {"gen-sg": ["http://s:1"]} and start.root.world_size == 4
+    assert not [e for e in full if isinstance(e, Log) and e.event.startswith("adapter_not")]
+
+
+def test_an_adapter_version_with_only_old_generators_is_published_at_once():
+    p = RoundPlanner(CONFIG, backend="gloo", store="127.0.0.1:29600", epoch_id="e")
+    p.hello("learner-0", "learner", 0, [], 0.0)
+    p.hello("gen-old", "generator", 0, [], 0.0, proto=(1, 9))
+    held_adapter(p, 1, 1.0, ADAPTER)
+    effects = p.tick(1.0)
+    assert not [e for e in effects if isinstance(e, (StartCollective, Send))]
+    assert any(isinstance(e, Publish) and e.version == 1 for e in effects)
+    told = [e.fields["member"] for e in effects if isinstance(e, Log) and e.event == "adapter_not_announced"]
+    assert told == ["gen-old"]
+
+
+def test_the_sglang_push_refuses_an_adapter_version_with_one_warning(monkeypatch):
+    """The last guard behind the planner: ``update_weights_from_distributed`` would load the adapter's
+    tensors as full weights, so an adapter version is never pushed (nor any server called)."""
+    from april_async.broadcaster.config import SGLangFanoutConfig
+    from april_async.broadcaster.sglang import SGLangFanout
+
+    fanout = SGLangFanout(SGLangFanoutConfig(), store=None, store_host="127.0.0.1", store_port=0,
+                          backend="gloo", timeout_s=1.0)
+    warned = []
+    monkeypatch.setattr(fanout.log, "warning", lambda event, **fields: warned.append((event, fields)))
+    monkeypatch.setattr(fanout, "_push", lambda *a, **k: pytest.fail("an adapter version was pushed"))
+    try:
+        for _ in range(2):
+            out = fanout.push({"gen-sg": ["http://s:1"]}, 5, [], torch.zeros(4, dtype=torch.uint8), 4,
+                              adapter=ADAPTER)
+            assert out == {"gen-sg": SGLANG_NO_ADAPTER}
+        assert [(e, f["version"]) for e, f in warned] == [("adapter_not_pushed", 5)]
+    finally:
+        fanout.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgpack
@@ -124,6 +125,10 @@ tensor_specs = st.lists(st.builds(
     m.TensorSpec, names, st.sampled_from(["float32", "bfloat16", "float16"]),
     st.lists(st.integers(0, 64), max_size=3), small), max_size=4)
 byte_arrays = st.binary(max_size=64).map(lambda b: np.frombuffer(b, dtype=m.BYTES_DTYPE))
+adapters = st.none() | st.builds(  # since 1.10
+    m.AdapterSpec, base_digest=st.text(min_size=1, max_size=40), rank=st.integers(1, 2**16),
+    alpha=st.floats(min_value=1e-6, max_value=1e6), target_modules=st.lists(st.text(min_size=1, max_size=12),
+                                                                          min_size=1, max_size=4))
 
 
 @st.composite
@@ -171,9 +176,10 @@ BODIES: dict[str, st.SearchStrategy[m.Body]] = {
     "batch": batches(),
     "batch_report": st.builds(m.BatchReport, batch_id=ids, policy_version=small,
                               dropped_groups=st.lists(ids, max_size=4), reason=names),
-    "weights_update": st.builds(m.WeightsUpdate, version=small, tensors=tensor_specs, data=byte_arrays),
+    "weights_update": st.builds(m.WeightsUpdate, version=small, tensors=tensor_specs, data=byte_arrays,
+                                adapter=adapters),
     "weights_announce": st.builds(m.WeightsAnnounce, version=small, group=group_specs(), tensors=tensor_specs,
-                                  num_bytes=small, bucket_bytes=st.integers(1, 2**30)),
+                                  num_bytes=small, bucket_bytes=st.integers(1, 2**30), adapter=adapters),
     "weights_published": st.builds(
         m.WeightsPublished, version=small, num_bytes=small, source=st.none() | names
     ),
@@ -551,6 +557,78 @@ def test_error_str_names_code_and_field():
     frames = _edit(_frames(), lambda env: env["body"].update(lease_id="one"))
     err = _fails(frames, MalformedFrame, "$.body.lease_id")
     assert str(err).startswith("malformed: ") and str(err).endswith("(at $.body.lease_id)")
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA adapters (protocol 1.10)
+
+ADAPTER = m.AdapterSpec(base_digest="blake3-128:" + "ab" * 16, rank=8, alpha=16.0,
+                        target_modules=["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"base_digest": ""}, "base_digest"),
+    ({"rank": 0}, "rank must be >= 1, got 0"),
+    ({"rank": -3}, "got -3"),
+    ({"alpha": 0.0}, "alpha must be a finite number > 0, got 0.0"),
+    ({"alpha": -1.5}, "got -1.5"),
+    ({"alpha": float("nan")}, "got nan"),
+    ({"alpha": float("inf")}, "got inf"),
+    ({"target_modules": []}, "target_modules must be non-empty names, got []"),
+    ({"target_modules": ["q_proj", ""]}, "got ['q_proj', '']"),
+])
+def test_an_adapter_spec_refuses_a_bad_value_and_names_it(fields, named):
+    good = {"base_digest": ADAPTER.base_digest, "rank": 8, "alpha": 16.0, "target_modules": ["q_proj"]}
+    with pytest.raises(ValueError, match=re.escape(named)):
+        m.AdapterSpec(**(good | fields))
+
+
+def test_an_adapter_spec_scale_is_alpha_over_rank():
+    assert ADAPTER.scale == 2.0
+    assert m.AdapterSpec(base_digest="d", rank=3, alpha=1.5, target_modules=["o_proj"]).scale == 0.5
+
+
+def test_a_weights_update_with_an_adapter_round_trips_and_a_plain_one_is_unchanged():
+    specs = [m.TensorSpec("model.layers.0.self_attn.q_proj.lora_A.weight", "float32", [8, 4], 0)]
+    data = np.arange(128, dtype=np.uint8)
+    body = m.WeightsUpdate(version=7, tensors=specs, data=data, parts=2, total_bytes=256, adapter=ADAPTER)
+    frames = [bytes(f) for f in codec.encode(body, sender="learner-0", seq=1, msg_id="feed")]
+    got = codec.decode(frames).body
+    assert got.adapter == ADAPTER and got.adapter.scale == 2.0 and got.tensors == specs
+    assert msgpack.unpackb(frames[0])["body"]["adapter"] == {
+        "base_digest": ADAPTER.base_digest, "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+    plain_update = m.WeightsUpdate(version=7, tensors=specs, data=data)  # full weights: no key on the wire
+    plain_frames = [bytes(f) for f in codec.encode(plain_update, sender="l", seq=2)]
+    assert "adapter" not in msgpack.unpackb(plain_frames[0])["body"]
+    assert codec.decode(plain_frames).body.adapter is None
+    announce = m.WeightsAnnounce(version=7, group=m.GroupSpec(epoch=1, rank=1, world_size=2, store="h:1",
+                                                              backend="gloo"),
+                                 tensors=specs, num_bytes=128, bucket_bytes=64, adapter=ADAPTER)
+    assert codec.decode([bytes(f) for f in codec.encode(announce, sender="b", seq=3)]).body.adapter == ADAPTER
+
+
+def test_only_part_zero_carries_an_adapter():
+    with pytest.raises(ValueError, match="part 1 carries an adapter"):
+        m.WeightsUpdate(version=7, tensors=[], data=np.zeros(4, np.uint8), part=1, parts=2, offset=4,
+                        adapter=ADAPTER)
+    part0 = m.WeightsUpdate(version=7, tensors=[], data=np.zeros(4, np.uint8), parts=2, total_bytes=8,
+                            adapter=ADAPTER)
+    frames = _edit([bytes(f) for f in codec.encode(part0, sender="g", seq=3, msg_id="feed")],
+                   lambda env: env["body"].update(part=1, offset=4))
+    _fails(frames, MalformedFrame, "$.body")
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda a: a.update(rank=0), "$.body.adapter"),
+    (lambda a: a.update(alpha=-2.0), "$.body.adapter"),
+    (lambda a: a.pop("base_digest"), "$.body.adapter.base_digest"),
+    (lambda a: a.update(target_modules="q_proj"), "$.body.adapter.target_modules"),
+])
+def test_a_bad_adapter_on_the_wire_is_malformed(edit, field):
+    body = m.WeightsUpdate(version=7, tensors=[], data=np.zeros(4, np.uint8), adapter=ADAPTER)
+    frames = _edit([bytes(f) for f in codec.encode(body, sender="g", seq=3, msg_id="feed")],
+                   lambda env: edit(env["body"]["adapter"]))
+    _fails(frames, MalformedFrame, field)
 
 
 # ---------------------------------------------------------------------------------------------

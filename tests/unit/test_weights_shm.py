@@ -11,11 +11,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from april_async.testing.weights import policy
 from april_async.weights import shm
 from april_async.weights.flat import flatten
-from april_async.weights.handoff import WeightHandoff
+from april_async.weights.handoff import BroadcastRefused, WeightHandoff
 from april_async.wire import messages as m
 from april_async.wire.codec import decode, encode
 
@@ -251,3 +252,101 @@ def test_a_new_broadcaster_process_frees_every_region_and_parts_go_in_place():
     finally:
         h.close()
     assert not _names("unit-learner")
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA adapter versions (protocol 1.10): carried by every way of handing a version over
+
+ADAPTER = m.AdapterSpec(base_digest="blake3-128:" + "5a" * 16, rank=2, alpha=4.0, target_modules=["q_proj"])
+
+
+def lora(version: int) -> dict:
+    """A rank-2 adapter of layer 0's q_proj (a 16x16 weight), different for every version."""
+    g = torch.Generator().manual_seed(version)
+    return {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 16, generator=g),
+            "model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(16, 2, generator=g)}
+
+
+def _parts(version: int, k: int = 2):
+    specs, buf = flatten(lora(version))
+    data = buf.numpy()
+    cut = len(data) // k
+    ends = [(i + 1) * cut for i in range(k - 1)] + [len(data)]
+    return specs, len(data), [(i * cut, data[i * cut:end]) for i, end in enumerate(ends)]
+
+
+def test_an_adapter_rides_on_part_zero_by_bytes_and_a_full_version_carries_none():
+    h, state = _handoff(mode="zmq")
+    try:
+        h.send(1, lora(1), adapter=ADAPTER)
+        specs, total, parts = _parts(2, k=3)
+        h.send_parts(2, specs, total, parts, 3, adapter=ADAPTER)
+        h.send(3, policy(3))  # full weights, as before 1.10
+        ups = _updates(h)
+        assert [(u.version, u.part, u.adapter) for u in ups] == [
+            (1, 0, ADAPTER), (2, 0, ADAPTER), (2, 1, None), (2, 2, None), (3, 0, None)]
+        for u in ups:  # and each goes on the wire as it is (a later part with an adapter would not encode)
+            assert decode([bytes(f) for f in encode(u, sender="learner-0", seq=1)]).body.adapter == u.adapter
+    finally:
+        h.close()
+
+
+def test_an_adapter_rides_on_the_update_that_names_a_region():
+    h, state = _handoff()
+    try:
+        h.peer.inbox.append(welcome(shm.host_id()))
+        h.pump()
+        h.peer_proto = "1.10"  # the stand-in's messages say 1.6
+        h.send(1, lora(1), adapter=ADAPTER)
+        specs, total, parts = _parts(2)
+        h.send_parts(2, specs, total, parts, 2, adapter=ADAPTER)
+        ups = _updates(h)
+        assert [(u.version, u.region is not None, u.adapter) for u in ups] == [(1, True, ADAPTER),
+                                                                               (2, True, ADAPTER)]
+        assert shm.open_region(ups[1].region).array.tobytes() == flatten(lora(2))[1].numpy().tobytes()
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("names_it", [False, True], ids=["remembered", "from-current"])
+def test_a_restarted_broadcaster_gets_the_current_adapter_version_again_as_an_adapter(names_it):
+    """A new session hands the current version over again: with the adapter ``current()`` names, or,
+    when it names none, the one that version was last handed over with."""
+    state = {"v": 0}
+
+    def current():
+        return (state["v"], lora(state["v"]), ADAPTER) if names_it else (state["v"], lora(state["v"]))
+
+    h = WeightHandoff("unit-learner", Session, current, mode="zmq")
+    try:
+        state["v"] = 4
+        h.send(4, lora(4), adapter=ADAPTER)
+        h._on_connect(h.peer)  # a second session: the broadcaster restarted
+        resent = _updates(h)[-1]
+        assert (resent.version, resent.adapter, len(_updates(h))) == (4, ADAPTER, 2)
+        assert resent.data.tobytes() == flatten(lora(4))[1].numpy().tobytes()
+        if not names_it:  # a full version handed over after it is re-sent as full weights
+            state["v"] = 5
+            h.send(5, policy(5))
+            h._on_connect(h.peer)
+            assert (_updates(h)[-1].version, _updates(h)[-1].adapter) == (5, None)
+    finally:
+        h.close()
+
+
+def test_no_adapter_goes_to_a_broadcaster_older_than_1_10():
+    h, state = _handoff(mode="zmq")
+    try:
+        h.peer.inbox.append(welcome(None))
+        h.pump()  # the stand-in speaks 1.6
+        why = r"protocol 1\.6: version 1 is a LoRA adapter, which needs 1\.10"
+        with pytest.raises(BroadcastRefused, match=why):
+            h.send(1, lora(1), adapter=ADAPTER)
+        specs, total, parts = _parts(1)
+        with pytest.raises(BroadcastRefused, match="1.10 or newer"):
+            h.send_parts(1, specs, total, parts, 2, adapter=ADAPTER)
+        assert not _updates(h)
+        h.send(1, policy(1))  # full weights still go
+        assert _updates(h)[-1].adapter is None
+    finally:
+        h.close()
