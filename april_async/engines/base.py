@@ -41,6 +41,12 @@ if TYPE_CHECKING:  # the engines that hold weights import torch; this module doe
     import torch
 
 
+class AdapterRefused(ValueError):
+    """A LoRA version this engine cannot serve: for another base (by digest), or tensors that do
+    not fit its model. The message names both sides; the generator stops on it (every later
+    version of the run would be refused the same way)."""
+
+
 class RequestRefused(ValueError):
     """``submit`` refused a request the engine can never run (a prompt longer than its context, a
     token id outside its vocabulary); the message names why. The generator reports the lease
@@ -137,6 +143,12 @@ class Engine:
         """``caps.weights == "in_process"``: swap weights between decode steps; tokens from now on
         carry ``version``. The tensors may view a buffer a later version is received into: copy."""
         raise self._cannot("load_weights")
+
+    def load_adapter(self, state_dict: dict[str, torch.Tensor], adapter, version: int) -> None:
+        """``caps.weights == "in_process"``: a version that is a LoRA adapter (``adapter``, a
+        ``wire.messages.AdapterSpec``: protocol 1.10) for the base this engine loaded; tokens from
+        now on carry ``version``. An adapter for another base is refused (``AdapterRefused``)."""
+        raise self._cannot("load_adapter")
 
     def server_urls(self) -> list[str]:
         """``caps.weights == "pushed"``: the servers the broadcaster pushes versions to."""

@@ -31,12 +31,14 @@ from typing import Literal
 
 import torch
 
-from april_async.engines.base import Engine, EngineCaps, EngineOutput, EngineRequest, RequestRefused
+from april_async.engines.base import (AdapterRefused, Engine, EngineCaps, EngineOutput, EngineRequest,
+                                      RequestRefused)
 from april_async.engines.config import TorchEngineConfig
 from april_async.engines.decode_graphs import StaticDecode
 from april_async.engines.sampling import sample_rows, to_device
 from april_async.model.cache import SlotCache
 from april_async.model.decoder import CausalLM
+from april_async.model.digest import checkpoint_digest
 from april_async.runtime import resolve_device
 
 
@@ -58,10 +60,16 @@ class TorchEngine(Engine):
 
     def __init__(self, model: CausalLM, *, slots: int, max_seq_len: int, policy_version: int = 0,
                  cuda_graphs: Literal["auto", "on", "off"] = "auto", on_swap: Literal["keep", "recompute"] = "keep",
-                 _step: Literal["eager", "static"] | None = None):
-        """``cuda_graphs`` and ``on_swap`` as ``TorchEngineConfig``'s. ``_step`` (tests): ``static`` runs the
-        static-buffer step without capturing it, on any device; ``eager`` the eager step."""
+                 checkpoint: Path | None = None, _step: Literal["eager", "static"] | None = None):
+        """``cuda_graphs`` and ``on_swap`` as ``TorchEngineConfig``'s; ``checkpoint``: where the
+        model's weights came from (a LoRA version must name its digest as its base). ``_step``
+        (tests): ``static`` runs the static-buffer step without capturing it, on any device;
+        ``eager`` the eager step."""
         self.model = model.eval()
+        self.checkpoint = checkpoint
+        self._base_digest: str | None = None
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """A LoRA run's base weights of every target an adapter merged into (``load_adapter``)."""
         self.on_swap = on_swap
         self.slots = slots
         self.policy_version = policy_version
@@ -88,7 +96,7 @@ class TorchEngine(Engine):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
         model = CausalLM.from_pretrained(Path(cfg.checkpoint), dtype=dtype).to(device)
         return cls(model, slots=cfg.slots, max_seq_len=cfg.max_seq_len, cuda_graphs=cfg.cuda_graphs,
-                   on_swap=cfg.on_swap)
+                   on_swap=cfg.on_swap, checkpoint=Path(cfg.checkpoint))
 
     def active(self) -> int:
         return len(self._active)
@@ -204,6 +212,69 @@ class TorchEngine(Engine):
                 raise ValueError(f"weights version {version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the engine's model {self._shapes[name]}")
         self.model.load_state_dict(state_dict, strict=False)
+        # These are no longer the checkpoint's weights: an adapter has no base to merge into here.
+        self.checkpoint, self._base_digest, self._lora_base = None, None, {}
+        if self._static is not None:
+            self._static.check_addresses()
+        self.policy_version = version
+        if self.on_swap == "recompute":
+            self._recompute()
+
+    @property
+    def base_digest(self) -> str | None:
+        """The content digest of ``checkpoint`` (``model.digest``), taken at the first adapter."""
+        if self._base_digest is None and self.checkpoint is not None:
+            self._base_digest = checkpoint_digest(self.checkpoint)
+        return self._base_digest
+
+    @torch.no_grad()
+    def load_adapter(self, state_dict: dict[str, torch.Tensor], adapter, version: int) -> None:
+        """Serve LoRA version ``version``: merge it into the base weights, in place. Each target's
+        weight becomes W_base + (alpha / r) · B @ A, computed in float32 from a copy of the base
+        kept on the first adapter (never from the last merged weights: no error builds up over
+        versions); a target an earlier adapter had and this one has not gets its base back. The
+        weights keep their storage, so the captured decode graphs read the new ones; decoding then
+        costs what it costs without LoRA (``docs/lora.md``: merged against LoRA matmuls, measured).
+        Refused before anything changes (``AdapterRefused``): an adapter for another base, and
+        tensors that are not pairs of A [r, in] and B [out, r] of a linear weight of this model."""
+        if adapter.base_digest != self.base_digest:
+            where = (f"checkpoint {str(self.checkpoint)!r}" if self.checkpoint is not None
+                     else "weights of unknown origin")
+            raise AdapterRefused(f"weights version {version} is a LoRA adapter for base "
+                                 f"{adapter.base_digest}, but this engine serves {where} (base "
+                                 f"{self.base_digest}): start the generator from the learner's base "
+                                 f"checkpoint")
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in state_dict.items():
+            path, sep, kind = name.rpartition(".lora_")
+            if not sep or kind not in ("A.weight", "B.weight"):
+                raise AdapterRefused(f"LoRA version {version}: tensor {name!r} is not a lora_A/lora_B weight")
+            pairs.setdefault(path + ".weight", {})[kind[0]] = tensor
+        for target, ab in pairs.items():
+            shape = self._shapes.get(target)
+            if shape is None or len(shape) != 2:
+                raise AdapterRefused(f"LoRA version {version}: {target!r} is not a linear weight of the "
+                                     f"engine's model")
+            a, b = ab.get("A"), ab.get("B")
+            if a is None or b is None:
+                raise AdapterRefused(f"LoRA version {version}: {target!r} has "
+                                     f"lora_{'B' if a is None else 'A'} only")
+            want_a, want_b = (adapter.rank, shape[1]), (shape[0], adapter.rank)
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                raise AdapterRefused(f"LoRA version {version}: {target!r} of shape {shape} takes A {want_a} "
+                                     f"and B {want_b} at rank {adapter.rank}, got {tuple(a.shape)} and "
+                                     f"{tuple(b.shape)}")
+        params = dict(self.model.named_parameters())
+        for target in pairs:
+            if target not in self._lora_base:
+                self._lora_base[target] = params[target].detach().clone()
+        for target, base in self._lora_base.items():
+            ab = pairs.get(target)
+            if ab is None:
+                params[target].copy_(base)
+                continue
+            a, b = (ab[k].to(self.device, torch.float32) for k in "AB")
+            params[target].copy_(torch.addmm(base.float(), b, a, alpha=adapter.scale))
         if self._static is not None:
             self._static.check_addresses()
         self.policy_version = version

@@ -57,6 +57,7 @@ from april_async.learner.parallel import SHARDED_DIR, LearnerGroup, ShardedPolic
 from april_async.learner.step import Row, plan_step, run_shard
 from april_async.logs import get_logger
 from april_async.model.decoder import CheckpointError
+from april_async.model.digest import checkpoint_digest
 from april_async.weights import flat
 from april_async.weights.handoff import WeightHandoff
 from april_async.wire import messages as m
@@ -120,10 +121,20 @@ def batch_rows(batch: m.Batch, groups: list[m.BatchGroup], learner_version: int,
     return rows, rewards, gidx
 
 
-def open_policy(cfg: LearnerConfig, group: LearnerGroup, source: Path, resume: bool) -> ShardedPolicy:
+def open_policy(cfg: LearnerConfig, group: LearnerGroup, source: Path, resume: bool,
+                base: Path | None = None) -> ShardedPolicy:
     """The policy from ``source``: a run's own checkpoint (``resume``: its sharded state, or an
-    earlier release's ``optimizer.pt``) or an initial Hugging Face checkpoint."""
+    earlier release's ``optimizer.pt``) or an initial Hugging Face checkpoint. With ``cfg.lora``,
+    ``base`` is the frozen base (``lora_base`` finds it)."""
     sharded = resume and (source / SHARDED_DIR).is_dir()
+    if cfg.lora:
+        if resume and not sharded:
+            raise CheckpointError(f"checkpoint {str(source)!r} has no {SHARDED_DIR}/: it holds no adapter "
+                                  f"to resume")
+        policy = ShardedPolicy(cfg, group, source, sharded=sharded, base=base)
+        policy.base = base
+        policy.base_digest = checkpoint_digest(base) if group.rank == 0 else ""
+        return policy
     if resume and not sharded:
         if group.distributed:
             raise CheckpointError(f"checkpoint {str(source)!r} has no {SHARDED_DIR}/ (an earlier release's "
@@ -132,6 +143,20 @@ def open_policy(cfg: LearnerConfig, group: LearnerGroup, source: Path, resume: b
         ckpt.load_legacy(source, policy.model, policy.optimizer)
         return policy
     return ShardedPolicy(cfg, group, source, sharded=sharded)
+
+
+def lora_base(cfg: LearnerConfig, source: Path, resume: bool) -> Path | None:
+    """The base checkpoint of a LoRA run: the one its latest checkpoint names (checked against
+    its digest), or the initial ``checkpoint``; None without ``cfg.lora``."""
+    if not cfg.lora:
+        return None
+    if resume:
+        if not (source / ckpt.BASE_FILE).is_file() and (source / SHARDED_DIR).is_dir():
+            raise CheckpointError(f"checkpoint {str(source)!r} holds every weight (a run without "
+                                  f"learner.lora): to train an adapter on it, set learner.checkpoint to it "
+                                  f"in a new run_dir")
+        return ckpt.read_base(source)[0]
+    return source
 
 
 class LearnerActor:
@@ -148,8 +173,13 @@ class LearnerActor:
         if source is None:
             self.group.broadcast(("fail",))
             raise CheckpointError("learner.checkpoint is not set and run_dir holds no checkpoint to resume from")
-        self.group.broadcast(("open", str(source), resume is not None))
-        self.policy = open_policy(cfg, self.group, source, resume is not None)
+        try:
+            base = lora_base(cfg, source, resume is not None)
+        except CheckpointError:
+            self.group.broadcast(("fail",))
+            raise
+        self.group.broadcast(("open", str(source), resume is not None, str(base) if base else None))
+        self.policy = open_policy(cfg, self.group, source, resume is not None, base)
         self.model = self.policy.model
         self.optimizer = self.policy.optimizer
         self.side_files = source
@@ -200,7 +230,10 @@ class LearnerActor:
     def run(self, stop) -> None:
         self.log.info("training", version=self.state.version, algorithm=self.cfg.algorithm,
                       correction=self.cfg.correction, params=self.policy.num_parameters(), ranks=self.group.world,
-                      device=str(self.policy.device), dtype=str(self.policy.dtype).removeprefix("torch."))
+                      device=str(self.policy.device), dtype=str(self.policy.dtype).removeprefix("torch."),
+                      trainable=self.policy.num_trainable(),
+                      lora=None if not self.cfg.lora else
+                      f"r={self.cfg.lora.r} alpha={self.cfg.lora.alpha:g} base={self.policy.base_digest}")
         try:
             if self.state.version > 0:
                 self.publish()  # a resumed policy: generators still hold the initial one
@@ -370,10 +403,20 @@ class LearnerActor:
         return path
 
 
+def adapter_spec(policy: ShardedPolicy) -> m.AdapterSpec | None:
+    """What a version of ``policy`` says of itself on the wire: None (every weight), or the LoRA
+    adapter and the base it is for (protocol 1.10)."""
+    if not policy.lora:
+        return None
+    return m.AdapterSpec(base_digest=policy.base_digest, rank=policy.lora.r, alpha=policy.lora.alpha,
+                         target_modules=list(policy.lora.target_modules))
+
+
 def hand_off(policy: ShardedPolicy, handoff: WeightHandoff | None, version: int, bucket_bytes: int) -> None:
-    """The full weights, gathered bucket by bucket, to the broadcaster as ``version`` (a collective:
-    every rank calls it; rank 0 passes its ``handoff``, the others None)."""
-    specs, total = flat.layout(policy.shapes())
+    """A version's tensors (every weight, or with ``learner.lora`` the adapter's), gathered bucket
+    by bucket, to the broadcaster as ``version`` (a collective: every rank calls it; rank 0 passes
+    its ``handoff``, the others None)."""
+    specs, total = flat.layout(policy.version_shapes())
     cuts = flat.tensor_buckets(specs, bucket_bytes)
     names = [sp.name for sp in specs]
 
@@ -390,7 +433,7 @@ def hand_off(policy: ShardedPolicy, handoff: WeightHandoff | None, version: int,
                         buffer = np.empty(stop - start, dtype=np.uint8)
                     view = buffer[:stop - start]
                 view[:] = 0  # the alignment padding between tensors
-            for i, (_, t) in zip(idx, policy.full_weights([names[i] for i in idx]), strict=True):
+            for i, (_, t) in zip(idx, policy.version_weights([names[i] for i in idx]), strict=True):
                 if t is None:  # not rank 0: this rank only took part in the gather
                     continue
                 at = specs[i].offset - start  # each full tensor goes into the bucket as soon as it is gathered
@@ -406,7 +449,7 @@ def hand_off(policy: ShardedPolicy, handoff: WeightHandoff | None, version: int,
         for _ in parts():
             pass
     else:
-        handoff.send_parts(version, specs, total, parts(), len(cuts))
+        handoff.send_parts(version, specs, total, parts(), len(cuts), adapter=adapter_spec(policy))
 
 
 class RankWorker:
@@ -422,8 +465,8 @@ class RankWorker:
         cmd = group.broadcast()
         if cmd[0] != "open":
             raise CheckpointError("rank 0 found no checkpoint to start from")
-        _, source, resume = cmd
-        self.policy = open_policy(cfg, group, Path(source), resume)
+        _, source, resume, base = cmd
+        self.policy = open_policy(cfg, group, Path(source), resume, Path(base) if base else None)
 
     def run(self, stop=None) -> None:
         self.log.info("rank_ready", rank=self.group.rank, ranks=self.group.world, device=str(self.policy.device))

@@ -3,7 +3,11 @@
     <run_dir>/checkpoints/v000012/
         sharded/                          model and AdamW state, torch.distributed.checkpoint
                                           (each rank writes its shards; any number of ranks reads)
-        config.json, model.safetensors    the policy at version 12 (HF format, loadable anywhere)
+        config.json, model.safetensors    the policy at version 12 (HF format, loadable anywhere;
+                                          with learner.lora the base with the adapter merged)
+        adapter/                          learner.lora: the adapter alone, in peft's format
+        base.json                         learner.lora: the base checkpoint's path and content digest
+                                          (sharded/ then holds the adapter and its AdamW state only)
         <tokenizer files>                 copied from the initial checkpoint
         trainer_state.json                version, step, last batch id, time
 
@@ -35,6 +39,8 @@ from april_async.model.errors import CheckpointError
 
 MODEL_FILES = frozenset({"config.json", "model.safetensors"})
 STATE_FILE = "trainer_state.json"
+ADAPTER_DIR = "adapter"
+BASE_FILE = "base.json"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
@@ -68,7 +74,8 @@ with an index): never copied beside an export, which has its own ``model.safeten
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy what a checkpoint holds besides the weights (the tokenizer, a generation config)."""
     for f in Path(src).iterdir():
-        if f.is_file() and f.name not in MODEL_FILES | {STATE_FILE} and not f.name.endswith(WEIGHT_FILE_SUFFIXES):
+        if (f.is_file() and f.name not in MODEL_FILES | {STATE_FILE, BASE_FILE}
+                and not f.name.endswith(WEIGHT_FILE_SUFFIXES)):
             shutil.copy2(f, dst / f.name)
 
 
@@ -84,8 +91,12 @@ def save(run_dir: Path, policy, state: TrainerState, *, side_files_from: Path | 
     policy.group.broadcast(None)  # the others write into tmp only once rank 0 has made it afresh
     policy.save_sharded(tmp)
     export_hf(tmp, policy)
+    if policy.lora:
+        export_adapter(tmp / ADAPTER_DIR, policy, base=policy.base)
     if not rank0:
         return final
+    if policy.lora:
+        write_base(tmp, policy.base, policy.base_digest)
     if side_files_from is not None:
         copy_side_files(side_files_from, tmp)
     state.saved_at = time.time()
@@ -107,9 +118,36 @@ def export_hf(directory: Path, policy) -> None:
     gathered one at a time and rank 0 writes each to the file as it comes (the safetensors layout:
     an 8-byte header length, a JSON header, the tensors' bytes), so it holds one full tensor at
     most beside its shards."""
-    tie = hf.tied(policy.model)
+    tie = hf.tied(policy.hf_model)
     items = [(n, d, s) for n, d, s in policy.shapes() if not (tie and n == "lm_head.weight")]
     rank0 = policy.group.rank == 0
+    if rank0:
+        config = hf.export_config(policy.hf_model, policy.dtype)
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2))
+    _stream_safetensors(Path(directory) / "model.safetensors", items,
+                        policy.full_weights([n for n, _, _ in items]), rank0)
+
+
+def export_adapter(directory: Path, policy, *, base: Path) -> None:
+    """The adapter alone as ``peft`` saves one (``adapter_config.json``, ``adapter_model.safetensors``,
+    loadable with ``PeftModel.from_pretrained`` on ``base`` and by SGLang's ``/load_lora_adapter``).
+    A collective, as ``export_hf``."""
+    from april_async.learner import lora
+
+    rank0 = policy.group.rank == 0
+    if rank0:
+        directory.mkdir(parents=True, exist_ok=True)
+        config = lora.adapter_config(policy.lora, base)
+        (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    items = policy.version_shapes()
+    weights = ((lora.peft_file_name(n), t) for n, t in policy.version_weights([n for n, _, _ in items]))
+    _stream_safetensors(directory / "adapter_model.safetensors",
+                        [(lora.peft_file_name(n), d, s) for n, d, s in items], weights, rank0)
+
+
+def _stream_safetensors(path: Path, items, weights, rank0: bool) -> None:
+    """Write ``items`` (name, dtype, shape) as a safetensors file, each tensor's bytes as
+    ``weights`` yields it (rank 0 only writes; every rank drains ``weights``, a collective)."""
     header, offset = {}, 0
     for name, dtype, shape in items:
         size = math.prod(shape) * dtype.itemsize
@@ -120,17 +158,42 @@ def export_hf(directory: Path, policy) -> None:
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     out = None
     if rank0:
-        (Path(directory) / "config.json").write_text(json.dumps(hf.export_config(policy.model, policy.dtype), indent=2))
-        out = open(Path(directory) / "model.safetensors", "wb")
+        out = open(path, "wb")
         out.write(struct.pack("<Q", len(raw)) + raw)
     try:
-        for _, t in policy.full_weights([n for n, _, _ in items]):  # gathered one tensor at a time
+        for _, t in weights:  # gathered one tensor at a time
             if out is not None and t.numel():
                 out.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
             del t
     finally:
         if out is not None:
             out.close()
+
+
+def write_base(directory: Path, base: Path, digest: str) -> None:
+    (Path(directory) / BASE_FILE).write_text(json.dumps({"path": str(Path(base).resolve()), "digest": digest},
+                                                        indent=2))
+
+
+def read_base(directory: Path) -> tuple[Path, str]:
+    """The base checkpoint a LoRA checkpoint names, ``(path, digest)``, checked: the files at the
+    path must still have the digest the adapter was trained on."""
+    from april_async.model.digest import checkpoint_digest
+
+    path = Path(directory) / BASE_FILE
+    try:
+        data = json.loads(path.read_text())
+        base, digest = Path(data["path"]), str(data["digest"])
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(directory)!r} has no {BASE_FILE}: it was not written by a "
+                              f"LoRA run (learner.lora), and holds no adapter to resume") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a base reference ({e})") from None
+    now = checkpoint_digest(base)
+    if now != digest:
+        raise CheckpointError(f"checkpoint {str(directory)!r}: its adapter was trained on base {str(base)!r} "
+                              f"with digest {digest}, but those files now have digest {now}")
+    return base, digest
 
 
 def load_legacy(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

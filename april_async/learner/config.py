@@ -26,6 +26,36 @@ class LossSettings:
     mask_max_lag: int = 0
 
 
+class LoraSettings(BaseModel):
+    """``[learner.lora]``: train a LoRA adapter (``peft``) instead of every weight (``learner.lora``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    r: int = Field(16, ge=1)
+    """The adapter's rank: A is [r, in], B is [out, r] for each target."""
+    alpha: float = Field(32.0, gt=0)
+    """The update is (alpha / r) · B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on a target's input in the adapter's branch, while training. Above 0 the learner's
+    log-probs of a batch are those of a random sub-network, no longer the policy that sampled it."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                       "down_proj")
+    """Linear layers to adapt, by name (the last part of the module's path, as peft matches them)."""
+    seed: int = 0
+    """The adapter's initial A is drawn from this seed (B starts at zero: the first policy is the base)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraSettings:
+        if not self.target_modules or any(not t.strip() for t in self.target_modules):
+            raise ValueError(f"learner.lora.target_modules must name at least one module, got "
+                             f"{list(self.target_modules)}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
 class LearnerConfig(BaseModel):
     """The ``[learner]`` section."""
 
@@ -134,6 +164,11 @@ class LearnerConfig(BaseModel):
     W&B's own default (``WANDB_MODE`` in the environment, else ``online``)."""
     wandb_dir: Path | None = None
     """Where W&B keeps its local files (in a ``wandb/`` folder it makes there); None: ``run_dir``."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter on the frozen initial checkpoint (``[learner.lora]``; needs ``pip install
+    'april-async[lora]'``): the optimizer holds the adapter alone, each version is the adapter's
+    tensors (megabytes, not the model), checkpoints hold the adapter and name their base, and the
+    Hugging Face export is the merged model beside the adapter (``docs/lora.md``). None: every weight."""
     audit: bool = True
     """Record every batch taken (sample ids and token versions) in ``<run_dir>/batches.jsonl``."""
     log: LogConfig = LogConfig()

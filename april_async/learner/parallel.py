@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from april_async.learner.config import LearnerConfig
-from april_async.learner import hf
+from april_async.learner import hf, lora
 from april_async.model.errors import CheckpointError
 from april_async.runtime import resolve_device
 
@@ -138,53 +138,83 @@ def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
 class ShardedPolicy:
     """The learner's model and optimizer on its group (see the module docstring)."""
 
-    def __init__(self, cfg: LearnerConfig, group: LearnerGroup, source: Path, *, sharded: bool):
+    def __init__(self, cfg: LearnerConfig, group: LearnerGroup, source: Path, *, sharded: bool,
+                 base: Path | None = None):
         """``source``: a checkpoint directory; ``sharded``: resume from its sharded state (model and
-        optimizer), else load its Hugging Face weights and start a fresh optimizer."""
+        optimizer), else load its Hugging Face weights and start a fresh optimizer. With
+        ``cfg.lora``, ``base`` is the frozen base checkpoint (default ``source``): its weights are
+        loaded, wrapped with a fresh adapter, and a sharded ``source`` then holds the adapter and
+        its optimizer state alone."""
         self.group = group
+        self.lora = cfg.lora
+        base = Path(base if base is not None else source)
         self.device = group.device
         self.dtype = compute_dtype(cfg, group.device)
         self.attention = hf.attention(cfg.attention, group.device)
         self.packed = self.attention in hf.PACKING_ATTENTION if cfg.pack_rows is None else cfg.pack_rows
         mixed = group.device.type == "cuda" and self.dtype != torch.float32
         storage = torch.float32 if mixed else self.dtype
-        config = hf.read_config(source)
+        config = hf.read_config(base if self.lora else source)
         if group.distributed or sharded:
             model = hf.empty_model(config, storage, self.attention)
             if cfg.activation_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_model = model
+            if self.lora:
+                model = lora.wrap(model, self.lora)
             if group.distributed:
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
                 mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if mixed \
                     else MixedPrecisionPolicy()
-                for layer in hf.decoder_layers(model):
+                for layer in hf.decoder_layers(hf_model):
                     fully_shard(layer, mp_policy=mp)
                 fully_shard(model, mp_policy=mp)
             model.to_empty(device=group.device)
             if not group.distributed:
-                model.tie_weights()  # to_empty gave the tied tensors two storages
-            hf.fill_buffers(model)
-            if not sharded:
-                self._load_hf(model, source, storage, config)
+                hf_model.tie_weights()  # to_empty gave the tied tensors two storages
+            hf.fill_buffers(hf_model)
+            if not sharded or self.lora:  # a LoRA checkpoint holds no base weight
+                self._load_hf(model, base if self.lora else source, storage, config)
         else:
-            model = hf.load_pretrained(source, storage, self.attention, config).to(group.device)
+            model = hf.load_pretrained(source, storage, self.attention, config)
             if cfg.activation_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_model = model
+            if self.lora:
+                model = lora.wrap(model, self.lora)
+            model = model.to(group.device)
         self.model = model.train()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+        self.hf_model = hf_model
+        """The ``transformers`` model (inside the ``peft`` wrapper with ``lora``)."""
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
+        self._keys = self._version_keys()
         if sharded:
             self.load_sharded(source)
 
     def _load_hf(self, model, source: Path, storage: torch.dtype, config) -> None:
-        """Rank 0 reads the Hugging Face checkpoint (checking it) and broadcasts it into the shards."""
+        """Rank 0 reads the Hugging Face checkpoint (checking it) and broadcasts it into the shards
+        (with ``lora``, wrapped first: the fresh adapter rank 0 draws goes to every rank)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = {}
         if self.group.rank == 0:
-            full = hf.load_pretrained(source, storage, self.attention, config).state_dict()
+            loaded = hf.load_pretrained(source, storage, self.attention, config)
+            full = (lora.wrap(loaded, self.lora) if self.lora else loaded).state_dict()
+        if not self.group.distributed:
+            model.load_state_dict(full)
+            return
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def _version_keys(self) -> list[tuple[str, str]]:
+        """``(state-dict key, name on the wire)`` of what a version carries: every tensor, or with
+        ``lora`` the adapter's (``lora.wire_name``)."""
+        keys = list(self.model.state_dict())
+        if not self.lora:
+            return [(k, k) for k in keys]
+        return [(k, w) for k in keys if (w := lora.wire_name(k)) is not None]
 
     # ------------------------------------------------------------------ training
 
@@ -225,7 +255,7 @@ class ShardedPolicy:
         """Clip the summed gradients, take one optimizer step, clear them; the norm before clipping."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -235,29 +265,71 @@ class ShardedPolicy:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())  # a tied weight once
 
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.trainable)
+
     # ------------------------------------------------------------------ full weights out
 
     def shapes(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """Every tensor of the state dict with the dtype and shape ``full_weights`` gives it."""
-        return [(k, self.dtype, tuple(v.shape)) for k, v in self.model.state_dict().items()]
+        """Every tensor of the model's Hugging Face state dict (with ``lora``: the base's names, the
+        adapter merged) with the dtype and shape ``full_weights`` gives it."""
+        state = self.model.state_dict()
+        if not self.lora:
+            return [(k, self.dtype, tuple(v.shape)) for k, v in state.items()]
+        return [(lora.base_name(k), self.dtype, tuple(v.shape)) for k, v in state.items()
+                if lora.wire_name(k) is None]
 
     def full_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """``(name, full tensor)`` in state-dict order (of ``names`` only, when given), gathered one
-        at a time: a collective every rank joins. Rank 0 gets CPU tensors in the compute dtype;
-        the other ranks get None."""
+        """``(name, full tensor)`` in the order of ``shapes`` (of ``names`` only, when given),
+        gathered one at a time: a collective every rank joins. Rank 0 gets CPU tensors in the
+        compute dtype; the other ranks get None. With ``lora`` the names are the base's Hugging
+        Face names and each target's weight comes merged (``lora.merge``, in float32)."""
         state = self.model.state_dict()
-        for name in names if names is not None else list(state):
-            t = state[name]
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            yield name, (t.detach().to("cpu", self.dtype) if self.group.rank == 0 else None)
+        if not self.lora:
+            for name in names if names is not None else list(state):
+                yield name, self._gather(state[name], self.dtype)
+            return
+        keys = {lora.base_name(k): k for k in state if lora.wire_name(k) is None}
+        pairs = {}
+        for k in state:
+            if (w := lora.wire_name(k)) is not None:
+                pairs.setdefault(w.rsplit(".lora_", 1)[0] + ".weight", {})[w[-8]] = k  # "A" or "B"
+        for name in names if names is not None else list(keys):
+            t = self._gather(state[keys[name]])
+            ab = pairs.get(name)
+            if ab is not None:
+                a, b = self._gather(state[ab["A"]]), self._gather(state[ab["B"]])
+                if t is not None:
+                    t = lora.merge(t, a, b, self.lora.scale)
+            yield name, (t.to(self.dtype) if t is not None else None)
+
+    def version_shapes(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """What one version carries, by its names on the wire: every tensor, or the adapter's."""
+        state = self.model.state_dict()
+        return [(w, self.dtype, tuple(state[k].shape)) for k, w in self._keys]
+
+    def version_weights(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``full_weights`` of a version's tensors, by their names on the wire (a collective)."""
+        state = self.model.state_dict()
+        key = {w: k for k, w in self._keys}
+        for name in names:
+            yield name, self._gather(state[key[name]], self.dtype)
+
+    def _gather(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The full tensor of a shard (a collective), on rank 0 as a detached CPU tensor (in
+        ``dtype``, default its own), else None."""
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        return t.detach().to("cpu", dtype or t.dtype) if self.group.rank == 0 else None
 
     # ------------------------------------------------------------------ sharded state
 
     def _state(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # With lora the frozen base is the base checkpoint's: only the adapter is saved.
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=bool(self.lora)))
         return {"model": model_sd, "optim": optim_sd}
 
     def save_sharded(self, directory: Path) -> None:
@@ -272,7 +344,7 @@ class ShardedPolicy:
         """Read ``directory/sharded`` into this policy, resharded for this group."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         path = Path(directory) / SHARDED_DIR
         if not (path / ".metadata").is_file():
@@ -285,7 +357,9 @@ class ShardedPolicy:
         except (CheckpointException, RuntimeError, OSError, ValueError) as e:  # DCP gathers every rank's failure
             raise CheckpointError(f"{path}: cannot be read into this model and optimizer "
                                   f"({str(e).strip().splitlines()[-1][:300]})") from None
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(ignore_frozen_params=bool(self.lora), strict=not self.lora))
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -212,7 +212,10 @@ class WeightSubscriber(WeightsLink):
         loaded = ann.version > self.engine.policy_version
         if loaded:
             t0 = time.monotonic()
-            self.engine.load_weights(r.state, ann.version)
+            if ann.adapter is not None:  # a LoRA version (protocol 1.10): merged into the base
+                self.engine.load_adapter(r.state, ann.adapter, ann.version)
+            else:
+                self.engine.load_weights(r.state, ann.version)
             self.loaded += 1
             self.log.info("weights_loaded", version=ann.version, epoch=ann.group.epoch, bytes=ann.num_bytes,
                           receive_s=round(r.seconds, 3), load_s=round(time.monotonic() - t0, 3))

@@ -175,3 +175,27 @@ def test_a_step_on_cuda_in_bfloat16_mixed_precision(init, run):
     assert all(t.dtype == torch.bfloat16 for t in out[1].values())  # exported in the compute dtype
     assert max_diff({k: v.float() for k, v in out[1].items()}, start) > 1e-3
     assert torch.isfinite(torch.tensor(res["rows"][0]["loss"]))
+
+
+def test_a_lora_adapter_trains_the_same_at_two_ranks_and_resumes_at_another_number_of_ranks(init, run):
+    """``learner.lora`` under FSDP2: the adapter's step at 2 ranks is the one-process step, and a
+    checkpoint (the adapter and its AdamW state, naming the base) written at 2 ranks resumes at 1
+    and at 2, written at 1 resumes at 2, each to the uninterrupted run's next step. The exports
+    compared are the merged models."""
+    pytest.importorskip("peft")
+    learner = {"algorithm": "grpo", "correction": "tis", "lr": 1e-2,
+               "lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+    _, straight, _ = run(init, "lora-straight", 1, learner, [batch(3), batch(4)])
+    _, first_at_2, at2 = run(init, "lora-first-at-2", 2, learner, [batch(3)])
+    _, _, at1 = run(init, "lora-first-at-1", 1, learner, [batch(3)])
+    start = load_file(str(init / "model.safetensors"))
+    assert max_diff(straight[1], start) > 100 * TOL and max_diff(straight[2], straight[1]) > 100 * TOL
+    assert max_diff(first_at_2[1], straight[1]) <= TOL
+    written = at2 / "checkpoints" / "v000001"
+    assert (written / "base.json").is_file() and (written / "adapter" / "adapter_model.safetensors").is_file()
+    adapter = load_file(str(written / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    for name, ranks, first in [("lora-2to1", 1, at2), ("lora-2to2", 2, at2), ("lora-1to2", 2, at1)]:
+        res, resumed, _ = run(init, name, ranks, learner, [batch(4)], resume_from=first)
+        assert res["version"] == 2, name
+        assert max_diff(resumed[2], straight[2]) <= TOL, name

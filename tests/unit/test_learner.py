@@ -250,7 +250,7 @@ class PartsRecorder:
     def __init__(self):
         self.parts = []
 
-    def send_parts(self, version, specs, total_bytes, parts, num_parts):
+    def send_parts(self, version, specs, total_bytes, parts, num_parts, adapter=None):
         self.version, self.specs, self.total, self.num_parts = version, specs, total_bytes, num_parts
         it = iter(parts)
         item = next(it)
