@@ -160,6 +160,20 @@ def marked(model: CausalLM, version: int) -> bool:
     return bool((model.model.norm.weight == float(version)).all())
 
 
+def stamp_target(names) -> str:
+    """The weight whose merged value carries a LoRA version's stamp: the first target, by name."""
+    return min(n.rpartition(".lora_")[0] for n in names) + ".weight"
+
+
+def mark_adapter(state: dict[str, torch.Tensor], version: int) -> None:
+    """Stamp ``version`` into an adapter (``stamp_target``'s A is e_0 e_0ᵀ, B[0, 0] the version), so
+    that the merge adds scale · version to that weight's [0, 0] and to nothing else of it."""
+    target = stamp_target(state).removesuffix(".weight")
+    with torch.no_grad():
+        state[target + ".lora_A.weight"].zero_()[0, 0] = 1.0
+        state[target + ".lora_B.weight"][0, 0] = float(version)
+
+
 # ---------------------------------------------------------------------------------------------
 # Child processes: ``bench_broadcast.py _member ...`` and ``bench_broadcast.py _raw ...``
 
@@ -171,12 +185,21 @@ def _report(**fields) -> None:
 
 class LoadingEngine:
     """A generator engine without the decoding: ``load_weights`` as ``TorchEngine``'s (copy into the
-    model's own tensors), then a report of the moment it holds the version."""
+    model's own tensors), then a report of the moment it holds the version. With ``checkpoint`` its
+    model is that checkpoint's, and it serves LoRA versions too (``load_adapter``)."""
 
-    def __init__(self, size: str, dtype: torch.dtype, device: torch.device):
+    def __init__(self, size: str, dtype: torch.dtype, device: torch.device, checkpoint: Path | None = None):
         self.device = device
         self.policy_version = 0
-        self.model = make_model(size, dtype, device, random=False)
+        self.base_digest = None
+        self._lora_base: dict[str, torch.Tensor] = {}
+        if checkpoint is None:
+            self.model = make_model(size, dtype, device, random=False)
+        else:
+            from april_async.model.digest import checkpoint_digest
+
+            self.model = CausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
+            self.base_digest = checkpoint_digest(checkpoint)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False)
@@ -185,6 +208,40 @@ class LoadingEngine:
         self.policy_version = version
         t = time.monotonic()
         _report(event="loaded", version=version, t=t, ok=marked(self.model, version))
+
+    @torch.no_grad()
+    def load_adapter(self, state_dict: dict[str, torch.Tensor], adapter, version: int) -> None:
+        """A LoRA version, merged as ``TorchEngine.load_adapter`` does: each target's weight becomes
+        W_base + (alpha / r) · B @ A in float32, from a copy of the base kept on the first adapter;
+        an adapter for another base is refused. Reports whether the stamp (``mark_adapter``) came out."""
+        from april_async.engines.base import AdapterRefused
+
+        if adapter.base_digest != self.base_digest:
+            raise AdapterRefused(f"version {version}: an adapter for base {adapter.base_digest}, but this "
+                                 f"member serves {self.base_digest}")
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in state_dict.items():
+            path, _, kind = name.rpartition(".lora_")
+            pairs.setdefault(path + ".weight", {})[kind[0]] = tensor
+        params = dict(self.model.named_parameters())
+        for target in pairs:
+            if target not in self._lora_base:
+                self._lora_base[target] = params[target].detach().clone()
+        for target, base in self._lora_base.items():
+            ab = pairs.get(target)
+            if ab is None:
+                params[target].copy_(base)
+                continue
+            a, b = (ab[k].to(self.device, torch.float32) for k in "AB")
+            params[target].copy_(torch.addmm(base.float(), b, a, alpha=adapter.scale))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.policy_version = version
+        t = time.monotonic()
+        target = stamp_target(state_dict)
+        want = float(self._lora_base[target][0, 0]) + adapter.scale * version
+        ok = abs(float(params[target][0, 0]) - want) <= 1e-4 * max(1.0, abs(want))
+        _report(event="loaded", version=version, t=t, ok=ok)
 
 
 def loading_member_main(argv: list[str]) -> int:
@@ -198,6 +255,8 @@ def loading_member_main(argv: list[str]) -> int:
     p.add_argument("--name", required=True)
     p.add_argument("--endpoint", required=True)
     p.add_argument("--size", required=True)
+    p.add_argument("--checkpoint", type=Path,
+                   help="the model is this checkpoint's (not --size's, zeros); LoRA versions merge into it")
     p.add_argument("--dtype", required=True, choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
@@ -209,8 +268,8 @@ def loading_member_main(argv: list[str]) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sub = WeightSubscriber(args.name, args.endpoint, LINK, LoadingEngine(args.size, DTYPES[args.dtype], device),
-                           device=device)
+    engine = LoadingEngine(args.size, DTYPES[args.dtype], device, args.checkpoint)
+    sub = WeightSubscriber(args.name, args.endpoint, LINK, engine, device=device)
     try:
         while not stop:
             sub.poll(MEMBER_POLL_S)
@@ -272,26 +331,48 @@ def raw_main(argv: list[str]) -> int:
 # This process: children, broker, learner
 
 
+class Versions:
+    """What the learner hands over as each version: by default every weight of ``model``, stamped
+    with the version (``mark``). Another benchmark hands over something else (``tools/bench_lora.py``:
+    a LoRA adapter) by passing its own to ``run_pipeline``: ``state()``, ``stamp(version)`` and
+    ``adapter`` (the ``AdapterSpec`` each version goes with; None: full weights)."""
+
+    adapter = None
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def stamp(self, version: int) -> None:
+        mark(self.model, version)
+
+
 class Learner:
     """The learner's hand-off, as the learner runs it: a ``WeightHandoff`` on the broadcaster's hub."""
 
-    def __init__(self, model: CausalLM, name: str, endpoint: str, mode: str = "auto", parts_bytes: int = 0):
+    def __init__(self, model: CausalLM, name: str, endpoint: str, mode: str = "auto", parts_bytes: int = 0,
+                 versions: Versions | None = None):
         from april_async.transport.peer import Peer
 
         self.model = model
+        self.versions = versions or Versions(model)
         self.version = 0
         self.parts_bytes = parts_bytes
         self.handoff = WeightHandoff(name, lambda on_connect: Peer(endpoint, name, link=LINK, on_connect=on_connect),
-                                     lambda: (self.version, self.model.state_dict()), mode=mode)
+                                     lambda: (self.version, self.versions.state(), self.versions.adapter),
+                                     mode=mode)
 
     def publish(self, version: int) -> None:
         self.version = version
+        adapter = self.versions.adapter
         if not self.parts_bytes:
-            self.handoff.send(version, self.model.state_dict())
+            self.handoff.send(version, self.versions.state(), adapter=adapter)
             return
         # As the sharded learner does (``learner.actor.hand_off``): range by range, each gathered
         # into the shared-memory region when the hand-off goes there, else into an array of ours.
-        state = self.model.state_dict()
+        state = self.versions.state()
         specs, total = flat_layout((name, t.dtype, t.shape) for name, t in state.items())
         cuts = tensor_buckets(specs, self.parts_bytes)
         tensors = list(state.values())
@@ -311,7 +392,7 @@ class Learner:
                 if not (yield start, view):
                     buffer = None
 
-        self.handoff.send_parts(version, specs, total, parts(), len(cuts))
+        self.handoff.send_parts(version, specs, total, parts(), len(cuts), adapter=adapter)
 
     @property
     def send_s(self) -> float:
@@ -325,10 +406,11 @@ class Learner:
         self.handoff.close()
 
 
-def copy_once(model: CausalLM) -> float:
-    """Seconds of one in-memory copy of the weights: all of them into one new flat tensor."""
+def copy_once(model: CausalLM | dict[str, torch.Tensor]) -> float:
+    """Seconds of one in-memory copy of the weights (or a state dict's): all into one new flat tensor."""
+    state = model if isinstance(model, dict) else model.state_dict()
     t0 = time.monotonic()
-    flat = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
+    flat = torch.cat([t.detach().reshape(-1) for t in state.values()])
     seconds = time.monotonic() - t0
     del flat
     return seconds
@@ -374,8 +456,12 @@ def run_raw(children: Children, size: str, num_bytes: int, args) -> dict:
     return {"flat_s": result["flat"], "bucketed_s": result["bucketed"]}
 
 
-def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int, args) -> list[dict]:
-    """Broker + broadcaster + k members + the learner's hand-off; one row per version (warm-ups too)."""
+def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int, args,
+                 versions: Versions | None = None, member_args: tuple[str, ...] = ()) -> list[dict]:
+    """Broker + broadcaster + k members + the learner's hand-off; one row per version (warm-ups too).
+    ``versions``: what each version is (default: ``model``'s weights); ``member_args``: more flags
+    for each ``_member`` (``--checkpoint``)."""
+    versions = versions or Versions(model)
     broker_endpoint = f"tcp://127.0.0.1:{free_port()}"
     broker = f"{size}-broker"
     children.start(broker, _actor("broker", {"bind": broker_endpoint, **link_sets(), "log.json_lines": True,
@@ -395,7 +481,8 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
         device = f"cuda:{i + 1}" if args.backend == "nccl" else "cpu"
         children.start(proc_name, [sys.executable, str(Path(__file__).resolve()), "_member", "--name", member,
                                    "--endpoint", endpoint, "--size", size, "--dtype", args.dtype,
-                                   "--device", device, "--threads", str(args.member_threads)], reports=True)
+                                   "--device", device, "--threads", str(args.member_threads), *member_args],
+                       reports=True)
     names = [broker, bname, *members.values()]
     broker_log = children.logs / f"{broker}.log"
     by_proc = {v: k for k, v in members.items()}
@@ -410,7 +497,8 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
             time.sleep(0.05)
             children.check_alive(names)
         learner = Learner(model, "learner-bench", endpoint, mode=args.handoff,
-                          parts_bytes=int(args.parts_mb * (1 << 20)) if args.parts_mb else 0)
+                          parts_bytes=int(args.parts_mb * (1 << 20)) if args.parts_mb else 0,
+                          versions=versions)
         deadline = time.monotonic() + START_TIMEOUT_S
         while args.handoff != "zmq" and learner.handoff.shm_host is None:  # the welcome offers shared memory
             if time.monotonic() > deadline:
@@ -418,8 +506,8 @@ def run_pipeline(children: Children, size: str, model: CausalLM, num_bytes: int,
             learner.pump()
             time.sleep(0.01)
         for version in range(1, args.warmup + args.versions + 1):
-            copy_s = copy_once(model)
-            mark(model, version)
+            copy_s = copy_once(versions.state())
+            versions.stamp(version)
             t0, wall0 = time.monotonic(), time.time()
             learner.publish(version)
             stall_s = time.monotonic() - t0
