@@ -56,7 +56,41 @@ def parser(cls=argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "(standins/nccl_semantics.py): gloo under NCCL's host-side behaviour, where a "
                          "broadcast's source returns whether or not anyone receives and only a watchdog at "
                          "the group's timeout ends it")
+    lora = ap.add_argument_group("LoRA", "SGLang's runtime LoRA (0.5.15.post1 / 0.5.23 ``server_args``); "
+                                 "no --lora-paths: adapters come through /load_lora_adapter")
+    lora.add_argument("--enable-lora", action="store_true", default=None)
+    lora.add_argument("--max-lora-rank", type=int, default=None)
+    lora.add_argument("--lora-target-modules", nargs="*", default=None,
+                      choices=[*SUPPORTED_LORA_TARGET_MODULES, "all"])
+    lora.add_argument("--max-loaded-loras", type=int, default=None)
+    lora.add_argument("--max-loras-per-batch", type=int, default=8)
     return ap
+
+
+SUPPORTED_LORA_TARGET_MODULES = [
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b",
+    "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens",
+    "lm_head"]
+"""``utils/common.py`` ``SUPPORTED_LORA_TARGET_MODULES`` (0.5.15.post1; 0.5.23 adds qkvr and wo_ud)."""
+
+
+def check_lora(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """SGLang's startup checks of the LoRA flags (0.5.23 ``arg_groups/lora_hook.py``
+    ``check_lora_server_args``; 0.5.15 ``ServerArgs.check_lora_server_args``), each an assert there:
+    here the parser's error, with SGLang's message."""
+    if args.max_loras_per_batch <= 0:
+        ap.error("max_loras_per_batch must be positive")
+    if not args.enable_lora:
+        return
+    modules = args.lora_target_modules
+    if modules and "all" in modules and len(modules) > 1:
+        ap.error("If 'all' is specified in --lora-target-modules, it should be the only module specified.")
+    if args.max_lora_rank is None or not modules:  # the stand-in takes no --lora-paths
+        ap.error("When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
+                 "--lora-target-modules for LoRA initialization.")
+    if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
+        ap.error(f"max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+                 f"max_loaded_loras={args.max_loaded_loras}, max_loras_per_batch={args.max_loras_per_batch}")
 
 
 RUNTIME_DESTS = tuple(f.lstrip("-").replace("-", "_") for f in RUNTIME_FLAGS)
@@ -65,7 +99,9 @@ RUNTIME_DESTS = tuple(f.lstrip("-").replace("-", "_") for f in RUNTIME_FLAGS)
 
 def parse_args(argv: list[str], cls=RaisingParser) -> argparse.Namespace:
     """``argv`` read as the command line is (``RaisingParser``: a ``ValueError`` for a bad one)."""
-    args = parser(cls).parse_args(argv)
+    ap = parser(cls)
+    args = ap.parse_args(argv)
+    check_lora(args, ap)
     if args.sglang_version is None:
         args.sglang_version = "0.5.23" if args.weight_update_session else "0.5.15.post1"
     return args
@@ -84,6 +120,10 @@ def split_flags(args: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]
         if flag not in actions:
             raise ValueError(f"{args[i]!r} is no flag of the stand-in SGLang server")
         n = 1 if inline or actions[flag].nargs == 0 else 2
+        if not inline and actions[flag].nargs in ("*", "+"):  # every word up to the next flag
+            n = 1
+            while i + n < len(args) and not args[i + n].startswith("--"):
+                n += 1
         (runtime if flag in RUNTIME_FLAGS else start).extend(args[i:i + n])
         i += n
     return tuple(start), tuple(runtime)

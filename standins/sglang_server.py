@@ -37,6 +37,9 @@ Endpoints:
     POST /begin_weight_update, /end_weight_update   only with ``--weight-update-session``
                                           (0.5.23); without it they answer 404 (0.5.15)
     POST /update_weight_version
+    POST /load_lora_adapter, /unload_lora_adapter   with ``--enable-lora`` (below); without it 400
+                                          "LoRA is not enabled. ..." as SGLang answers
+    GET  /v1/models                       the served model, then each loaded adapter (``parent`` set)
     POST /standin/refuse_updates          TEST HOOK (not SGLang): the next ``count`` update calls are
                                           refused before their receive is posted
     POST /standin/abort_next              TEST HOOK (not SGLang): the next ``count`` requests end
@@ -87,10 +90,38 @@ Left out: batches of requests (lists of prompts, ``n`` > 1), ``text`` input and 
 (there is no tokenizer: ``text`` is always ""), input-token log-probs (``logprob_start_len`` must
 be -1 or past the prompt), ``ignore_eos``, ``min_new_tokens`` > 0, penalties, ``min_p``, stop
 strings and constrained decoding (their SGLang fields are accepted only at their neutral values),
-tensor parallelism > 1, data parallelism, LoRA, multimodal input, every other weight-loading
-path (from disk, from tensors), 0.5.23's ``cache_salt`` (refused unless null), cache pages of more
-than one token, host and storage tiers of the cache, and the cache's part in what the model
-computes (below).
+tensor parallelism > 1, data parallelism, LoRA beyond what is below (``--lora-paths``, loading from
+tensors), multimodal input, every other weight-loading path (from disk, from tensors), 0.5.23's
+``cache_salt`` (refused unless null), cache pages of more than one token, host and storage tiers
+of the cache, and the cache's part in what the model computes (below).
+
+Runtime LoRA (0.5.15.post1 / 0.5.23 ``tokenizer_control_mixin.py``, ``lora/lora_manager.py``,
+``lora/lora_config.py``, ``lora/lora_registry.py``): ``--enable-lora`` with ``--max-lora-rank`` and
+``--lora-target-modules`` (both required: the stand-in takes no ``--lora-paths``), ``--max-loaded-loras``
+and ``--max-loras-per-batch``, checked at start as SGLang asserts them (``flags.check_lora``).
+``/load_lora_adapter {lora_name, lora_path, pinned}`` reads a local peft directory in SGLang's
+order (``adapter_config.json``: a missing one is ``[Errno 2] ...``, a missing key its ``KeyError``;
+DoRA; a name already loaded; a rank over ``--max-lora-rank`` or targets outside
+``--lora-target-modules`` after SGLang's normalisation, q/k/v to qkv_proj and gate/up to
+gate_up_proj; a pinned adapter that would pin every slot; ``*.safetensors``, "Cannot find any model
+weights with ..."); it answers ``{rid, http_worker_ipc, success, error_message, loaded_adapters}``,
+200 with ``error_message`` "" or 400 with SGLang's message, and past ``--max-loaded-loras`` unloads
+the least recently used unpinned adapter. Loads and unloads take a LoRA lock of their own, not the
+model-update lock: requests go on meanwhile. ``/unload_lora_adapter`` drops the name at once and
+answers once every request under it ended; an unknown name is "LoRA with name N does not exist.
+Loaded LoRAs: odict_keys([...])" with ``loaded_adapters`` null. ``/generate``'s ``lora_path`` names
+an adapter (a string, or a list of one): never loaded, "Got LoRA adapter that has never been
+loaded: ..."; without ``--enable-lora``, "LoRA adapter 'N' was requested, but LoRA is not
+enabled. ..."; a name loaded once and unloaded (or evicted) since is loaded again from its path
+("Failed to implicitly load LoRA adapter N: ..." when that fails), as SGLang's ``lora_ref_cache``
+keeps every name. A request under an adapter runs on a copy of the model with each target merged,
+``W + (lora_alpha / r) · B @ A`` (merged again into each weight update's new base), which is the
+function SGLang's LoRA layers compute; its prefix-cache key is its ``extra_key`` with the
+adapter's id appended (``Req.__init__``), and that id is new at each load. Stand-in limits: an
+adapter path must be a local directory (SGLang would try the hub), only ``*.safetensors`` weights,
+a target module the model lacks or shapes that do not fit are refused at load (SGLang asserts when
+the adapter first reaches its GPU pool), and errors on ``/generate`` come after the length checks
+(SGLang resolves the adapter first). ``max_loras_per_batch`` does not limit a batch here.
 
 The prefix cache (``mem_cache/radix_cache.py``) is modelled as far as a client sees it, in
 ``meta_info.cached_tokens`` (``PrefixCache``): one tree of token ids per ``extra_key`` (a string,
@@ -141,6 +172,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -154,7 +186,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -347,13 +379,55 @@ class Req:
     doomed: bool = False  # aborted while a pause held it in place: ends when generation continues
     versions: list[str] = field(default_factory=list)  # the weight version each output token was made with
     fail: dict | None = None  # test hook (/standin/abort_next): end with this status-coded abort
-    namespace: str | None = None  # its extra_key: the prefix cache's namespace (PrefixCache)
+    namespace: str | None = None  # its extra_key (+ its adapter's id): the prefix cache's namespace
+    lora: Lora | None = None  # the adapter it runs under (``lora_path``), acquired until it ends
     cached: int = 0  # meta_info.cached_tokens: its input tokens the prefix cache held when admitted
     ran: bool = False  # admitted to the engine: its end inserts its tokens into the prefix cache
     # From the engine thread: the token count after each decode step, then None when it ended.
     events: queue.Queue = field(default_factory=queue.Queue)
     answered: threading.Event = field(default_factory=threading.Event)
 
+
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+"""``tokenizer_control_mixin.py``: every LoRA route's answer (HTTP 400) without ``--enable-lora``."""
+LORA_MODULE_ALIASES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                       "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "vocab_emb": "embed_tokens",
+                       "embeddings": "embed_tokens", "word_embeddings": "embed_tokens", "output": "lm_head",
+                       "unembed_tokens": "lm_head", "q_a_proj": "fused_qkv_a_proj_with_mqa",
+                       "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa", "wq_b": "indexer.wq_b",
+                       "wk": "indexer.wk", "weights_proj": "indexer.weights_proj"}
+"""``lora/utils.py`` ``get_normalized_target_modules``: a module's last dotted name, as the pool keys it."""
+
+
+def normalized_modules(modules) -> set[str]:
+    """``get_normalized_target_modules``: ``"all"``/``"all-linear"`` (a string) is ``{"all"}``, any other
+    string a ``ValueError``; a list, each item's last dotted name through ``LORA_MODULE_ALIASES``."""
+    if isinstance(modules, str):
+        if modules not in ("all", "all-linear"):
+            raise ValueError("Only 'all' or 'all-linear' can be used as the string for target module")
+        return {"all"}
+    return {LORA_MODULE_ALIASES.get(m.split(".")[-1], m.split(".")[-1]) for m in modules}
+
+
+@dataclass(eq=False)
+class Lora:
+    """One loaded adapter (SGLang's ``LoRARef`` and its weights). SGLang adds ``scaling · B @ A`` to
+    a target's output at run time (``lora/layers.py``); the stand-in serves the same function from
+    a copy of the model with every target merged, ``W + (lora_alpha / r) · B @ A`` (``lora.py``
+    ``LoRAAdapter.scaling``), and merges again into each base a weight update brings."""
+
+    name: str
+    path: str
+    id: str  # a fresh uuid4 hex per load (``load_lora_adapter``): appended to the radix cache's key
+    pinned: bool
+    engine: TorchEngine  # the merged copy
+    deltas: dict[str, torch.Tensor]  # parameter -> scaling · B @ A (float32)
+    inflight: int = 0  # requests that acquired it and have not ended (``wait_for_unload`` waits for 0)
+    used: int = 0  # ``Core.lora_clock`` at its last use: least recently used evicted first
+
+    def merged(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        delta = self.deltas.get(name)
+        return base if delta is None else (base.float() + delta).to(base.dtype)
 
 class Core:
     """The engine, its request queue and the server's state; one lock guards all of it."""
@@ -390,6 +464,10 @@ class Core:
         self.last_receive = time.monotonic()  # the tokenizer manager's last_receive_tstamp
         self.health_probes = 0  # health probes' requests that reached the scheduler's queue
         self.healthy = True  # server_status Up; False after a failed health probe (``/ready`` 503)
+        self.lora_lock = threading.Lock()  # ``lora_update_lock``: serialises loads and unloads, not inference
+        self.loras: OrderedDict[str, Lora] = OrderedDict()  # the LoRA registry: name -> adapter, loaded
+        self.lora_refs: dict[str, tuple[str, bool]] = {}  # ``lora_ref_cache``: name -> (path, pinned), kept
+        self.lora_clock = 0  # for least-recently-used eviction (``--max-loaded-loras``)
 
     @contextlib.contextmanager
     def model_update_lock(self):
@@ -436,7 +514,23 @@ class Core:
     def cache_limit(self) -> int:
         return self.args.kv_tokens or CACHE_TOKENS
 
+    def engine_of(self, req: Req) -> TorchEngine:
+        """The model ``req`` runs on: its adapter's merged copy, or the base."""
+        return req.lora.engine if req.lora is not None else self.engine
+
+    def all_engines(self) -> list[TorchEngine]:
+        return [self.engine, *(lora.engine for lora in self.loras.values())]
+
+    def running_engines(self) -> list[TorchEngine]:
+        """The engines with requests running (an unloaded adapter's too, until they end), each once,
+        in a fixed order: by the first lease running on it."""
+        return list({id(e): e for e in (self.engine_of(r) for r in self.running.values())}.values())
+
     def _end(self, req: Req, finish: dict) -> None:
+        if req.lora is not None:  # tokenizer_manager.py ``_release_lora_once``: an unload waits for this
+            req.lora.inflight -= 1
+            req.lora = None
+            self.cv.notify_all()
         if req.ran and finish is not ABORT_WAITING:  # a retracted request (waiting) adds nothing
             # its input and output but the last token: that one's keys and values were never computed
             self.cache.insert(req.namespace, req.prompt + req.ids[:-1], self.cache_limit())
@@ -478,7 +572,7 @@ class Core:
                     # at most its input but the last token: that one is computed for the first logits
                     req.cached = self.cache.match(req.namespace, req.prompt[:-1])
                     try:  # the model's eos ids stop it too (SGLang: unless ignore_eos, refused here)
-                        self.engine.submit(EngineRequest(
+                        self.engine_of(req).submit(EngineRequest(
                             req.lease, req.lease, req.prompt, [], p["max_new_tokens"], p["temperature"],
                             p["top_p"], p["top_k"], p["stop"] + self.eos, p["seed"]))
                     except Exception as e:  # a bug: answer rather than hang the client
@@ -491,11 +585,11 @@ class Core:
                 for req in prefilled:  # in the tree after their prefill: none of this batch matched another
                     self.cache.insert(req.namespace, req.prompt, self.cache_limit())
                 try:
-                    outs = self.engine.step() if self.running else []
+                    outs = [o for e in self.running_engines() for o in e.step()]
                 except Exception as e:  # a bug: end what runs rather than hang its clients
                     traceback.print_exc()
                     for lease in list(self.running):
-                        self.engine.abort(lease)
+                        self.engine_of(self.running[lease]).abort(lease)
                         self._end(self.running.pop(lease), engine_error(e))
                     outs = []
                 if outs:
@@ -506,7 +600,7 @@ class Core:
                     req.logprobs += out.logprobs
                     req.versions += [self.weight_version] * len(out.tokens)
                     if out.finish is None and req.fail is not None and len(req.ids) >= req.fail["after_tokens"]:
-                        self.engine.abort(out.lease_id)  # the test hook: a status-coded abort
+                        self.engine_of(req).abort(out.lease_id)  # the test hook: a status-coded abort
                         del self.running[out.lease_id]
                         self._end(req, req.fail["finish"])
                         continue
@@ -536,7 +630,7 @@ class Core:
                         req.doomed = True
                     held = []
                 for req in held:  # retracted: in the scheduler's waiting queue
-                    self.engine.abort(req.lease)
+                    self.engine_of(req).abort(req.lease)
                     del self.running[req.lease]
                     self._end(req, ABORT_WAITING)
                 queued = [r for r in self.waiting if match(r) and not r.parked]
@@ -547,7 +641,7 @@ class Core:
                 return held + queued
             hit = [r for r in self.running.values() if match(r)]
             for req in hit:
-                self.engine.abort(req.lease)
+                self.engine_of(req).abort(req.lease)
                 del self.running[req.lease]
                 self._end(req, ABORT_RUNNING)
             queued = [r for r in self.waiting if match(r)]
@@ -601,7 +695,8 @@ class Core:
                     "groups": sorted(self.groups), "session": self.session,
                     "abort_next": len(self.fail_next), "refuse_next": self.refuse_next,
                     "flushes": self.flushes, "hung": self.hung, "cached_tokens": self.cache.size,
-                    "healthy": self.healthy, "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s)),
+                    "healthy": self.healthy, "loras": list(self.loras),
+                    "faults": bool(FAULTS.paths and (FAULTS.drop or FAULTS.delay_s)),
                     "settings": self.settings()}
 
     def settings(self) -> dict:
@@ -653,6 +748,8 @@ class Core:
             self.hung, self.healthy = False, True
             self.fail_next.clear()
             self.refuse_next = 0
+            self.loras.clear()
+            self.lora_refs.clear()
             self.flushes = 0
             self.cache.clear()
             FAULTS.set(0.0, 0.0, 0, [], "either")
@@ -679,6 +776,177 @@ class Core:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                              zip(req.logprobs[start:end], req.ids[start:end])]
         return {"text": "", "output_ids": req.ids[start:end], "meta_info": meta}
+
+    # ------------------------------------------------------------------ LoRA
+
+    def lora_result(self, success: bool, error: str = "", listed: bool = True) -> dict:
+        """``LoRAUpdateOutput`` as the routes answer it: the scheduler's result lists every adapter it
+        holds (``create_lora_update_result``); a refusal of the tokenizer manager's lists none."""
+        return {"rid": None, "http_worker_ipc": None, "success": success, "error_message": error,
+                "loaded_adapters": {n: lora.path for n, lora in self.loras.items()} if listed else None}
+
+    def load_lora(self, name: str, path: str, pinned: bool) -> dict:
+        """``/load_lora_adapter`` under the LoRA lock (inference goes on); then the least recently used
+        unpinned adapters beyond ``--max-loaded-loras`` are unloaded, as SGLang evicts them."""
+        if not self.args.enable_lora:
+            return self.lora_result(False, LORA_DISABLED, listed=False)
+        with self.lora_lock:
+            result = self._load_lora(name, path, pinned)
+            if result["success"]:
+                result = self._evict(result)
+        return result
+
+    def _load_lora(self, name: str, path: str, pinned: bool) -> dict:
+        try:
+            lora = self._read_lora(name, path, pinned)
+        except Exception as e:  # lora_manager.py ``load_lora_adapter``: any failure is str(e)
+            log(f"LoRA adapter {name!r} from {path!r} not loaded: {type(e).__name__}: {e}")
+            return self.lora_result(False, str(e))
+        with self.cv:  # between two decode steps: merged into the base as it is now (an update may have come)
+            lora.engine.load_weights({n: lora.merged(n, t) for n, t in self.params.items()}, 0)
+            self.loras[name] = lora
+            self.lora_refs[name] = (path, pinned)
+            self.lora_clock += 1
+            lora.used = self.lora_clock
+        log(f"LoRA adapter {name!r} loaded from {path!r} ({len(lora.deltas)} merged weights)")
+        return self.lora_result(True)
+
+    def _read_lora(self, name: str, path: str, pinned: bool) -> Lora:
+        """``LoRAConfig`` (``lora_config.py``), ``validate_new_adapter`` and the weights, in SGLang's
+        order and with its errors; then the merged copy of the model."""
+        root = Path(path)
+        if not root.is_dir():  # SGLang downloads a non-directory from the hub; the stand-in has no network
+            raise ValueError(f"the stand-in reads adapters from local directories only, and {path!r} is none "
+                             f"(SGLang would try it as a Hugging Face repo id)")
+        config = json.loads((root / "adapter_config.json").read_text())  # Errno 2 when missing, as SGLang
+        targets, r, alpha = config["target_modules"], config["r"], config["lora_alpha"]
+        if config.get("use_dora"):
+            raise ValueError(f"Failed to load {name} because LoRA serving currently doesn't support DoRA "
+                             f"adapters")
+        if name in self.loras:
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+        pool = normalized_modules(self.args.lora_target_modules)
+        if r > self.args.max_lora_rank or not ("all" in (targets := normalized_modules(targets))
+                                               or "all" in pool or targets <= pool):
+            raise ValueError(f"LoRA adapter {name} with rank {r} is incompatible with the current LoRA "
+                             f"memory pool configuration. Please ensure that the LoRA adapter's rank is "
+                             f"within the configured `--max-lora-rank` and that the target modules are "
+                             f"included in `--lora-target-modules`.")
+        if pinned and sum(lora.pinned for lora in self.loras.values()) >= self.args.max_loras_per_batch - 1:
+            raise ValueError(f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to "
+                             f"pin all slots in the LoRA memory pool to avoid starvation for unpinned "
+                             f"adapters and base models. Please increase your `--max-loras-per-batch` or "
+                             f"load it as unpinned LoRA adapters.")
+        assert str(config["peft_type"]).lower() == "lora"  # lora.py ``LoRAAdapter``: its message is ""
+        files = sorted(root.glob("*.safetensors"))
+        if not files:  # model_loader/loader.py ``_prepare_weights`` (the stand-in reads no .bin/.pt)
+            raise RuntimeError(f"Cannot find any model weights with `{path}`")
+        from safetensors.torch import load_file
+
+        weights = {k: t for f in files for k, t in load_file(str(f)).items()}
+        return self._merge_lora(name, path, pinned, weights, alpha / r, pool)
+
+    def _merge_lora(self, name: str, path: str, pinned: bool, weights: dict[str, torch.Tensor],
+                    scaling: float, pool: set[str]) -> Lora:
+        """Pair each ``<module>.lora_A.weight`` with its ``lora_B`` (peft's names, ``base_model.model.``
+        first) into ``scaling · B @ A`` for ``<module>.weight``. A module outside the pool's targets is
+        skipped, as SGLang skips it (``--lora-strict-loading`` off); a module the stand-in's model lacks,
+        a lone A or B, or shapes that do not fit are refused (SGLang asserts on the copy into its pool)."""
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in weights.items():
+            module, dot, rest = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if not dot or rest not in ("A.weight", "B.weight"):
+                raise ValueError(f"adapter tensor {key!r} is no lora_A/lora_B weight (the stand-in's limit)")
+            pairs.setdefault(module, {})[rest[0]] = t
+        deltas = {}
+        for module, ab in pairs.items():
+            short = module.split(".")[-1]
+            if "all" not in pool and LORA_MODULE_ALIASES.get(short, short) not in pool:
+                log(f"LoRA adapter {name!r}: {module} is not in --lora-target-modules: skipped")
+                continue
+            param = f"{module}.weight"
+            if param not in self.params or set(ab) != {"A", "B"}:
+                raise ValueError(f"LoRA adapter {name}: {module} has {sorted(ab)} and the model "
+                                 f"{'has' if param in self.params else 'has no'} {param!r}")
+            a, b, w = ab["A"], ab["B"], self.params[param]
+            fits = a.dim() == b.dim() == 2 and (b.shape[0], a.shape[1]) == tuple(w.shape)
+            if not fits or a.shape[0] != b.shape[1]:
+                raise ValueError(f"LoRA buffer shape does not match weight shape: {param} is "
+                                 f"{list(w.shape)}, lora_A {list(a.shape)}, lora_B {list(b.shape)}")
+            deltas[param] = scaling * (b.float() @ a.float())
+        with self.cv:  # between two decode steps: the base as it is now
+            model = copy.deepcopy(self.engine.model)
+        return Lora(name, path, uuid.uuid4().hex, pinned,
+                    TorchEngine(model, slots=self.args.slots, max_seq_len=self.args.max_seq_len), deltas)
+
+    def _evict(self, result: dict) -> dict:
+        """``--max-loaded-loras``: unload the least recently used unpinned adapters past it (maybe the
+        one just loaded); answered as the load's result, without them."""
+        limit = self.args.max_loaded_loras
+        while limit is not None and len(self.loras) > limit:
+            free = [lora for lora in self.loras.values() if not lora.pinned]
+            if not free:
+                return self.lora_result(False, f"Didn't find any LoRA adapters when trying to evict LRU LoRA "
+                                               f"adapter. LoRA registry is: {dict(self.loras)}")
+            self._unload_locked(min(free, key=lambda lora: lora.used).name)
+        return {**result, "loaded_adapters": self.lora_result(True)["loaded_adapters"]}
+
+    def unload_lora(self, name: str) -> dict:
+        """``/unload_lora_adapter``: the name leaves the registry at once (new requests no longer find
+        it: they reload it), then the call waits for every request that acquired it to end."""
+        if not self.args.enable_lora:
+            return self.lora_result(False, LORA_DISABLED, listed=False)
+        with self.lora_lock:
+            if name not in self.loras:  # lora_registry.py ``unregister``: a ValueError, nothing listed
+                return self.lora_result(False, f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                                               f"{self.loras.keys()}", listed=False)
+            self._unload_locked(name)
+            return self.lora_result(True)
+
+    def _unload_locked(self, name: str) -> None:
+        with self.cv:
+            lora = self.loras.pop(name)
+            self.cv.wait_for(lambda: lora.inflight == 0 or self.stopping)
+        log(f"LoRA adapter {name!r} unloaded")
+
+    def acquire_lora(self, name: str | None) -> Lora | None:
+        """The adapter a request names (``_validate_and_resolve_lora``, then the registry's ``acquire``):
+        one unloaded or evicted is loaded again from its cached path, as SGLang does."""
+        if not name:
+            return None
+        if not self.args.enable_lora:
+            raise bad(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the "
+                      f"server with --enable-lora flag and preload adapters using --lora-paths or "
+                      f"/load_lora_adapter endpoint.")
+        if name not in self.lora_refs:
+            raise bad(f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: "
+                      f"{self.lora_refs.keys()}.")
+        while True:
+            with self.cv:
+                lora = self.loras.get(name)
+                if lora is not None:
+                    lora.inflight += 1
+                    self.lora_clock += 1
+                    lora.used = self.lora_clock
+                    return lora
+            with self.lora_lock:  # behind any load or unload in progress
+                if name in self.loras:
+                    continue
+                log(f"Reloading evicted adapter {name!r}")
+                path, pinned = self.lora_refs[name]
+                result = self._load_lora(name, path, pinned)
+                if result["success"]:
+                    self._evict(result)
+                elif "already loaded" not in result["error_message"]:
+                    raise bad(f"Failed to implicitly load LoRA adapter {name}: {result['error_message']}")
+
+    def release_lora(self, req: Req) -> None:
+        """A request that acquired an adapter and was refused before the scheduler took it."""
+        with self.cv:
+            if req.lora is not None:
+                req.lora.inflight -= 1
+                req.lora = None
+                self.cv.notify_all()
 
     # ------------------------------------------------------------------ weights
 
@@ -799,6 +1067,9 @@ class Core:
                                       f"the model's is {list(self.params[n].shape)}.")
                 with self.cv:  # between two decode steps
                     self.engine.load_weights(received, self.engine.policy_version + 1)
+                    for lora in self.loras.values():  # each adapter's copy: the new base, its update again
+                        lora.engine.load_weights({n: lora.merged(n, t) for n, t in received.items()},
+                                                 lora.engine.policy_version + 1)
                     if version is not None:
                         self.weight_version = version
                     busy = self.flush_blocked()
@@ -872,8 +1143,31 @@ def cache_namespace(core: Core, body: dict) -> str | None:
                   f"got {key!r:.40}")
 
 
+def lora_name(core: Core, body: dict) -> str | None:
+    """The adapter a request names: ``lora_path`` (a name, not a path), typed
+    ``Optional[Union[List[Optional[str]], str]]``. 0.5.23 checks the type against its API contract
+    first (``api_contract.py``: HTTP 400 ``{"error": "invalid type: ..."}``), 0.5.15 in FastAPI's parse
+    (``invalid``). A list is one name per request of a batch: one item is taken as the request's."""
+    value = body.get("lora_path")
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, list) and all(v is None or isinstance(v, str) for v in value):
+        if len(value) != 1:
+            raise bad("a `lora_path` list of more than one name (a batch) is not supported by the stand-in")
+        return value[0] or None
+    if core.args.sglang_version.startswith("0.5.23"):
+        kind = ("boolean" if isinstance(value, bool) else "integer" if is_int(value) else
+                "floating point" if is_num(value) else "map" if isinstance(value, dict) else "sequence")
+        shown = f" `{json.dumps(value)}`" if kind in ("boolean", "integer", "floating point") else ""
+        raise HTTPError(400, {"error": f"invalid type: {kind}{shown}, expected a value or an array of values "
+                                       f"for OptionalStringOrList"})
+    raise invalid(f"1 validation error: lora_path: Input should be a valid string or a list of strings, "
+                  f"got {value!r:.40}")
+
+
 def parse_generate(core: Core, body: dict) -> tuple[Req, bool, bool]:
     namespace = cache_namespace(core, body)  # the body's types are checked before anything else
+    lora = lora_name(core, body)
     if body.get("cache_salt") is not None:
         raise bad("`cache_salt` is not supported by the stand-in (send `extra_key`)")
     if body.get("text") is not None:
@@ -928,7 +1222,21 @@ def parse_generate(core: Core, body: dict) -> tuple[Req, bool, bool]:
     params = {"max_new_tokens": p["max_new_tokens"], "temperature": 0.0 if p["temperature"] < 1e-6 else float(
         p["temperature"]), "top_p": float(p["top_p"]), "top_k": max(p["top_k"], 0), "stop": tuple(stop),
               "seed": p["sampling_seed"]}
-    return Req(rid, list(ids), params, namespace=namespace), stream, logprobs
+    req = Req(rid, list(ids), params, namespace=namespace)
+    req.lora = core.acquire_lora(lora)  # until the request ends (``Core._end``)
+    if req.lora is not None:  # schedule_batch.py ``Req.__init__``: extra_key = (extra_key or "") + lora_id
+        req.namespace = (namespace or "") + req.lora.id
+    return req, stream, logprobs
+
+
+def lora_field(body: dict, key: str) -> str:
+    """A required string of a LoRA route's body (``LoadLoRAAdapterReqInput``: msgspec under pydantic's
+    lax schema, a ``RequestValidationError`` answered as ``invalid``)."""
+    value = body.get(key)
+    if not isinstance(value, str):
+        what = "Field required" if value is None else "Input should be a valid string"
+        raise invalid(f"1 validation error: {key}: {what}, got {value!r:.40}")
+    return value
 
 
 class ClientGone(Exception):
@@ -1021,7 +1329,11 @@ class Handler(BaseHTTPRequestHandler):
         core = self.core
         try:
             req, stream, logprobs = parse_generate(core, body)
-            core.submit(req)
+            try:
+                core.submit(req)
+            except HTTPError:
+                core.release_lora(req)
+                raise
         except HTTPError as e:  # SGLang's tokenizer manager refused it (a ValueError in generate_request)
             if body.get("stream") is not True or e.status != 400 or not isinstance(e.body.get("error"), dict):
                 raise  # not streamed: HTTP 400 {"error": {"message"}} (http_server.py _create_error_response)
@@ -1145,7 +1457,8 @@ class Handler(BaseHTTPRequestHandler):
             self.core.empty_caches += 1
         with self.core.cv:
             if self.core.pause_mode == "retract" and self.core.retracted_flushed:
-                self.core.engine._recompute()  # prefilled again, over nothing the old weights wrote
+                for engine in self.core.all_engines():  # prefilled again, over nothing the old weights wrote
+                    engine._recompute()
             if self.core.pause_mode == "retract":  # prefilled again: in the tree once more, tokens so far
                 for req in self.core.running.values():  # (its cached_tokens stays: retracted_stain)
                     self.core.cache.insert(req.namespace, req.prompt + req.ids, self.core.cache_limit())
@@ -1153,7 +1466,7 @@ class Handler(BaseHTTPRequestHandler):
             self.core.pause_mode = None
             self.core.frozen_loads = None
             for req in [r for r in self.core.running.values() if r.doomed]:
-                self.core.engine.abort(req.lease)
+                self.core.engine_of(req).abort(req.lease)
                 del self.core.running[req.lease]
                 self.core._end(req, ABORT_RUNNING)
             for req in self.core.waiting:
@@ -1266,6 +1579,33 @@ class Handler(BaseHTTPRequestHandler):
             self.core.session = False
         return {"success": True, "message": "Success"}
 
+    def load_lora(self, body: dict) -> None:
+        """``/load_lora_adapter``: 200 with ``LoRAUpdateOutput`` when it succeeded, else 400 with it."""
+        name = lora_field(body, "lora_name")
+        path = lora_field(body, "lora_path")
+        pinned = body.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise invalid(f"1 validation error: pinned: Input should be a valid boolean, got {pinned!r:.40}")
+        result = self.core.load_lora(name, path, pinned)
+        self.send(200 if result["success"] else 400, result)
+
+    def unload_lora(self, body: dict) -> None:
+        result = self.core.unload_lora(lora_field(body, "lora_name"))
+        self.send(200 if result["success"] else 400, result)
+
+    def models(self, body: dict) -> dict:
+        """``/v1/models`` (OpenAI's list): the served model, then every loaded adapter under it
+        (``http_server.py`` ``available_models``)."""
+        core, served, now = self.core, self.core.args.checkpoint, int(time.time())
+        cards = [{"id": served, "object": "model", "created": now, "owned_by": "sglang", "root": served,
+                  "parent": None, "max_model_len": core.args.max_seq_len}]
+        if core.args.enable_lora:
+            with core.cv:
+                cards += [{"id": n, "object": "model", "created": now, "owned_by": "sglang",
+                           "root": lora.path, "parent": served, "max_model_len": None}
+                          for n, lora in core.loras.items()]
+        return {"object": "list", "data": cards}
+
     def update_version(self, body: dict) -> dict:
         version = field_of(body, "new_version", lambda v: isinstance(v, str), "a string", required=True)
         if field_of(body, "abort_all_requests", lambda v: isinstance(v, bool), "a boolean", True):
@@ -1300,6 +1640,9 @@ ROUTES = {  # path -> (methods, kind, handler)
     "/begin_weight_update": (POST, "session", Handler.begin_update),
     "/end_weight_update": (POST, "session", Handler.end_update),
     "/update_weight_version": (POST, "", Handler.update_version),
+    "/load_lora_adapter": (POST, "", Handler.load_lora),
+    "/unload_lora_adapter": (POST, "", Handler.unload_lora),
+    "/v1/models": (GET, "", Handler.models),
     "/standin/abort_next": (POST, "", Handler.abort_next),  # a test hook, not SGLang
     "/standin/refuse_updates": (POST, "", Handler.refuse_updates),  # a test hook, not SGLang
     "/standin/state": (GET, "", lambda h, b: h.core.state()),  # a test hook, not SGLang

@@ -80,9 +80,10 @@ broadcast (``region_overwritten``).
 LoRA adapters (protocol 1.10). A version may be a LoRA adapter (``weights_update.adapter``, in part
 0): it is taken, held, hashed and broadcast as any version, and every announce of it carries the
 adapter. Its rounds leave out the generators whose hello said a protocol older than 1.10 (they
-would load the adapter's tensors as full weights) and the SGLang members (whose distributed weight
-update would do the same; their LoRA route is not built yet): each is warned about once per
-version, and none is waited for (``rounds``).
+would load the adapter's tensors as full weights): each is warned about once per version, and none
+is waited for (``rounds``). SGLang members take it through SGLang's LoRA routes: the adapter is
+written in peft's files under ``lora_dir`` and loaded on their servers as ``april-v<N>``
+(``broadcaster.sglang``), after which their generators' requests name it.
 
 The round logic (sessions, epochs, acks, benching, publishing) is ``rounds.RoundPlanner``, pure
 and tested on its own; this module carries out what it decides. The broker link runs on its own
@@ -362,7 +363,8 @@ class BroadcasterActor:
                 host, _, port = self.group.store_address.rpartition(":")
                 self.fanout = SGLangFanout(self.cfg.sglang, store=self.group.store, store_host=host,
                                            store_port=int(port), backend=self.backend,
-                                           timeout_s=self.cfg.timeout_s, name=self.cfg.name)
+                                           timeout_s=self.cfg.timeout_s, name=self.cfg.name,
+                                           lora_dir=self.cfg.lora_root())
                 self._next_recover = now + self.cfg.sglang.recover_interval_s  # the hello's own comes first
             if body.servers and self.fanout is not None:
                 # A broadcaster that died mid-push may have left these servers paused, or with a

@@ -136,6 +136,19 @@ class BroadcasterConfig(BaseModel):
     """Where to keep a JSON status: held version, published version, epoch, each member's version."""
     sglang: SGLangFanoutConfig = SGLangFanoutConfig()
     """How versions reach the SGLang servers of generators on the ``sglang`` engine."""
+    lora_dir: Path | None = None
+    """Where adapter versions (protocol 1.10) are written for SGLang servers, one peft directory per
+    version (``<lora_dir>/april-v<N>``: ``adapter_config.json``, ``adapter_model.safetensors``), which
+    each server reads itself on ``/load_lora_adapter``: so with servers on other hosts it must be a
+    path every server can read under the same name (a shared file system). None: ``lora/`` next to
+    ``status_file`` (the run directory under ``april up``), else a fresh temporary directory. Only
+    the last two versions' directories are kept (``broadcaster.sglang``)."""
+
+    def lora_root(self) -> Path | None:
+        """``lora_dir`` as configured or defaulted from ``status_file``; None: a temporary one."""
+        if self.lora_dir is not None:
+            return Path(self.lora_dir)
+        return Path(self.status_file).parent / "lora" if self.status_file is not None else None
     handoff: Literal["auto", "zmq"] = "auto"
     """How a learner on this host may hand versions over (protocol 1.7). ``auto``: this process
     offers shared memory (its ``welcome`` to a learner names this host, ``host_id``), and a learner

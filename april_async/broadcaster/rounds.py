@@ -44,10 +44,11 @@ generator's notice of the version (``weights.link``).
 A held version may be a LoRA adapter (protocol 1.10, ``HeldVersion.adapter``): every announce of it
 says so. Its rounds leave out the generators that cannot take one (``_cannot_take``): those whose
 hello said a protocol older than 1.10 (they would load the adapter's tensors as full weights and
-fail on names they do not know) and those on SGLang servers (whose weight update would do the same;
-adapters reach them through SGLang's LoRA routes, not built yet). Such a generator is warned about
-once per version, neither waited for nor blamed, and the version is published once every other
-generator holds it; it takes part again in the next full-weight version's round.
+fail on names they do not know). Such a generator is warned about once per version, neither waited
+for nor blamed, and the version is published once every other generator holds it; it takes part
+again in the next full-weight version's round. SGLang members are in its rounds as in any: their
+push loads the adapter through SGLang's LoRA routes (``broadcaster.sglang``), and a server that
+cannot take it (started without ``--enable-lora``) fails the round for its member as a failed push.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ from april_async.wire import messages as m
 ROLES = ("learner", "generator")
 BLAKE3_SINCE = (1, 7)
 """The protocol version since which a member checks digests of ``digest_alg`` ``blake3-128``."""
-SGLANG_NO_ADAPTER = "adapter versions reach SGLang servers through its LoRA routes, not built yet"
-"""Why an adapter version is not pushed to SGLang servers (``update_weights_from_distributed`` would
-load the adapter's tensors as full weights)."""
+SGLANG_NO_ADAPTER = ("the SGLang server was started without --enable-lora (and --max-lora-rank, "
+                     "--lora-target-modules): adapter versions reach SGLang only through its LoRA routes")
+"""Why an SGLang member cannot take an adapter version (its push fails: ``broadcaster.sglang``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,12 +552,12 @@ class RoundPlanner:
     def _cannot_take(self, name: str, adapter: bool) -> str | None:
         """Why generator ``name`` is left out of the rounds of the held version (None: it is not):
         an adapter version (``adapter``) goes to no generator whose hello said a protocol older than
-        1.10, nor to SGLang servers (``SGLANG_NO_ADAPTER``)."""
+        1.10. SGLang members take it (their push loads it as a LoRA adapter on their servers)."""
         if not adapter:
             return None
         s = self.sessions[name]
         if s.servers:
-            return SGLANG_NO_ADAPTER
+            return None
         if s.proto is None or s.proto < m.ADAPTER_SINCE:
             said = "stated no protocol" if s.proto is None else f"said protocol {s.proto[0]}.{s.proto[1]}"
             since = ".".join(map(str, m.ADAPTER_SINCE))
@@ -566,25 +567,18 @@ class RoundPlanner:
 
     def _tell_left_out(self, now: float) -> list[Effect]:
         """Warn, once per generator and version, that the held adapter version is not sent to a
-        generator that needs it but cannot take it; the SGLang ones in one line per version."""
+        generator that needs it but cannot take it."""
         held = self.held
         if held is None or held.adapter is None:
             return []
         out: list[Effect] = []
-        sglang = []
         for g in self._generators(now):
             why = self._cannot_take(g, True)
             if why is None or self.sessions[g].version >= held.version or (g, held.version) in self.left_out:
                 continue
             self.left_out.add((g, held.version))
-            if self.sessions[g].servers:
-                sglang.append(g)
-            else:
-                out.append(_log("warning", "adapter_not_announced", member=g, version=held.version, why=why,
-                                base_digest=held.adapter.base_digest))
-        if sglang:
-            out.append(_log("warning", "adapter_not_pushed", version=held.version, members=sglang,
-                            why=SGLANG_NO_ADAPTER))
+            out.append(_log("warning", "adapter_not_announced", member=g, version=held.version, why=why,
+                            base_digest=held.adapter.base_digest))
         return out
 
     def _maybe_start(self, now: float) -> list[Effect]:

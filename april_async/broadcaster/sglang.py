@@ -45,6 +45,19 @@ push, top to bottom (``SGLangFanout.push``):
               and, after ``hung_after_s``, calls it down (its leases move to its other servers, and
               its version no longer counts).
 
+An adapter version (protocol 1.10) is not a weight update: its tensors are written in peft's files
+(``adapter_config.json``: ``r``, ``lora_alpha``, ``target_modules``, ``peft_type`` LORA;
+``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight``, ...) under ``lora_dir``
+as ``april-v<N>`` (``api.adapter_name``), and ``/load_lora_adapter`` loads that directory under the
+same name on every server (``push_adapter``), which then holds base + adapter without a pause, a
+flush or the weight-update group: SGLang's LoRA lock is not the model-update lock, requests of other
+versions run on, and the radix cache keys each adapter apart. A member whose servers all loaded it
+holds the version; its generator's requests name it in ``lora_path``. The two newest adapters stay
+loaded on each server; older ones are unloaded off the push's thread (SGLang's unload waits for the
+adapter's requests in flight), and a version's directory is deleted once no server holds it. A
+server started without ``--enable-lora`` fails the member's round, logged once per server
+(``lora_not_enabled``).
+
 A server whose push fails once buckets were sent is left paused — its weights may be half new,
 and tokens from them must not be labelled with either version — and the next push re-forms the
 group, sends every tensor again and continues it. One whose push failed before any bucket (the
@@ -58,11 +71,15 @@ past ``push``. The push runs on the broadcaster's collective thread, not its loo
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -70,12 +87,17 @@ import torch.distributed as dist
 from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.broadcaster.rounds import SGLANG_NO_ADAPTER
 from april_async.logs import get_logger
-from april_async.sglang.api import TORN_PREFIX, SGLangError
+from april_async.sglang.api import TORN_PREFIX, LoraRefused, SGLangError, adapter_name
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
 from april_async.weights.flat import DTYPES, tensor_buckets, unflatten
 from april_async.wire.messages import AdapterSpec, TensorSpec
 
+KEEP_ADAPTERS = 2
+"""Adapter versions each server keeps loaded (the newest): requests under the one before the newest
+finish on it rather than reload it."""
+PEFT_PREFIX = "base_model.model."
+"""How peft names an adapter's tensors in ``adapter_model.safetensors`` (``learner.lora.peft_file_name``)."""
 RESUME_BACKOFF_S = (0.5, 1.0, 2.0)
 """Waits before each retry of a ``/continue_generation`` that failed."""
 SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
@@ -136,7 +158,7 @@ def flushes_while_paused(version: str) -> bool:
 
 class SGLangFanout:
     def __init__(self, cfg: SGLangFanoutConfig, *, store: dist.Store, store_host: str, store_port: int,
-                 backend: str, timeout_s: float, name: str = "broadcaster"):
+                 backend: str, timeout_s: float, name: str = "broadcaster", lora_dir: Path | None = None):
         self.cfg = cfg
         self.store, self.store_host, self.store_port = store, store_host, store_port
         self.backend, self.timeout_s = backend, timeout_s
@@ -156,7 +178,12 @@ class SGLangFanout:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-recover")
         self._timed: Future | None = None  # the last timed recovery (one at a time: servers may not answer)
         self._lock = threading.Lock()  # one of recover and push at a time: they share the state above
-        self._adapter_told = -1  # the last adapter version not pushed (warned about once)
+        self._lora_dir = lora_dir  # None: a temporary directory, made at the first adapter version
+        self._lora_tmp: str | None = None
+        self.adapters: dict[str, list[int]] = {}  # server -> the adapter versions it holds, oldest first
+        self.no_lora: set[str] = set()  # servers found without --enable-lora (logged once each)
+        self._unloads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-unload")
+        self._adapter_lock = threading.Lock()  # ``adapters`` and the directories, shared with unloads
 
     def _client(self, url: str) -> ServerClient:
         if url not in self.clients:
@@ -310,15 +337,10 @@ class SGLangFanout:
              bucket_bytes: int, adapter: AdapterSpec | None = None) -> dict[str, str | None]:
         """Bring every server of ``servers`` (member name -> its URLs) to ``version``; per member,
         None when all its servers hold it, else what failed. An ``adapter`` version (protocol 1.10)
-        is not pushed: ``update_weights_from_distributed`` would load the adapter's tensors as full
-        weights. The planner leaves SGLang members out of such rounds; this is the last guard, and
-        each member is answered as failed (one warning per version)."""
+        is loaded as a LoRA adapter (``push_adapter``), never sent as weights:
+        ``update_weights_from_distributed`` would load the adapter's tensors as full weights."""
         if adapter is not None:
-            if self._adapter_told != version:
-                self._adapter_told = version
-                self.log.warning("adapter_not_pushed", version=version, members=sorted(servers),
-                                 why=SGLANG_NO_ADAPTER)
-            return {member: SGLANG_NO_ADAPTER for member in servers}
+            return self.push_adapter(servers, version, tensors, buffer, adapter)
         with self._lock:
             return self._push(servers, version, tensors, buffer, bucket_bytes)
 
@@ -351,6 +373,110 @@ class SGLangFanout:
             self.log.info("pushed", version=version, servers=len(urls), bytes=buffer.numel(),
                           s=round(time.monotonic() - t0, 3))
         return out
+
+    # ------------------------------------------------------------------ adapters
+
+    def lora_root(self) -> Path:
+        """Where adapter directories are written: ``lora_dir``, or a temporary directory of this process."""
+        if self._lora_dir is not None:
+            return self._lora_dir
+        if self._lora_tmp is None:
+            self._lora_tmp = tempfile.mkdtemp(prefix="april-lora-")
+        return Path(self._lora_tmp)
+
+    def write_adapter(self, version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
+                      adapter: AdapterSpec) -> Path:
+        """The version's adapter as peft saves one, in ``<lora_root>/april-v<N>`` (written under another
+        name and renamed, so that no server reads half a directory); kept if it is there already."""
+        from safetensors.torch import save_file
+
+        final = self.lora_root() / adapter_name(version)
+        if (final / "adapter_config.json").is_file():
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank,
+                  "lora_alpha": adapter.alpha, "target_modules": list(adapter.target_modules),
+                  "bias": "none", "use_dora": False, "use_rslora": False, "fan_in_fan_out": False,
+                  "inference_mode": True,
+                  "base_model_name_or_path": adapter.base_digest}
+        (work / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        views = unflatten(tensors, buffer)
+        save_file({PEFT_PREFIX + n: t.detach().to("cpu").contiguous().clone() for n, t in views.items()},
+                  str(work / "adapter_model.safetensors"), metadata={"format": "pt"})
+        os.replace(work, final)
+        return final
+
+    def push_adapter(self, servers: dict[str, list[str]], version: int, tensors: list[TensorSpec],
+                     buffer: torch.Tensor, adapter: AdapterSpec) -> dict[str, str | None]:
+        """Load adapter ``version`` on every server of ``servers`` as ``april-v<N>``; per member, None
+        when all its servers hold it, else what failed. A name a server has already (an earlier
+        push that failed elsewhere) counts as loaded. Then, per server, adapters older than its two
+        newest are unloaded in the background (``_retire``)."""
+        name = adapter_name(version)
+        t0 = time.monotonic()
+        try:
+            path = self.write_adapter(version, tensors, buffer, adapter)
+        except (OSError, ValueError, RuntimeError) as e:
+            why = f"adapter {name} not written under {self.lora_root()}: {type(e).__name__}: {e}"
+            self.log.error("adapter_not_written", version=version, error=why)
+            return {member: why for member in servers}
+        urls = [u for member in sorted(servers) for u in servers[member]]
+        calls = self._each(urls, ServerClient.load_lora_adapter, name, str(path),
+                           timeout_s=self.cfg.update_timeout_s)
+        failed: dict[str, str] = {}
+        for u, err in _errors(calls).items():
+            if isinstance(err, LoraRefused) and "already loaded" in err.error_message:
+                err = None
+            if err is None:
+                with self._adapter_lock:
+                    held = self.adapters.setdefault(u, [])
+                    if version not in held:
+                        held.append(version)
+                        held.sort()
+                continue
+            failed[u] = str(err)
+            if isinstance(err, LoraRefused) and err.not_enabled:
+                failed[u] = f"{err}: {SGLANG_NO_ADAPTER}"
+                if u not in self.no_lora:
+                    self.no_lora.add(u)
+                    self.log.error("lora_not_enabled", server=u, version=version, why=SGLANG_NO_ADAPTER)
+        out = {member: "; ".join(failed[u] for u in us if u in failed) or None
+               for member, us in servers.items()}
+        if failed:
+            self.log.warning("adapter_push_failed", version=version, failed=failed)
+        else:
+            self.log.info("adapter_loaded", version=version, name=name, servers=len(urls), path=str(path),
+                          s=round(time.monotonic() - t0, 3))
+        self._unloads.submit(self._retire)
+        return out
+
+    def _retire(self) -> None:
+        """Unload, on each server, the adapters older than its two newest (SGLang's unload returns once
+        the adapter's requests in flight ended), then delete each version's directory that no server
+        holds any more. A failed unload is tried again after the next adapter push; its directory
+        stays until it succeeds. A server unknown to SGLang's registry holds it no longer."""
+        with self._adapter_lock:
+            old = {u: held[:-KEEP_ADAPTERS] for u, held in self.adapters.items() if len(held) > KEEP_ADAPTERS}
+        for u, versions in old.items():
+            for v in versions:
+                try:
+                    self._client(u).unload_lora_adapter(adapter_name(v), timeout_s=self.cfg.update_timeout_s)
+                except LoraRefused as e:
+                    if "does not exist" not in e.error_message:
+                        self.log.warning("adapter_unload_failed", server=u, version=v, error=str(e))
+                        continue
+                except SGLangError as e:
+                    self.log.warning("adapter_unload_failed", server=u, version=v, error=str(e))
+                    continue
+                with self._adapter_lock:
+                    self.adapters[u].remove(v)
+                self.log.info("adapter_unloaded", server=u, version=v)
+        with self._adapter_lock:
+            held = {v for vs in self.adapters.values() for v in vs}
+            gone = {v for vs in old.values() for v in vs} - held
+        for v in sorted(gone):
+            shutil.rmtree(self.lora_root() / adapter_name(v), ignore_errors=True)
 
     def _update(self, urls: tuple[str, ...], version: int, tensors: list[TensorSpec], buffer: torch.Tensor,
                 bucket_bytes: int) -> dict[str, str]:
@@ -584,6 +710,9 @@ class SGLangFanout:
 
     def close(self) -> None:
         self._background.shutdown(wait=False, cancel_futures=True)
+        self._unloads.shutdown(wait=False, cancel_futures=True)
+        if self._lora_tmp is not None:  # this process's own: a later broadcaster writes its adapters anew
+            shutil.rmtree(self._lora_tmp, ignore_errors=True)
         self._leave()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients.values():

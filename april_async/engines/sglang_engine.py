@@ -52,6 +52,16 @@ Per lease, top to bottom:
              tags its tokens with the server's last whole version, and counts them
              (``counters()``: the generator logs them).
 
+An adapter version (protocol 1.10) reaches the servers as a LoRA adapter, not as weights: the
+broadcaster loads it as ``april-v<N>`` (``api.adapter_name``) and then tells this generator the
+version, as for any push (``weights.subscriber.ServerWeightsLink``). Each probe reads the server's
+loaded adapters from ``/v1/models`` besides its ``weight_version``: a server holding ``april-v<N>``
+newer than its weights holds version N, an adapter (``_Server.adapter``). Every ``/generate`` sent
+to it then names the adapter (``lora_path``), so each request is tagged with the adapter version it
+ran under, and its tokens carry that version (or a newer weight version the server reports for
+them). A request refused because its adapter is no longer there (unloaded, and its directory gone)
+is probed for and sent again, like a resume.
+
 A server that refuses a request answers a streamed one with HTTP 200 and an ``{"error": ...}``
 event, a whole answer with HTTP 400 (``april_async.sglang.api``). The refusal is read by its
 message (``api.refusal_is_per_request``): one about this request's own length or rid (the prompt
@@ -92,6 +102,7 @@ class _Server:
     hung: bool = False  # down because its generating probes failed for hung_after_s
     failing_since: float | None = None  # when its generating probes began to fail
     version: int = 0
+    adapter: int | None = None  # ``version`` is this LoRA adapter (``api.adapter_name``); None: weights
     running: int = 0  # requests in flight here
     http: httpx.AsyncClient | None = None  # streams; made on the loop, connections reused
 
@@ -112,6 +123,7 @@ class _Req:
     # the sample's tokens are in that server's cache under the key of ``sent_version``.
     keeps_prefix: bool = False
     torn: bool = False  # the last request decoded on torn weights (its keys are of no one version)
+    lora: int | None = None  # the adapter version its last request was sent under (``lora_path``)
 
 
 PREFIXES_PER_SLOT = 4
@@ -345,11 +357,27 @@ class SGLangEngine(Engine):
             return
         if api.torn_version(raw) is None:  # torn weights: the last whole version stands
             version = api.parse_weight_version(raw)
-            s.version = self.cfg.initial_version if version is None else version
+            version = self.cfg.initial_version if version is None else version
+            adapter = await self._adapter(s)
+            if adapter is not None and adapter > version:  # base weights + that adapter
+                s.version, s.adapter = adapter, adapter
+            else:
+                s.version, s.adapter = version, None
         s.failures = 0
         if not s.alive and not s.hung:
             s.alive = True
             self.log.info("server_up", server=s.url, version=s.version)
+
+    async def _adapter(self, s: _Server) -> int | None:
+        """The newest adapter version loaded on ``s`` (``/v1/models``, names ``april-v<N>``); None when
+        there is none, or the list cannot be read (an older stand-in or server: no adapters)."""
+        try:
+            loaded = await asyncio.get_running_loop().run_in_executor(None, s.client.loaded_adapters)
+        except SGLangError as e:
+            self.log.debug("adapters_unread", server=s.url, error=str(e))
+            return None
+        versions = [v for v in map(api.adapter_version, loaded) if v is not None]
+        return max(versions) if versions else None
 
     async def _watch_generating(self) -> None:
         while True:
@@ -465,8 +493,10 @@ class SGLangEngine(Engine):
                                          top_k=req.top_k, stop_token_ids=req.stop_token_ids, seed=req.seed,
                                          send_seed=self.cfg.send_seed)
             r.sent_version, r.keeps_prefix, r.torn = r.server.version, False, False
+            r.lora = r.server.adapter if r.server.adapter == r.sent_version else None
             body = api.generate_body(req.prompt + req.resume + r.tokens, params, r.rid,
-                                     stream=self.cfg.stream, extra_key=api.weights_key(r.sent_version))
+                                     stream=self.cfg.stream, extra_key=api.weights_key(r.sent_version),
+                                     lora_path=None if r.lora is None else api.adapter_name(r.lora))
             stream = api.Stream(r.server.url, r.rid)
             last = None
             try:
@@ -487,6 +517,15 @@ class SGLangEngine(Engine):
             except Refused as e:
                 if r.abort_asked:
                     return "abort", None
+                gone = r.lora is not None and "lora adapter" in e.message.lower()
+                if gone and r.attempt < self.cfg.max_resumes:
+                    # Its adapter is gone from the server (unloaded, its directory deleted): read what the
+                    # server holds now and send it again under that.
+                    self.log.info("adapter_gone", server=r.server.url, lease=req.lease_id, adapter=r.lora,
+                                  error=e.message)
+                    await self._probe(r.server)
+                    r.attempt += 1
+                    continue
                 if e.per_request:
                     return self._refused(r, e.message)
                 self._fatal = ActorFailed(f"the SGLang server refused a request as it would refuse every request "
@@ -536,6 +575,8 @@ class SGLangEngine(Engine):
         version = self._span_version(delta.raw_weight_version, old, old)
         raws = delta.versions or [delta.raw_weight_version] * len(delta.tokens)
         versions = [self._span_version(v, version, old) for v in delta.versions] or [version] * len(delta.tokens)
+        if r.lora is not None:  # made by the base plus adapter r.lora, unless the server's weights are newer
+            versions = [max(v, r.lora) for v in versions]
         torn = sum(api.torn_version(v) is not None for v in raws)
         if torn:
             r.torn = True

@@ -52,6 +52,16 @@ the bodies, ``managers/tokenizer_manager.py`` for the responses and streaming,
   (``Req._compute_max_prefix_len``: ``input_len - 1``), and of an ended request's tokens never its
   last output one, whose keys were not computed (``kv_committed_len``). A flush empties every
   namespace (``tree_cache.reset()``).
+- Runtime LoRA (a server started with ``--enable-lora --max-lora-rank R --lora-target-modules ...``;
+  ``tokenizer_control_mixin.py``): ``POST /load_lora_adapter {"lora_name", "lora_path", "pinned"}``
+  reads a peft directory (``adapter_config.json``, ``*.safetensors``) the *server* can read, and
+  ``POST /unload_lora_adapter {"lora_name"}`` blocks until the adapter's requests in flight end.
+  Both answer ``{"rid", "http_worker_ipc", "success", "error_message", "loaded_adapters"}``, 200 on
+  success (``error_message`` ""), else 400 (``LoraRefused``); neither takes the model-update lock.
+  ``/generate``'s ``lora_path`` is an adapter *name*: one never loaded is refused, one unloaded is
+  loaded again from the path it had (SGLang keeps every name's path), and the adapter's id (new at
+  each load) is appended to the radix cache's key. ``/v1/models`` lists the loaded adapters after
+  the base model (``parent`` set).
 """
 
 from __future__ import annotations
@@ -83,6 +93,41 @@ class Refused(SGLangError):
     @property
     def per_request(self) -> bool:
         return refusal_is_per_request(self.message)
+
+
+LORA_NOT_ENABLED = "LoRA is not enabled"
+"""How SGLang's LoRA routes start their refusal when the server was started without ``--enable-lora``."""
+
+
+class LoraRefused(SGLangError):
+    """``/load_lora_adapter`` or ``/unload_lora_adapter`` answered ``success: false``: ``error_message``
+    is the server's own words (an already loaded name, a rank or target the server's LoRA pool cannot
+    hold, a directory it cannot read, an unknown name)."""
+
+    def __init__(self, server: str, endpoint: str, error_message: str, *, status: int | None = 400):
+        super().__init__(server, endpoint, f"refused: {error_message}", status=status)
+        self.error_message = error_message
+
+    @property
+    def not_enabled(self) -> bool:
+        """The server was started without ``--enable-lora``: no adapter will ever load there."""
+        return self.error_message.startswith(LORA_NOT_ENABLED)
+
+
+ADAPTER_PREFIX = "april-v"
+
+
+def adapter_name(version: int) -> str:
+    """The LoRA name (and directory name) under which the broadcaster loads adapter version ``version``
+    on SGLang servers; the engine's requests of that version name it in ``lora_path``."""
+    return f"{ADAPTER_PREFIX}{version}"
+
+
+def adapter_version(name: Any) -> int | None:
+    """``version`` for ``adapter_name(version)``; None for any other name (someone else's adapter)."""
+    if isinstance(name, str) and name.startswith(ADAPTER_PREFIX) and name[len(ADAPTER_PREFIX):].isdigit():
+        return int(name[len(ADAPTER_PREFIX):])
+    return None
 
 
 # What makes a refusal this request's own: every body this project sends has the same sampling
@@ -138,14 +183,17 @@ def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, to
 
 
 def generate_body(input_ids: list[int], params: dict[str, Any], rid: str, *, stream: bool,
-                  extra_key: str | None = None) -> dict[str, Any]:
+                  extra_key: str | None = None, lora_path: str | None = None) -> dict[str, Any]:
     """The ``/generate`` body of one request. ``extra_key`` (``weights_key``): the radix-cache namespace
     it reads and writes, so that it reuses only keys and values the same weights wrote (the module
-    docstring); none, the shared namespace."""
+    docstring); none, the shared namespace. ``lora_path``: the name of the loaded adapter it runs
+    under (``adapter_name``); none, the base weights."""
     body = {"input_ids": input_ids, "sampling_params": params, "rid": rid, "return_logprob": True,
             "logprob_start_len": -1, "stream": stream}
     if extra_key is not None:
         body["extra_key"] = extra_key
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     return body
 
 

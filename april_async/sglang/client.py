@@ -31,6 +31,9 @@ Endpoints, with the SGLang versions they were read from (0.5.10.post1, 0.5.15.po
     POST /update_weights_from_distributed  names, dtypes, shapes, group_name, flush_cache,
                                       abort_all_requests, weight_version: every tensor then
                                       comes as one broadcast from rank 0, in ``names`` order
+    POST /load_lora_adapter           lora_name, lora_path (a directory the server reads), pinned;
+    POST /unload_lora_adapter         lora_name: ``LoraRefused`` with the server's error_message
+    GET  /v1/models                   the loaded adapters after the base model (``parent`` set)
 
 ``/model_info`` says the server (its tokenizer manager) answers, not that its scheduler
 generates: the engine also asks ``/health_generate`` (on its own loop, so that it can be
@@ -44,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from april_async.sglang.api import SGLangError, parse_weight_version
+from april_async.sglang.api import LoraRefused, SGLangError, parse_weight_version
 
 
 class ServerClient:
@@ -267,10 +270,55 @@ class ServerClient:
             "load_format": load_format}, timeout_s=timeout_s, expect_success=True)
 
 
+    # ------------------------------------------------------------------ LoRA
+
+    def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False,
+                          timeout_s: float | None = None) -> dict[str, str]:
+        """Load the peft adapter in directory ``path`` (read by the server, not here) as ``name``; the
+        adapters loaded then, name -> path. ``LoraRefused`` with the server's ``error_message``."""
+        return self._lora("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": pinned},
+                          timeout_s)
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> dict[str, str]:
+        """Unload adapter ``name``; SGLang answers once every request under it ended (its
+        ``wait_for_unload``), so give it a limit that allows for the longest request."""
+        return self._lora("/unload_lora_adapter", {"lora_name": name}, timeout_s)
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """The adapters loaded now, name -> path (``/v1/models``: the cards with a ``parent``)."""
+        data = self.call("GET", "/v1/models")
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(cards, list):
+            raise SGLangError(self.url, "/v1/models", f"expected {{\"data\": [...]}}, got {data!r:.100}")
+        return {c["id"]: c.get("root") for c in cards if isinstance(c, dict) and c.get("parent") is not None}
+
+    def _lora(self, endpoint: str, body: dict, timeout_s: float | None) -> dict[str, str]:
+        """A LoRA route: its ``loaded_adapters`` on success (HTTP 200); ``LoraRefused`` with the body's
+        ``error_message`` when ``success`` is false (HTTP 400); ``SGLangError`` for anything else."""
+        try:
+            r = self.http.post(endpoint, json=body, **({} if timeout_s is None else {"timeout": timeout_s}))
+            data = r.json() if r.content else None
+        except httpx.TimeoutException as e:
+            raise SGLangError(self.url, endpoint, f"no answer within {timeout_s or self.timeout_s:g} s "
+                                                  f"({type(e).__name__})") from None
+        except httpx.HTTPError as e:
+            raise SGLangError(self.url, endpoint, f"{type(e).__name__}: {e}") from None
+        except ValueError:
+            raise SGLangError(self.url, endpoint, f"HTTP {r.status_code}: {r.text[:300]}",
+                              status=r.status_code) from None
+        refused = isinstance(data, dict) and data.get("success") is False
+        if refused and isinstance(data.get("error_message"), str):
+            raise LoraRefused(self.url, endpoint, data["error_message"], status=r.status_code)
+        if r.status_code != 200 or not isinstance(data, dict) or data.get("success") is not True:
+            raise SGLangError(self.url, endpoint, f"HTTP {r.status_code}: {_message(data)}",
+                              status=r.status_code)
+        return dict(data.get("loaded_adapters") or {})
+
+
 def _message(data: Any) -> str:
     """The human part of an SGLang error answer, whatever its shape."""
     if isinstance(data, dict):
-        for key in ("message", "error", "detail"):
+        for key in ("error_message", "message", "error", "detail"):
             value = data.get(key)
             if isinstance(value, dict):
                 value = value.get("message", value)

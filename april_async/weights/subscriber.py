@@ -321,7 +321,10 @@ class ServerWeightsLink(WeightsLink):
     naming a version newer than the engine's makes the engine read its servers' versions at once
     (``refresh_versions``), so leases waiting for that version start without waiting for the next
     liveness probe; the broadcaster sends one as soon as a push to these servers succeeded. It is
-    the generator's one source of versions (``weights.link``): the broker's copy is ignored.
+    the generator's one source of versions (``weights.link``): the broker's copy is ignored. An
+    adapter version (protocol 1.10) is told the same way once the servers loaded it as a LoRA
+    adapter; the engine reads that from the servers too (``/v1/models``: ``april-v<N>``), so no
+    field of the heartbeat says which kind a version is.
     """
 
     def __init__(self, name: str, endpoint: str, link: LinkConfig, engine, *, peer_factory=None):

@@ -172,7 +172,7 @@ def _announces(effects) -> dict[str, m.WeightsAnnounce]:
     return {e.name: e.body for e in effects if isinstance(e, Send) and isinstance(e.body, m.WeightsAnnounce)}
 
 
-def test_an_adapter_version_is_announced_to_1_10_members_only_and_nobody_waits_for_the_others():
+def test_an_adapter_version_is_announced_to_1_10_members_only_and_pushed_to_sglang_members():
     p = mixed_planner()
     now = 10.0
     for g in ("gen-new", "gen-old", "gen-none", "gen-sg"):
@@ -183,16 +183,15 @@ def test_an_adapter_version_is_announced_to_1_10_members_only_and_nobody_waits_f
     announces = _announces(effects)
     assert list(announces) == ["gen-new"] and announces["gen-new"].adapter == ADAPTER
     (start,) = [e for e in effects if isinstance(e, StartCollective)]
-    assert start.servers == {} and start.root.world_size == 2  # no push to SGLang, no old rank in the group
+    # SGLang members take it through SGLang's LoRA routes (their push); no old rank in the group
+    assert start.servers == {"gen-sg": ["http://s:1"]} and start.root.world_size == 2
     left = [e for e in effects if isinstance(e, Log) and e.level == "warning"]
     assert {(e.event, e.fields.get("member")) for e in left} == {("adapter_not_announced", "gen-old"),
-                                                                  ("adapter_not_announced", "gen-none"),
-                                                                  ("adapter_not_pushed", None)}
+                                                                  ("adapter_not_announced", "gen-none")}
     (old,) = [e for e in left if e.fields.get("member") == "gen-old"]
     assert "protocol 1.9" in old.fields["why"] and "1.10" in old.fields["why"] and old.fields["version"] == 1
-    (sg,) = [e for e in left if e.event == "adapter_not_pushed"]
-    assert sg.fields["members"] == ["gen-sg"] and sg.fields["why"] == SGLANG_NO_ADAPTER
-    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None))
+    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None,
+                                                      pushed={"gen-sg": None}))
     p.heartbeat("gen-new", 1, now + 0.2)
     done = p.tick(now + 0.3)
     assert any(isinstance(e, Publish) and e.version == 1 for e in done)
@@ -210,7 +209,8 @@ def test_an_adapter_version_is_announced_to_1_10_members_only_and_nobody_waits_f
     held_adapter(p, 2, now, ADAPTER)
     again = [e for e in p.tick(now) if isinstance(e, Log) and e.event == "adapter_not_announced"]
     assert sorted(e.fields["member"] for e in again) == ["gen-none", "gen-old"]
-    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None))
+    p.collective_finished(now + 0.1, CollectiveResult(join_s=0.0, bcast_s=0.1, failed=None,
+                                                      pushed={"gen-sg": None}))
     p.heartbeat("gen-new", 2, now + 0.2)
     p.tick(now + 0.3)
     now += 40.0
@@ -239,22 +239,34 @@ def test_an_adapter_version_with_only_old_generators_is_published_at_once():
     assert told == ["gen-old"]
 
 
-def test_the_sglang_push_refuses_an_adapter_version_with_one_warning(monkeypatch):
-    """The last guard behind the planner: ``update_weights_from_distributed`` would load the adapter's
-    tensors as full weights, so an adapter version is never pushed (nor any server called)."""
+def test_an_adapter_push_to_a_server_without_lora_fails_its_member_with_one_error(monkeypatch, tmp_path):
+    """An adapter version is never sent as weights (``update_weights_from_distributed`` would load the
+    adapter's tensors as full weights): it is written in peft's files and loaded through SGLang's LoRA
+    route; a server started without ``--enable-lora`` fails its member, logged once."""
     from april_async.broadcaster.config import SGLangFanoutConfig
     from april_async.broadcaster.sglang import SGLangFanout
+    from april_async.sglang.api import LoraRefused
+    from april_async.sglang.client import ServerClient
 
     fanout = SGLangFanout(SGLangFanoutConfig(), store=None, store_host="127.0.0.1", store_port=0,
-                          backend="gloo", timeout_s=1.0)
-    warned = []
-    monkeypatch.setattr(fanout.log, "warning", lambda event, **fields: warned.append((event, fields)))
-    monkeypatch.setattr(fanout, "_push", lambda *a, **k: pytest.fail("an adapter version was pushed"))
+                          backend="gloo", timeout_s=1.0, lora_dir=tmp_path)
+    errors = []
+    monkeypatch.setattr(fanout.log, "error", lambda event, **fields: errors.append((event, fields)))
+    monkeypatch.setattr(fanout, "_push",
+                        lambda *a, **k: pytest.fail("an adapter version was pushed as weights"))
+
+    def refuse(client, name, path, **kwargs):
+        raise LoraRefused(client.url, "/load_lora_adapter",
+                          "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+
+    monkeypatch.setattr(ServerClient, "load_lora_adapter", refuse)
+    specs, buf = flatten({"model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 8),
+                          "model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(8, 4)})
     try:
         for _ in range(2):
-            out = fanout.push({"gen-sg": ["http://s:1"]}, 5, [], torch.zeros(4, dtype=torch.uint8), 4,
-                              adapter=ADAPTER)
-            assert out == {"gen-sg": SGLANG_NO_ADAPTER}
-        assert [(e, f["version"]) for e, f in warned] == [("adapter_not_pushed", 5)]
+            out = fanout.push({"gen-sg": ["http://s:1"]}, 5, specs, buf, 1 << 20, adapter=ADAPTER)
+            assert SGLANG_NO_ADAPTER in out["gen-sg"] and "LoRA is not enabled" in out["gen-sg"]
+        assert [(e, f["version"]) for e, f in errors] == [("lora_not_enabled", 5)]
+        assert (tmp_path / "april-v5" / "adapter_config.json").is_file()
     finally:
         fanout.close()

@@ -124,3 +124,17 @@ def test_status_coded_aborts_and_weight_version_spans_are_read():
     assert d.versions == ["5", "5", "5"] and d.status_code == 503 and d.finish == "abort"
     assert read([event(TOKENS[:1], 1, {"type": "abort", "message": "Aborted", "status_code": None})])[2][0].status_code \
         is None
+
+
+def test_adapter_names_bodies_and_lora_refusals():
+    assert api.adapter_name(12) == "april-v12" and api.adapter_version("april-v12") == 12
+    assert [api.adapter_version(n) for n in ("april-vx", "other", None, "april-v")] == [None] * 4
+    body = api.generate_body([1, 2], {}, "r;", stream=True, lora_path="april-v3")
+    assert body["lora_path"] == "april-v3"
+    assert "lora_path" not in api.generate_body([1, 2], {}, "r;", stream=True)
+    off = api.LoraRefused("http://s", "/load_lora_adapter",
+                          "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+    assert off.not_enabled and isinstance(off, SGLangError) and off.status == 400
+    dup = api.LoraRefused("http://s", "/load_lora_adapter",
+                          "Failed to load LoRA adapter a because it is already loaded")
+    assert not dup.not_enabled and "already loaded" in str(dup)
