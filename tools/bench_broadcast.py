@@ -215,6 +215,7 @@ class LoadingEngine:
         W_base + (alpha / r) · B @ A in float32, from a copy of the base kept on the first adapter;
         an adapter for another base is refused. Reports whether the stamp (``mark_adapter``) came out."""
         from april_async.engines.base import AdapterRefused
+        from april_async.engines.torch_engine import merge_adapter
 
         if adapter.base_digest != self.base_digest:
             raise AdapterRefused(f"version {version}: an adapter for base {adapter.base_digest}, but this "
@@ -224,16 +225,7 @@ class LoadingEngine:
             path, _, kind = name.rpartition(".lora_")
             pairs.setdefault(path + ".weight", {})[kind[0]] = tensor
         params = dict(self.model.named_parameters())
-        for target in pairs:
-            if target not in self._lora_base:
-                self._lora_base[target] = params[target].detach().clone()
-        for target, base in self._lora_base.items():
-            ab = pairs.get(target)
-            if ab is None:
-                params[target].copy_(base)
-                continue
-            a, b = (ab[k].to(self.device, torch.float32) for k in "AB")
-            params[target].copy_(torch.addmm(base.float(), b, a, alpha=adapter.scale))
+        merge_adapter(params, self._lora_base, pairs, adapter.scale)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.policy_version = version

@@ -264,17 +264,7 @@ class TorchEngine(Engine):
                 raise AdapterRefused(f"LoRA version {version}: {target!r} of shape {shape} takes A {want_a} "
                                      f"and B {want_b} at rank {adapter.rank}, got {tuple(a.shape)} and "
                                      f"{tuple(b.shape)}")
-        params = dict(self.model.named_parameters())
-        for target in pairs:
-            if target not in self._lora_base:
-                self._lora_base[target] = params[target].detach().clone()
-        for target, base in self._lora_base.items():
-            ab = pairs.get(target)
-            if ab is None:
-                params[target].copy_(base)
-                continue
-            a, b = (ab[k].to(self.device, torch.float32) for k in "AB")
-            params[target].copy_(torch.addmm(base.float(), b, a, alpha=adapter.scale))
+        merge_adapter(dict(self.model.named_parameters()), self._lora_base, pairs, adapter.scale)
         if self._static is not None:
             self._static.check_addresses()
         self.policy_version = version
@@ -304,6 +294,24 @@ class TorchEngine(Engine):
         else:
             slot.next_logits = logits[0, -1].float()
         slot.logits_version = self.policy_version
+
+
+@torch.no_grad()
+def merge_adapter(params: dict[str, torch.Tensor], bases: dict[str, torch.Tensor],
+                  pairs: dict[str, dict[str, torch.Tensor]], scale: float) -> None:
+    """Merge ``pairs`` (target weight name -> its ``A`` and ``B``) into ``params`` in place: each
+    target becomes base + scale · B @ A in float32, its base copied into ``bases`` the first time;
+    a target in ``bases`` that ``pairs`` lacks gets its base back (``TorchEngine.load_adapter``)."""
+    for target in pairs:
+        if target not in bases:
+            bases[target] = params[target].detach().clone()
+    for target, base in bases.items():
+        ab = pairs.get(target)
+        if ab is None:
+            params[target].copy_(base)
+            continue
+        a, b = (ab[k].to(base.device, torch.float32) for k in "AB")
+        params[target].copy_(torch.addmm(base.float(), b, a, alpha=scale))
 
 
 def graphs_on(setting: str, device: torch.device) -> bool:
