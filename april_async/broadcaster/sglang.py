@@ -184,6 +184,9 @@ class SGLangFanout:
         self.no_lora: set[str] = set()  # servers found without --enable-lora (logged once each)
         self._unloads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcast-sglang-unload")
         self._adapter_lock = threading.Lock()  # ``adapters`` and the directories, shared with unloads
+        self._base_digests: dict[str, str] = {}  # a server's checkpoint path -> its digest (model.digest)
+        self._base_unchecked: set[str] = set()  # servers whose checkpoint this host cannot read (said once)
+        self._base_refused: set[str] = set()  # servers of another base (logged once each)
 
     def _client(self, url: str) -> ServerClient:
         if url not in self.clients:
@@ -415,16 +418,25 @@ class SGLangFanout:
         newest are unloaded in the background (``_retire``)."""
         name = adapter_name(version)
         t0 = time.monotonic()
-        try:
-            path = self.write_adapter(version, tensors, buffer, adapter)
-        except (OSError, ValueError, RuntimeError) as e:
-            why = f"adapter {name} not written under {self.lora_root()}: {type(e).__name__}: {e}"
-            self.log.error("adapter_not_written", version=version, error=why)
-            return {member: why for member in servers}
-        urls = [u for member in sorted(servers) for u in servers[member]]
+        failed: dict[str, str] = {}
+        urls = []
+        for member in sorted(servers):
+            for u in servers[member]:
+                why = self._other_base(u, adapter)
+                if why is None:
+                    urls.append(u)
+                else:
+                    failed[u] = why
+        path = None
+        if urls:
+            try:
+                path = self.write_adapter(version, tensors, buffer, adapter)
+            except (OSError, ValueError, RuntimeError) as e:
+                why = f"adapter {name} not written under {self.lora_root()}: {type(e).__name__}: {e}"
+                self.log.error("adapter_not_written", version=version, error=why)
+                return {member: why for member in servers}
         calls = self._each(urls, ServerClient.load_lora_adapter, name, str(path),
                            timeout_s=self.cfg.update_timeout_s)
-        failed: dict[str, str] = {}
         for u, err in _errors(calls).items():
             if isinstance(err, LoraRefused) and "already loaded" in err.error_message:
                 err = None
@@ -450,6 +462,38 @@ class SGLangFanout:
                           s=round(time.monotonic() - t0, 3))
         self._unloads.submit(self._retire)
         return out
+
+    def _other_base(self, url: str, adapter: AdapterSpec) -> str | None:
+        """Why ``url`` must not load ``adapter`` (None: it may): the server was started from a
+        checkpoint (``/model_info``'s ``model_path``, read here when this host can read it) whose
+        digest is not the adapter's base. A path this host cannot read is not checked (said once)."""
+        from april_async.model.digest import checkpoint_digest
+        from april_async.model.errors import CheckpointError
+
+        try:
+            path = self._client(url).model_info().get("model_path")
+        except SGLangError:
+            return None  # the load below meets the same failure and reports it
+        digest = self._base_digests.get(path) if path else None
+        if path and digest is None and Path(path).is_dir():
+            try:
+                digest = self._base_digests[path] = checkpoint_digest(path)
+            except CheckpointError:
+                digest = None
+        if digest is None:
+            if url not in self._base_unchecked:
+                self._base_unchecked.add(url)
+                self.log.warning("adapter_base_unchecked", server=url, model_path=path,
+                                 why="the server's checkpoint is not readable on the broadcaster's host")
+            return None
+        if digest == adapter.base_digest:
+            return None
+        why = (f"server {url} serves {path!r} (base {digest}), but the adapter is for base "
+               f"{adapter.base_digest}: start the server from the learner's base checkpoint")
+        if url not in self._base_refused:
+            self._base_refused.add(url)
+            self.log.error("adapter_base_refused", server=url, error=why)
+        return why
 
     def _retire(self) -> None:
         """Unload, on each server, the adapters older than its two newest (SGLang's unload returns once

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from april_async.broadcaster.rounds import Send
 from april_async.engines.base import EngineRequest
+from april_async.model.digest import checkpoint_digest
 from april_async.sglang import api
 from april_async.sglang.api import SGLangError
 from april_async.sglang.client import ServerClient
@@ -304,6 +305,8 @@ def test_an_adapter_version_is_loaded_on_the_servers_and_requests_name_it(ckpt, 
     from april_async.engines.config import SGLangEngineConfig
     from april_async.engines.sglang_engine import SGLangEngine
 
+    BASE = checkpoint_digest(ckpt.path)
+    OURS = m.AdapterSpec(base_digest=BASE, rank=4, alpha=8.0, target_modules=TARGETS)
     a = Standin(ckpt.path, tmp_path / "a.log", "--max-seq-len", "256", *LORA_FLAGS)
     b = Standin(ckpt.path, tmp_path / "b.log", "--max-seq-len", "256")  # no --enable-lora
     s, port = store
@@ -319,7 +322,12 @@ def test_an_adapter_version_is_loaded_on_the_servers_and_requests_name_it(ckpt, 
     try:
         tensors, merged = adapter_tensors(ckpt.model, seed=11)
         specs, buffer = flatten(tensors)
-        out = fanout.push({"gen-a": [a.url], "gen-b": [b.url]}, 3, specs, buffer, 1 << 20, adapter=ADAPTER)
+        # An adapter for another base is refused by name, before any server loads it.
+        out = fanout.push({"gen-a": [a.url]}, 2, specs, buffer, 1 << 20, adapter=ADAPTER)
+        assert f"serves {str(ckpt.path)!r} (base {BASE}), but the adapter is for base {ADAPTER.base_digest}" \
+            in out["gen-a"]
+        assert ServerClient(a.url, timeout_s=10).loaded_adapters() == {}
+        out = fanout.push({"gen-a": [a.url], "gen-b": [b.url]}, 3, specs, buffer, 1 << 20, adapter=OURS)
         assert out["gen-a"] is None
         assert "LoRA is not enabled" in out["gen-b"] and fan.SGLANG_NO_ADAPTER in out["gen-b"]
         written = tmp_path / "lora" / "april-v3"
@@ -346,7 +354,7 @@ def test_an_adapter_version_is_loaded_on_the_servers_and_requests_name_it(ckpt, 
         for v in (4, 5):
             tensors, _ = adapter_tensors(ckpt.model, seed=v)
             specs, buffer = flatten(tensors)
-            out = fanout.push({"gen-a": [a.url]}, v, specs, buffer, 1 << 20, adapter=ADAPTER)
+            out = fanout.push({"gen-a": [a.url]}, v, specs, buffer, 1 << 20, adapter=OURS)
             assert out == {"gen-a": None}
         fanout._unloads.submit(lambda: None).result(30)  # the unloads queued behind the pushes are done
         assert set(ServerClient(a.url, timeout_s=10).loaded_adapters()) == {"april-v4", "april-v5"}
@@ -357,7 +365,7 @@ def test_an_adapter_version_is_loaded_on_the_servers_and_requests_name_it(ckpt, 
             assert time.monotonic() < deadline
             time.sleep(0.05)
         # A server without --enable-lora is logged once, however many versions fail there.
-        assert [e for e, _ in errors] == ["lora_not_enabled"]
+        assert [e for e, _ in errors] == ["adapter_base_refused", "lora_not_enabled"]
     finally:
         if engine is not None:
             engine.close()
