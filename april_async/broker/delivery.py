@@ -22,8 +22,8 @@ import msgspec
 import numpy as np
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.ledger import (NO_TOKENS, Counters, Place, Runs, Sample, Spans, _bump, _logprob_view,
-                                       _token_view, pairs)
+from april_async.broker.ledger import (NO_RUNS, NO_TOKENS, Counters, Place, Runs, Sample, Spans, _bump,
+                                       _logprob_view, _token_view, pairs)
 from april_async.broker.policy import Policy
 
 
@@ -37,9 +37,9 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     finish_reason: str
     token_bytes: bytearray | bytes  # packed TOKEN_DTYPE: the sample's own buffer, handed over (it keeps none)
     logprob_bytes: bytearray | bytes  # packed LOGPROB_DTYPE, likewise
-    span_runs: Runs  # the sample's, flat (``Sample.span_runs``)
+    span_runs: Runs  # the sample's, packed (``Sample.span_runs``)
     resumed_at: tuple[int, ...] = ()  # where a lease resumed it: the KV cache was written again from there
-    context_runs: Runs = ()  # the sample's context (observations), flat
+    context_runs: Runs = NO_RUNS  # the sample's context (observations), packed
 
     @property
     def spans(self) -> Spans:
@@ -117,9 +117,11 @@ class _DeliveryTally:
         if not runs:
             return
         by_version = self.tokens_by_version
-        for k in range(0, len(runs), 2):
-            by_version[runs[k]] = by_version.get(runs[k], 0) + runs[k + 1]
-        oldest = min(runs[0::2])
+        oldest = None
+        for version, count in pairs(runs):
+            by_version[version] = by_version.get(version, 0) + count
+            if oldest is None or version < oldest:
+                oldest = version
         self.samples_by_oldest[oldest] = self.samples_by_oldest.get(oldest, 0) + 1
 
     def count_into(self, c: Counters, V: int) -> None:

@@ -17,6 +17,7 @@ held, delivered, discarded or retired.
 from __future__ import annotations
 
 import enum
+import struct
 from array import array
 from collections.abc import Iterable, Sequence
 
@@ -109,31 +110,61 @@ class BrokerError(ValueError):
 Spans = tuple[tuple[int, int], ...]
 """Run-length versions of a sample's tokens, ``((version, count), ...)``, as the ledger's readers see them."""
 
-Runs = array | tuple[()]
-"""How a sample holds its ``(a, b)`` pairs: flat, in an ``array("q")`` ``[a0, b0, a1, b1, ...]``
-(``()`` while there are none), extended in place. An array is no container to the garbage
-collector: never tracked, never walked. Tuples were, in two ways that cost a multi-turn cluster
+Runs = bytearray | bytes
+"""How a sample holds its ``(a, b)`` pairs: packed, little-endian int64 ``a0 b0 a1 b1 ...``, in a
+``bytearray`` extended in place (``NO_RUNS`` while there are none). Bytes are no container to the
+garbage collector: never tracked, never walked. Tuples cost a multi-turn cluster
 (``tools/simulate.py --turns 8``) up to 17 ms of CPU a collection: a tuple of pairs is untracked
-only once its pairs are, and CPython visits it before them, so one made while its sample was
-being served reached the oldest generation tracked; and a small tuple taken from CPython's free
-list is tracked without counting as an allocation, so the tens of thousands a chunk-heavy
-interval replaced piled up in the young generation beyond its threshold, and the collection that
-came at last walked them all inside whichever call it fell in."""
+only once its pairs are, and CPython visits it before them, so one made while its sample was being
+served reached the oldest generation tracked; and a small tuple from CPython's free list is tracked
+without counting as an allocation, so the tens of thousands a chunk-heavy interval replaced piled up
+in the young generation past its threshold. (An ``array.array`` is no better: since 3.11 it is
+tracked, and never untracked: 40,000 of them made full collections of 150 ms at 1,000 generators.)"""
+
+NO_RUNS = b""
+_PAIR = struct.Struct("<qq")
+_INT = struct.Struct("<q")
 
 
-def new_runs(*ints: int) -> array:
-    return array("q", ints)
+def new_runs(a: int, b: int) -> bytearray:
+    return bytearray(_PAIR.pack(a, b))
+
+
+def add_run(runs: bytearray, a: int, b: int) -> None:
+    runs += _PAIR.pack(a, b)
+
+
+def last_run(runs: Runs) -> tuple[int, int]:
+    return _PAIR.unpack_from(runs, len(runs) - _PAIR.size)
+
+
+def grow_last(runs: bytearray, n: int) -> None:
+    """Add ``n`` to the last pair's ``b``."""
+    at = len(runs) - _INT.size
+    _INT.pack_into(runs, at, _INT.unpack_from(runs, at)[0] + n)
+
+
+def firsts(runs: Runs) -> memoryview:
+    """The ``a`` of every pair (a view: use it at once, a bytearray cannot grow while one exists)."""
+    return memoryview(runs).cast("q")[0::2]
+
+
+def seconds(runs: Runs) -> memoryview:
+    """The ``b`` of every pair (a view, as ``firsts``)."""
+    return memoryview(runs).cast("q")[1::2]
 
 
 def pairs(runs: Runs) -> Spans:
-    """``[a0, b0, a1, b1, ...]`` as ``((a0, b0), (a1, b1), ...)``."""
-    return tuple(zip(runs[0::2], runs[1::2]))
+    """The packed pairs as ``((a0, b0), (a1, b1), ...)``."""
+    return tuple(_PAIR.iter_unpack(runs))
 
 
 def runs_of(items: Iterable[Sequence[int]]) -> Runs:
     """Pairs, as a snapshot or the wire holds them, as a sample holds them."""
-    flat = [int(x) for pair in items for x in pair]
-    return array("q", flat) if flat else ()
+    out = bytearray()
+    for a, b in items:
+        out += _PAIR.pack(int(a), int(b))
+    return out if out else NO_RUNS
 
 
 # The ledger's records are msgspec Structs with ``gc=False``: never tracked by the cyclic garbage
@@ -150,14 +181,14 @@ class Sample(msgspec.Struct, gc=False):
     place: Place = Place.QUEUED
     token_bytes: bytearray | bytes = NO_TOKENS  # packed TOKEN_DTYPE (see NO_TOKENS)
     logprob_bytes: bytearray | bytes = NO_TOKENS  # packed LOGPROB_DTYPE
-    span_runs: Runs = ()  # the ``spans``, flat
+    span_runs: Runs = NO_RUNS  # the ``spans``, packed
     attempts: int = 0  # leases issued for it
     lease_id: int | None = None
     finish_reason: str | None = None
     reward: float | None = None
     finished_by: int | None = None  # the lease that finished it; scores must name it
     resumed_at: tuple[int, ...] = ()  # response offsets at which a lease resumed it (prefilling them again)
-    context_runs: Runs = ()  # the ``context``, flat: (offset, count) of the response's context: observations
+    context_runs: Runs = NO_RUNS  # the ``context``, packed: (offset, count) of the response's context: observations
     turn: int = 0  # a trajectory's policy turns before the one in progress (observations received)
     step_failures: int = 0  # failed runs of its current step sent again (``on_env_failure = "retry"``)
 
@@ -280,7 +311,7 @@ def _count_down(d: dict[int, int], key: int) -> None:
 
 def _oldest_of(runs: Runs) -> int:
     """The oldest version in a sample's non-empty ``span_runs``."""
-    return min(runs[0::2])
+    return min(firsts(runs))
 
 
 class Ledger:

@@ -40,7 +40,8 @@ import numpy as np
 from april_async.broker.config import RolloutConfig
 from april_async.broker.ledger import (_TOKEN_SIZE, HELD_PLACES, NO_TOKENS, BrokerError, Group, Lease, Ledger, Place,
                                        Sample, _bump, _logprob_bytes, _oldest_of, _token_bytes, _token_view,
-                                       new_runs, runs_of)
+                                       NO_RUNS, add_run, grow_last, last_run, new_runs, runs_of,
+                                       seconds)
 from april_async.broker.paged import FifoSet
 
 RETRIED_STEP_FAILURES = frozenset({"env_error", "env_timeout"})
@@ -263,7 +264,7 @@ class Policy(Ledger):
         if not s.context_runs:  # every token is the policy's (a single-turn sample's always): the
             room = self.config.max_response_tokens - held  # response budget binds, the context's no smaller
         else:
-            policy = held - sum(s.context_runs[1::2])
+            policy = held - sum(seconds(s.context_runs))
             room = min(self.config.max_response_tokens - policy, self.config.context_budget - held)
         if not per_turn or self.config.turn_tokens is None:
             return room
@@ -327,15 +328,15 @@ class Policy(Ledger):
         lowest = None
         runs = s.span_runs
         if not runs:
-            runs = s.span_runs = new_runs()
+            runs = s.span_runs = bytearray()
         for version, count in spans:
             a, b = max(pos, lo), min(pos + count, hi)
             if a < b:
                 version = int(version)
-                if runs and runs[-2] == version:
-                    runs[-1] += b - a
+                if runs and last_run(runs)[0] == version:
+                    grow_last(runs, b - a)
                 else:
-                    runs.extend((version, b - a))
+                    add_run(runs, version, b - a)
                 lowest = version if lowest is None else min(lowest, version)
             pos += count
         old = self._oldest.get(s.sample_id)
@@ -530,11 +531,11 @@ class Policy(Ledger):
         else:  # a turn that ended with no token: buffers of the sample's own
             s.token_bytes, s.logprob_bytes = bytearray(new_tokens), bytearray(new_logprobs)
         if s.span_runs:
-            s.span_runs[-1] += len(tokens)
+            grow_last(s.span_runs, len(tokens))
         else:  # a turn that ended with no token: the observation is as new as the policy
             s.span_runs = new_runs(self.version, len(tokens))
         if s.context_runs:
-            s.context_runs.extend((held, len(tokens)))
+            add_run(s.context_runs, held, len(tokens))
         else:
             s.context_runs = new_runs(held, len(tokens))
         s.turn += 1
@@ -581,8 +582,8 @@ class Policy(Ledger):
             return []
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
-        s.token_bytes, s.logprob_bytes, s.span_runs, s.resumed_at = NO_TOKENS, NO_TOKENS, (), ()
-        s.finish_reason, s.reward, s.finished_by, s.context_runs, s.turn = None, None, None, (), 0
+        s.token_bytes, s.logprob_bytes, s.span_runs, s.resumed_at = NO_TOKENS, NO_TOKENS, NO_RUNS, ()
+        s.finish_reason, s.reward, s.finished_by, s.context_runs, s.turn = None, None, None, NO_RUNS, 0
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
             return self.retire_group(s.group_id, "attempts_exhausted")

@@ -19,7 +19,7 @@ class LosesPartialTokens(BrokerCore):
 
     def _move(self, s, place):
         if place is Place.PARTIAL and s.place is Place.LEASED:
-            s.token_bytes, s.logprob_bytes, s.span_runs = b"", b"", ()
+            s.token_bytes, s.logprob_bytes, s.span_runs = b"", b"", b""
         super()._move(s, place)
 
 
@@ -75,7 +75,7 @@ class ForgetsPartialsOnRestart(BrokerCore):
         core = super().from_bytes(data, config)
         for s in core.samples.values():
             if s.place is Place.PARTIAL:
-                s.token_bytes, s.logprob_bytes, s.span_runs = b"", b"", ()
+                s.token_bytes, s.logprob_bytes, s.span_runs = b"", b"", b""
         return core
 
 
