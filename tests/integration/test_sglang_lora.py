@@ -32,7 +32,7 @@ from april_async.testing.procs import free_port
 from april_async.weights.flat import flatten
 from april_async.wire import messages as m
 from standins.flags import parse_args
-from tests.integration.test_sglang_standin import (  # noqa: F401 - ckpt: a fixture
+from april_async.testing.standin import (  # noqa: F401 - ckpt: a fixture
     LONG, SHORT, Standin, ckpt, gen, greedy)
 
 TARGETS = ["q_proj", "v_proj"]

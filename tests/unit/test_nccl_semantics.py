@@ -27,6 +27,7 @@ from april_async.weights.custom_group import join_custom_group
 from standins import nccl_semantics
 nccl_semantics.register()
 port, name, receive = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+print("imported", flush=True)
 pg = join_custom_group(backend=nccl_semantics.BACKEND, world_size=2, rank=1, group_name=name, timeout_s=2,
                        init_method=f"tcp://127.0.0.1:{port}")
 if receive:
@@ -44,6 +45,8 @@ def group(name: str, receive: bool):
                           wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, "-c", RANK1, str(port), name, "1" if receive else "0"], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
+    # The group's 2 s rendezvous starts once the peer has imported torch (about 2 s of its own here).
+    assert peer.stdout.readline().strip() == "imported"
     pg = join_custom_group(backend=nccl_semantics.BACKEND, world_size=2, rank=0, group_name=name, timeout_s=2,
                            store=store)
     return pg, peer, store
