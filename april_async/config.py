@@ -87,6 +87,24 @@ class LinkConfig(BaseModel):
         return self
 
 
+class MetricsConfig(BaseModel):
+    """An actor's Prometheus endpoint, ``/metrics`` (``april_async.telemetry``): off unless ``port``
+    is set. ``april up`` sets it from ``run.metrics_port``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    port: int | None = Field(None, ge=0, le=65535)
+    """Serve ``/metrics`` here (0: any free port, written to ``targets_file``); None: no endpoint."""
+    bind: str = "127.0.0.1"
+    """The address it listens on (0.0.0.0 where a Prometheus on another host scrapes it)."""
+    address: str = ""
+    """How a Prometheus reaches this host, as written in ``targets_file`` (empty: ``bind``, or this
+    host's name when ``bind`` is 0.0.0.0)."""
+    targets_file: Path | None = None
+    """Where to write this endpoint as a Prometheus ``file_sd_configs`` target once it listens
+    (deleted when the actor stops); None: nowhere."""
+
+
 class LogConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

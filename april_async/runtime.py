@@ -96,15 +96,23 @@ def run_actor(command: str, cfg, build, stop: StopFlag) -> int:
     """``april <command>`` once its config ``cfg`` is resolved: set up logging (``cfg.log``), build the
     actor (``build(cfg)``, from ``<actor>/main.py``) and run it until ``stop``. Returns 0, or 2 after one
     line naming what stopped it: a setting that only fails when used (a reward path, a journal
-    directory: ``ValueError``, ``OSError``) or a peer that refuses its work for good (``ActorFailed``)."""
+    directory: ``ValueError``, ``OSError``; a metrics port taken) or a peer that refuses its work for good
+    (``ActorFailed``). With ``cfg.metrics.port`` set, the actor's Prometheus endpoint serves while it
+    runs (``april_async.telemetry``)."""
     import sys
 
     from april_async.logs import configure
 
     configure(json=cfg.log.json_lines, level=cfg.log.level)
     dump_stacks_on(STACKS_SIGNAL)
+    from april_async.logs import get_logger
+    from april_async.telemetry import serve
+
     try:
         actor = build(cfg)
+        instance = getattr(cfg, "name", command)
+        endpoint = serve(getattr(cfg, "metrics", None), actor, role=command, instance=instance,
+                         log=get_logger(actor=command, instance=instance))
     except (ValueError, OSError) as e:
         print(f"april {command}: {e}", file=sys.stderr)
         return 2
@@ -113,6 +121,9 @@ def run_actor(command: str, cfg, build, stop: StopFlag) -> int:
     except ActorFailed as e:
         print(f"april {command}: {e}", file=sys.stderr)
         return 2
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     return 0
 
 

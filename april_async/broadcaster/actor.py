@@ -299,6 +299,7 @@ class BroadcasterActor:
         self._region_learner: str | None = None  # the learner whose regions this process reads
         self._regions_told: tuple = ()  # the regions last listed to it
         self._status_dirty = True
+        self.last_status: dict = {}  # the loop's last status (broadcaster.json), for /metrics
         self.broker = BrokerLink(cfg.name, broker_peer_factory, cfg.link.heartbeat_interval_s / 4)
         self.fanout: SGLangFanout | None = None  # made when the first SGLang generator says hello
         self._next_recover = 0.0  # when the SGLang servers are next recovered (``recover_interval_s``)
@@ -645,10 +646,36 @@ class BroadcasterActor:
 
     def _write_status(self) -> None:
         self._status_dirty = False
+        self.last_status = status = self.status()
         if self.cfg.status_file is None:
             return
         path = Path(self.cfg.status_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.status(), sort_keys=True))
+        tmp.write_text(json.dumps(status, sort_keys=True))
         tmp.replace(path)
+
+    def scrape(self, out) -> None:
+        """``/metrics`` (``april_async.telemetry``): rounds, their time and bytes, the members' versions
+        (as of the last status the loop made: ``broadcaster.json``)."""
+        p, status = self.planner, self.last_status
+        out.counter("april_broadcaster_rounds_total", "Broadcast rounds ended", p.rounds)
+        out.counter("april_broadcaster_failed_rounds_total", "Rounds some member did not complete", p.failed_rounds)
+        out.counter("april_broadcaster_bytes_total", "Bytes of the versions broadcast (once per round that "
+                    "some member acknowledged)", p.bytes_broadcast)
+        out.histogram("april_broadcaster_round_seconds", "Seconds from a round's start to its end", p.round_seconds)
+        last = p.last_round
+        for phase, key in (("join", "join_s"), ("broadcast", "bcast_s"), ("round", "s")):
+            out.gauge("april_broadcaster_last_round_seconds", "The last round's time: joining the group, the "
+                      "broadcast itself, the whole round", last.get(key), phase=phase)
+        out.gauge("april_broadcaster_last_round_bytes", "The last round's version size", last.get("bytes"))
+        out.gauge("april_broadcaster_last_round_members", "Members of the last round", last.get("members"))
+        if status:
+            out.gauge("april_broadcaster_policy_version", "The version held", status["version"])
+            out.gauge("april_broadcaster_published_version", "The newest version some generator holds",
+                      status["published"])
+            members = status["members"]
+            out.gauge("april_broadcaster_members", "Generators with a session", len(members))
+            for name, version in sorted(members.items()):
+                out.gauge("april_broadcaster_member_version", "The version each generator holds", version,
+                          member=name)

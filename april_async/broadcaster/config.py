@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.config import Endpoint, LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig, MetricsConfig
 
 
 class SGLangFanoutConfig(BaseModel):
@@ -156,6 +156,8 @@ class BroadcasterConfig(BaseModel):
     the region's name (``weights.shm``); a learner elsewhere, or an older one, sends the bytes over
     ZeroMQ. ``zmq``: no shared memory; every version comes as bytes."""
     log: LogConfig = LogConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    """Its Prometheus endpoint (off by default)."""
 
     @property
     def hub_link(self) -> LinkConfig:

@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from april_async.broadcaster.config import BroadcasterConfig
+from april_async.telemetry import Histogram
 from april_async.wire import messages as m
 
 ROLES = ("learner", "generator")
@@ -269,6 +270,9 @@ class RoundPlanner:
         self.retry_at = 0.0
         self.rounds = 0
         self.failed_rounds = 0
+        self.bytes_broadcast = 0  # the versions' bytes of rounds some member acknowledged
+        self.round_seconds = Histogram()  # each round, from its start to its end (/metrics)
+        self.last_round: dict = {}  # the last round's log fields
         self.failing: dict[str, int] = {}  # generator -> rounds in a row it was in and did not receive
         self.absences: dict[str, int] = {}  # generator -> rendezvous in a row it did not reach in time
         self.admit_s = cfg.link.peer_timeout_s
@@ -683,6 +687,10 @@ class RoundPlanner:
                   "bytes": r.num_bytes, "join_s": round(join_s, 3), "bcast_s": round(bcast_s, 3),
                   "gb_s": round(r.num_bytes / bcast_s / 1e9, 3) if bcast_s > 0 and not r.failed else None,
                   "s": round(now - r.started, 3)}
+        self.round_seconds.observe(now - r.started)
+        self.last_round = fields
+        if r.acked:
+            self.bytes_broadcast += r.num_bytes
         if lost:
             out.append(_log("warning", "round_incomplete", failed=r.failed, nacked=sorted(r.nacked),
                             late=sorted(late), gone=sorted(gone), benched=benched, **fields))

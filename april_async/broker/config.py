@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from april_async.config import Endpoint, LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig, MetricsConfig
 from april_async.tasks.source import PromptSourceConfig
 
 Mode = Literal["sync", "april", "async"]
@@ -213,6 +213,8 @@ class BrokerServiceConfig(BaseModel):
     state_file: Path | None = None
     """At shutdown, write the ledger here as JSON: samples per place, counters, and whether they balance."""
     log: LogConfig = LogConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    """Its Prometheus endpoint (off by default)."""
 
     @model_validator(mode="after")
     def _check_prompts(self) -> BrokerServiceConfig:

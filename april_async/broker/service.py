@@ -39,6 +39,7 @@ from april_async.broker.core import LOGPROB_DTYPE, TOKEN_DTYPE, AbortLease, Batc
 from april_async.broker.ledger import Place
 from april_async.broker.records import apply_progress, ledger_arrays
 from april_async.logs import get_logger
+from april_async.telemetry import Families, Histogram
 from april_async.model.tokenizer import chat_messages
 from april_async.tasks.source import PromptSource, encode_prompt, uses_chat
 from april_async.transport.hub import Hub
@@ -71,12 +72,14 @@ class SampleClock:
         self.seconds: deque[float] = deque(maxlen=keep)
         self.turns: dict[int, int] = {}
         self.n = 0
+        self.histogram = Histogram()  # every timed sample, for /metrics
 
     def add(self, seconds: float, turns: int) -> None:
         self.turns[turns] = self.turns.get(turns, 0) + 1
         if 0.0 <= seconds < 86_400.0:
             self.seconds.append(seconds)
             self.n += 1
+            self.histogram.observe(seconds)
 
     def summary(self) -> dict:
         xs = sorted(self.seconds)
@@ -89,6 +92,63 @@ VERSION_MOVERS = ("learner", "broadcaster")
 """The roles whose messages move the policy version; one instance of each at a time (``_mover``)."""
 LEASE_ROUNDS = 8
 """A tick deals its leases in up to this many rounds over the generators (``_lease``)."""
+COUNTER_HELP = {
+    "groups_admitted": "Groups admitted from the prompt source",
+    "duplicate_prompts": "Prompts skipped as duplicates",
+    "prompts_refused": "Prompts refused (empty, or over max_prompt_tokens)",
+    "leases_issued": "Leases issued to generators",
+    "leases_expired": "Leases reclaimed from silent or departed generators",
+    "aborts_sent": "Aborts sent to generators",
+    "early_terminations": "Steps ended early once their groups were complete (APRIL)",
+    "partials_created": "Partial responses kept for a later lease",
+    "partials_recycled": "Leases resuming a sample that already had tokens",
+    "tokens_resumed": "Tokens carried into resumed leases instead of being generated again",
+    "tokens_generated": "Tokens accepted from generators",
+    "tokens_duplicate": "Tokens sent again and ignored",
+    "tokens_over_budget": "Tokens past max_response_tokens, ignored",
+    "chunk_gaps": "Chunks that started beyond what the broker held, ignored",
+    "stale_reports": "Reports on unknown or ended leases, ignored",
+    "samples_finished": "Samples whose response finished",
+    "restarts": "Samples restarted for breaking the staleness bound",
+    "tokens_discarded": "Tokens dropped by those restarts",
+    "groups_retired": "Groups retired, by reason",
+    "tokens_retired": "Tokens of retired groups",
+    "scores_ok": "Rewards received",
+    "turns_finished": "Trajectory turns sent to their environment",
+    "observations": "Trajectory turns answered with an observation",
+    "tokens_observed": "Observation tokens appended as context",
+    "turns_demoted": "Trajectories over the staleness bound whose stale tokens became context",
+    "tokens_demoted": "Tokens made context that way",
+    "score_errors": "Score requests answered with an error",
+    "steps_retried": "Failed environment steps sent to a scorer again",
+    "score_timeouts": "Score requests sent again after score_timeout_s",
+    "stale_scores": "Rewards for requests no longer outstanding, ignored",
+    "batches_delivered": "Batches delivered to the learner",
+    "groups_delivered": "Groups delivered to the learner",
+    "samples_delivered": "Samples delivered to the learner",
+    "tokens_delivered": "Response tokens delivered to the learner",
+    "off_policy_tokens": "Delivered tokens made by a version older than the learner's",
+    "staleness_tokens": "Delivered tokens by lag (the learner's version minus the token's)",
+    "staleness_samples": "Delivered samples by the lag of their oldest token",
+    "version_updates": "Policy versions the broker moved to",
+    "groups_filtered": "Delivered groups the learner left out, by reason",
+    "steps_skipped": "Batches the learner took no step on",
+}
+"""The help text of each ledger counter on ``/metrics`` (``april_broker_<name>_total``)."""
+METRICS_EVERY_S = 0.5
+"""How often the loop copies what ``/metrics`` shows (``_take_snapshot``), when it is served."""
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What ``/metrics`` shows of the ledger, copied by the loop at one instant (so that the places
+    add up to what was admitted in every scrape)."""
+
+    version: int
+    places: dict[str, int]
+    counters: dict
+    peers: dict[str, int]  # role -> sessions
+    group_size: int
 
 
 class BrokerService:
@@ -104,6 +164,10 @@ class BrokerService:
         self.journal: Journal | None = None
         self.records_since_snapshot = 0
         self.sample_clock = SampleClock()
+        self.message_seconds: dict[type, Histogram] = {}  # message type -> time to handle one
+        self.tick_seconds = Histogram()
+        self.snapshot: MetricsSnapshot | None = None
+        self._snapshot_due = 0.0
         self.core = self._recover()
         c = self.core.counters
         # The stream is a function of the prompts taken: a restarted broker picks it up where it was.
@@ -155,8 +219,14 @@ class BrokerService:
             # A batch being packed for a waiting learner: the next slice at once, after what came in.
             busy = bool(self.batch_waiters) and self.core.batch_pending()
             for identity, msg in self.hub.poll(0.0 if busy else self.cfg.link.heartbeat_interval_s / 4):
+                t = time.perf_counter()
                 self.handle(identity, msg, self.clock())
+                kind = type(msg.body)
+                hist = self.message_seconds.get(kind) or self.message_seconds.setdefault(kind, Histogram())
+                hist.observe(time.perf_counter() - t)
+            t = time.perf_counter()
             self.tick(self.clock())
+            self.tick_seconds.observe(time.perf_counter() - t)
         self.close()
 
     def close(self) -> None:
@@ -356,6 +426,48 @@ class BrokerService:
                 self.journal.snapshot(self.core.to_bytes())
                 self.records_since_snapshot = 0
         self._heartbeats(now)
+        if self.cfg.metrics.port is not None and now >= self._snapshot_due:
+            self._snapshot_due = now + METRICS_EVERY_S
+            self._take_snapshot()
+
+    # ------------------------------------------------------------------ metrics
+
+    def _take_snapshot(self) -> None:
+        core = self.core
+        counters = {k: dict(v) if isinstance(v, dict) else v for k, v in core.counters.as_dict().items()}
+        peers: dict[str, int] = {}
+        for p in self.peers.values():
+            peers[p.role] = peers.get(p.role, 0) + 1
+        self.snapshot = MetricsSnapshot(version=core.version, places=core.place_counts(), counters=counters,
+                                        peers=peers, group_size=self.cfg.rollout.group_size)
+
+    def scrape(self, out: Families) -> None:
+        """``/metrics`` (``april_async.telemetry``): the ledger's places and counters as of the loop's
+        last snapshot (at most ``METRICS_EVERY_S`` old), and the loop's own timings."""
+        snap = self.snapshot
+        if snap is not None:
+            out.gauge("april_broker_policy_version", "The policy version the broker holds", snap.version)
+            for place, n in snap.places.items():
+                out.gauge("april_broker_samples", "Samples in each place of the ledger (ended groups' samples "
+                          "counted in delivered and retired)", n, place=place)
+            out.gauge("april_broker_group_size", "Samples per group", snap.group_size)
+            for role in ("generator", "scorer", "learner", "broadcaster"):
+                out.gauge("april_broker_sessions", "Peers with a session, by role", snap.peers.get(role, 0),
+                          peer_role=role)
+            for name, value in snap.counters.items():
+                if isinstance(value, dict):
+                    label = "lag" if name.startswith("staleness_") else "reason"
+                    for key, n in sorted(value.items()):
+                        out.counter(f"april_broker_{name}_total", COUNTER_HELP.get(name, name), n, **{label: key})
+                else:
+                    out.counter(f"april_broker_{name}_total", COUNTER_HELP.get(name, name), value)
+        for kind, hist in list(self.message_seconds.items()):
+            out.histogram("april_broker_message_seconds", "Time to handle one message, by its type", hist,
+                          type=getattr(kind, "msg_type", kind.__name__))
+        out.histogram("april_broker_tick_seconds", "Time of one turn of the loop's periodic work (expiry, "
+                      "admission, leases, score requests, batches, journal)", self.tick_seconds)
+        out.histogram("april_broker_sample_seconds", "Seconds from a group's admission to each of its samples' "
+                      "reward", self.sample_clock.histogram)
 
     def _admit(self, now: float) -> None:
         """Keep two steps' worth of samples queued, from the prompt source."""

@@ -141,6 +141,7 @@ class GeneratorActor:
         self.gated = engine.caps.weights != "none"  # a lease waits for the version it needs
         self.tokens_generated = 0  # every token the engine reported (the ``busy`` lines)
         self.mixed_tokens = 0  # of those, tokens after an in-flight update (see the module docstring)
+        self.busy: BusyClock | None = None  # the loop's, once it runs
         self.weights = weights_link(cfg, engine, self.log)  # the one source of versions
         self.peer = peer_factory(self._on_connect)
 
@@ -221,7 +222,7 @@ class GeneratorActor:
 
     def run(self, stop) -> None:
         idle_wait = self.cfg.link.heartbeat_interval_s / 4
-        busy = BusyClock(time.monotonic())
+        busy = self.busy = BusyClock(time.monotonic())
         stats_due = time.monotonic() + self.cfg.stats_interval_s
         while not stop:
             if not self.engine.active():
@@ -260,6 +261,27 @@ class GeneratorActor:
         unnoticed until the wait ran out, twice a version (its announce, then its receipt): up to
         a quarter of a second of every sync step on the development machine."""
         wait_any([self.peer.sock, *self.weights.waitables()], timeout_s)
+
+    def scrape(self, out) -> None:
+        """``/metrics`` (``april_async.telemetry``): tokens, how busy the engine is, the versions."""
+        out.counter("april_generator_tokens_total", "Tokens the engine generated", self.tokens_generated)
+        out.counter("april_generator_mixed_tokens_total", "Of those, tokens generated after an in-flight "
+                    "weight update within their lease", self.mixed_tokens)
+        out.gauge("april_generator_policy_version", "The policy version the engine serves",
+                  self.engine.policy_version)
+        out.gauge("april_generator_slots", "Sequences the engine decodes at once", self.engine.slots)
+        out.gauge("april_generator_leases", "Leases held", len(self.work))
+        out.counter("april_generator_sessions_total", "Sessions opened with the broker", self.sessions)
+        busy = self.busy
+        if busy is not None:
+            up = busy.at - busy.since
+            out.gauge("april_generator_active_sequences", "Sequences active at the loop's last turn", busy.active)
+            out.counter("april_generator_busy_seconds_total", "Seconds with at least one sequence active",
+                        busy.busy_s)
+            out.counter("april_generator_slot_seconds_total", "Active sequences x seconds", busy.slot_s)
+            out.counter("april_generator_up_seconds_total", "Seconds the loop has run", up)
+            out.gauge("april_generator_busy_ratio", "Share of the loop's time with a sequence active, since it "
+                      "started", busy.busy_s / up if up > 0 else None)
 
     def _log_busy(self, busy: BusyClock) -> None:
         self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.config import Endpoint, LinkConfig, LogConfig
+from april_async.config import Endpoint, LinkConfig, LogConfig, MetricsConfig
 from april_async.engines.config import ScriptedEngineConfig, SGLangEngineConfig, TorchEngineConfig
 
 
@@ -62,6 +62,8 @@ class GeneratorConfig(BaseModel):
     """Tokens of one ``progress`` at most: this many waiting flush at once, and a flush of more is
     split over several messages."""
     log: LogConfig = LogConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    """Its Prometheus endpoint (off by default)."""
 
     @model_validator(mode="after")
     def _recompute_needs_the_torch_engine(self) -> GeneratorConfig:

@@ -204,6 +204,10 @@ class LearnerActor:
         self._last_batch_at: float | None = None
         self._last_command = time.monotonic()
 
+    def scrape(self, out) -> None:
+        """``/metrics`` (``april_async.telemetry``): the last step's numbers and this process's totals."""
+        self.metrics.view.scrape(out)
+
     def _roll_forward(self, seen: int, why: str) -> None:
         """Versions up to ``seen`` exist but these weights are version ``c < seen``: number them
         ``2·seen − c`` (see the module docstring) so that no version is reused and version

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from april_async.config import Device, Endpoint, LinkConfig, LogConfig
+from april_async.config import Device, Endpoint, LinkConfig, LogConfig, MetricsConfig
 
 Algorithm = Literal["grpo", "dapo", "gspo"]
 Correction = Literal["none", "tis", "decoupled", "mask"]
@@ -172,6 +172,8 @@ class LearnerConfig(BaseModel):
     audit: bool = True
     """Record every batch taken (sample ids and token versions) in ``<run_dir>/batches.jsonl``."""
     log: LogConfig = LogConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    """Its Prometheus endpoint (off by default)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from april_async.logs import get_logger
 from april_async.runfiles import METRICS
+from april_async.telemetry import Families, Histogram
 
 if TYPE_CHECKING:
     from april_async.learner.config import LearnerConfig
@@ -62,12 +63,84 @@ def _scalar(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+# The step's numbers on /metrics: (row key, name, help), each a gauge of the last step.
+STEP_GAUGES = (
+    ("step", "april_learner_step", "Learner steps taken (the run's count, kept across restarts)"),
+    ("version", "april_learner_policy_version", "The policy version after the last step"),
+    ("reward_mean", "april_learner_reward_mean", "Mean reward of the last step's batch"),
+    ("solved_frac", "april_learner_solved_ratio", "Share of the last batch's samples with a positive reward"),
+    ("loss", "april_learner_loss", "The last step's loss"),
+    ("grad_norm", "april_learner_grad_norm", "The last step's gradient norm (before clipping)"),
+    ("lr", "april_learner_learning_rate", "The learning rate of the last step"),
+    ("clip_frac", "april_learner_clip_ratio", "Share of the last step's tokens whose ratio was clipped"),
+    ("ess", "april_learner_ess_ratio", "Effective sample size of the last step's importance weights, "
+     "as a share of its tokens"),
+    ("kl_behav", "april_learner_kl_behavior", "KL from the behaviour policy to the trained one, last step"),
+    ("off_policy_frac", "april_learner_off_policy_ratio", "Share of the last step's tokens made by an older "
+     "version"),
+    ("lag_mean", "april_learner_staleness_mean", "Mean staleness (versions) of the last step's tokens"),
+    ("lag_max", "april_learner_staleness_max", "Largest staleness (versions) of the last step's tokens"),
+    ("mixed_frac", "april_learner_mixed_ratio", "Share of the last step's tokens made across a weight update"),
+    ("response_len_mean", "april_learner_response_length_mean", "Mean response length (tokens), last step"),
+    ("tokens_per_s", "april_learner_tokens_per_second", "Tokens trained per second of the last step "
+     "(its wait for the batch included)"),
+)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class Scrape:
+    """What the learner shows on ``/metrics`` (``LearnerActor.scrape``): the last step's row, and
+    totals since this process started. ``record`` runs on the learner's thread; ``scrape`` reads a
+    row replaced whole, and numbers."""
+
+    def __init__(self) -> None:
+        self.row: dict = {}
+        self.steps = 0
+        self.tokens = 0
+        self.seconds = {"wait": 0.0, "train": 0.0, "publish": 0.0}
+        self.staleness = Histogram(STALENESS_BUCKETS)
+
+    def record(self, row: dict, lags) -> None:
+        import numpy as np
+
+        self.steps += 1
+        self.tokens += int(row.get("tokens", 0))
+        step_s, train_s = float(row.get("step_s", 0.0)), float(row.get("train_s", 0.0))
+        self.seconds["wait"] += float(row.get("wait_s", 0.0))
+        self.seconds["train"] += train_s
+        self.seconds["publish"] += max(0.0, step_s - train_s)
+        if lags is not None and len(lags):
+            lags = np.asarray(lags)
+            edges = np.searchsorted(np.asarray(STALENESS_BUCKETS), lags, side="left")
+            self.staleness.add_counts(np.bincount(edges, minlength=len(STALENESS_BUCKETS) + 1), float(lags.sum()))
+        self.row = row
+
+    def scrape(self, out: Families) -> None:
+        row = self.row
+        for key, name, help in STEP_GAUGES:
+            value = row.get(key)
+            if _scalar(value):
+                out.gauge(name, help, value)
+        for phase in ("wait", "train", "publish"):
+            key = f"{phase}_s" if phase != "publish" else None
+            last = row.get(key) if key else (row["step_s"] - row["train_s"] if "step_s" in row else None)
+            out.gauge("april_learner_last_step_seconds", "The last step's time by phase: wait (for its batch), "
+                      "train, publish (weights, report, checkpoint)", last, phase=phase)
+            out.counter("april_learner_step_seconds_total", "Seconds in each phase of a step, since this "
+                        "process started", self.seconds[phase], phase=phase)
+        out.counter("april_learner_steps_total", "Steps taken by this process", self.steps)
+        out.counter("april_learner_tokens_trained_total", "Response tokens trained on by this process", self.tokens)
+        out.histogram("april_learner_token_staleness", "Staleness (versions) of each trained policy token",
+                      self.staleness)
+
+
 class MetricsSink:
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb: WandbLog | None = None):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / METRICS, "a", buffering=1)
         self.wandb = wandb
+        self.view = Scrape()
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -76,6 +149,7 @@ class MetricsSink:
 
     def write(self, step: int, row: dict, lags: list[int] | None = None) -> None:
         self._jsonl.write(json.dumps(row, sort_keys=True) + "\n")
+        self.view.record(row, lags)
         if self.wandb is not None:
             self.wandb.write(step, row, lags)
         if self._tb is None:

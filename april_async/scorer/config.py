@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from april_async.config import LinkConfig, LogConfig
+from april_async.config import LinkConfig, LogConfig, MetricsConfig
 
 
 class ScorerConfig(BaseModel):
@@ -35,6 +35,8 @@ class ScorerConfig(BaseModel):
     free one in the order they came, so a slow call (a tool's wait, a hard answer to verify) holds
     only its own worker, not every request queued behind it. Answers go back as each call ends."""
     log: LogConfig = LogConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    """Its Prometheus endpoint (off by default)."""
 
     @field_validator("environments")
     @classmethod

@@ -34,10 +34,12 @@ from april_async.scorer.config import ScorerConfig
 from april_async.warmstart.config import WarmStartConfig
 
 ACTOR_KINDS = ("broker", "broadcaster", "scorer", "learner", "generator")
+METRICS_PORT_OFFSETS = {"broker": 0, "broadcaster": 1, "scorer": 2, "learner": 3, "generator": 4}
+"""Each kind's ``/metrics`` port from ``run.metrics_port`` (generator i: 4 + i)."""
 COUNTED_KINDS = ("generator", "learner")
 """Actors that take a count: ``generator:N`` (N generators), ``learner:N`` (the learner's N ranks)."""
 SECTIONS = ("run", "warmstart", *ACTOR_KINDS)
-ENVIRONMENT = (("APRIL_HEAD", "host"), ("APRIL_BIND", "bind"), ("APRIL_NODE", "node"))
+ENVIRONMENT = (("APRIL_HEAD", "host"), ("APRIL_BIND", "bind"), ("APRIL_NODE", "node"), ("APRIL_ADDR", "address"))
 """Environment variables that replace a ``[run]`` setting (``launch/cluster.sh`` sets them per host)."""
 ENVIRONMENT_DEFAULTS = (("APRIL_RESTART", "restart"),)
 """Environment variables that give a ``[run]`` setting when the run file and ``--set`` do not
@@ -69,6 +71,15 @@ class RunConfig(BaseModel):
     """The learner group's rendezvous port on the learner's host (``MASTER_PORT`` of its ranks)."""
     node: str = ""
     """A prefix for actor names, unique per host (env ``APRIL_NODE``)."""
+    address: str = ""
+    """How other hosts reach this one (env ``APRIL_ADDR``; ``launch/cluster.sh`` sets the host file's
+    name of each host): the address written in the Prometheus targets. Empty: ``bind``, or this
+    host's name where ``bind`` is 0.0.0.0."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve each actor's Prometheus ``/metrics`` (None: none). 0: each on a free port of its own; N:
+    the broker on N, the broadcaster N+1, the scorer N+2, the learner (rank 0) N+3, generator i N+4+i.
+    Each actor writes where it listens to ``<dir>/prometheus/<name>.json``, a target file for
+    Prometheus' ``file_sd_configs`` (``launch/prometheus.yml``)."""
     keys: Path | None = None
     """A keys directory made by ``april keys``: every actor's ``link.keys`` (env ``APRIL_KEYS`` does the
     same). Needed when ``bind`` is not a loopback address."""
@@ -141,6 +152,14 @@ class RunConfig(BaseModel):
     def kinds(self) -> list[tuple[str, int | None]]:
         """``actors`` as (kind, N) pairs (``parse_actors``)."""
         return parse_actors(self.actors)
+
+    def metrics_of(self, kind: str, name: str, i: int = 0) -> dict[str, Any]:
+        """The ``metrics`` settings of actor ``name`` (the ``i``-th of its kind) under ``metrics_port``."""
+        port = self.metrics_port
+        if port:
+            port += METRICS_PORT_OFFSETS[kind] + i
+        return {"port": port, "bind": self.bind, "address": self.address,
+                "targets_file": self.run_dir / "prometheus" / f"{name}.json"}
 
     def named(self, name: str) -> str:
         """An actor's name on this host: ``<node>-<name>`` with ``node`` set."""
@@ -294,6 +313,10 @@ class RunFile(BaseModel):
             _fill(learner, {"ranks": ranks})
         _fill(generator, {"name": run.named("gen-0"), **link, "broadcaster": run.broadcaster_endpoint,
                           "torch.checkpoint": _given(generator, "torch.checkpoint") or policy})
+        if run.metrics_port is not None:
+            for kind in ACTOR_KINDS:
+                name = "broker" if kind == "broker" else _given(data[kind], "name")
+                _fill(data[kind], {f"metrics.{k}": v for k, v in run.metrics_of(kind, name).items()})
         return data
 
     @field_validator("learner")
@@ -319,6 +342,9 @@ class RunFile(BaseModel):
         """The ``i``-th of ``count`` generators here: its own name and, on the ``sglang`` engine, its own
         servers (every ``count``-th from the ``i``-th)."""
         update: dict[str, Any] = {"name": self.run.named(f"gen-{i}")}
+        if self.run.metrics_port is not None:
+            update["metrics"] = self.generator.metrics.model_copy(
+                update=self.run.metrics_of("generator", update["name"], i))
         if self.generator.engine == "sglang":
             servers = self.generator.sglang.servers[i::count]
             update["sglang"] = self.generator.sglang.model_copy(update={"servers": servers})

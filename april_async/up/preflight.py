@@ -8,7 +8,8 @@ policy the run starts from (``learner.checkpoint``, read by the learner and the 
 directory with ``config.json``), unless the warm start makes it (``<run.dir>/init``); a tokenizer
 named apart from it (``broker.prompts.tokenizer``, ``scorer.tokenizer``: ``char``, a directory or
 a file); the keys directory (``run.keys``); and the ports this host's actors will listen on (the
-broker's and the broadcaster's at ``run.bind``, the learner ranks' rendezvous), free and bindable.
+broker's and the broadcaster's at ``run.bind``, the learner ranks' rendezvous, the actors' ``/metrics``
+under a ``run.metrics_port`` other than 0), free and bindable.
 A path is read from the directory ``april up`` runs in, as the actors read it.
 """
 
@@ -47,6 +48,12 @@ def problems(files: RunFile) -> list[str]:
         listens.append(("run.broadcaster_port", run.bind, run.broadcaster_port))
     if "learner" in kinds and files.learner.ranks > 1:
         listens.append(("run.learner_port", "127.0.0.1", run.learner_port))
+    if run.metrics_port:  # 0: each endpoint takes a free port of its own
+        for kind, count in files.run.kinds:
+            for i in range(count or 1) if kind == "generator" else (0,):
+                port = run.metrics_of(kind, kind, i)["port"]
+                listens.append((f"run.metrics_port (the {kind}{f' {i}' if kind == 'generator' else ''}'s)",
+                                run.bind, port))
     for setting, host, port in listens:
         why = _unbindable(host, port)
         if why is not None:
