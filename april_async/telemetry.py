@@ -99,7 +99,9 @@ class Families:
         fam = self._families.setdefault(name, (kind, help, names, []))
         if fam[0] != kind or fam[2] != names:
             raise ValueError(f"metric {name!r}: added as {fam[0]} {fam[2]}, now as {kind} {names}")
-        fam[3].append(([str(v) for v in self.base.values()] + [str(labels[k]) for k in sorted(labels)], value))
+        fam[3].append(
+            ([str(v) for v in self.base.values()] + [str(labels[k]) for k in sorted(labels)], value)
+        )
 
     def collect(self) -> list:
         """The families as ``prometheus_client`` builds its exposition from them."""
@@ -165,9 +167,13 @@ class MetricsServer:
         ProcessCollector(registry=registry)
         registry.register(_Collector(self.source, self.role, self.instance, self.log))
         try:
-            self._server, self._thread = start_http_server(self.cfg.port, addr=self.cfg.bind, registry=registry)
+            self._server, self._thread = start_http_server(
+                self.cfg.port, addr=self.cfg.bind, registry=registry
+            )
         except OSError as e:
-            raise OSError(e.errno, f"metrics.port {self.cfg.port} at {self.cfg.bind}: {e.strerror or e}") from None
+            raise OSError(
+                e.errno, f"metrics.port {self.cfg.port} at {self.cfg.bind}: {e.strerror or e}"
+            ) from None
         self.port = self._server.server_address[1]
         self._write_target()
         self.log.info("metrics_serving", url=f"http://{self.target}/metrics")
@@ -187,8 +193,9 @@ class MetricsServer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([{"targets": [self.target], "labels": {"role": self.role,
-                                                                          "instance": self.instance}}]))
+        tmp.write_text(
+            json.dumps([{"targets": [self.target], "labels": {"role": self.role, "instance": self.instance}}])
+        )
         tmp.replace(path)
 
     def close(self) -> None:

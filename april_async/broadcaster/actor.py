@@ -660,10 +660,12 @@ class BroadcasterActor:
         (as of the last status the loop made: ``broadcaster.json``)."""
         p, status = self.planner, self.last_status
         out.counter("april_broadcaster_rounds_total", "Broadcast rounds ended", p.rounds)
-        out.counter("april_broadcaster_failed_rounds_total", "Rounds some member did not complete", p.failed_rounds)
+        out.counter("april_broadcaster_failed_rounds_total", "Rounds some member did not complete",
+                    p.failed_rounds)
         out.counter("april_broadcaster_bytes_total", "Bytes of the versions broadcast (once per round that "
                     "some member acknowledged)", p.bytes_broadcast)
-        out.histogram("april_broadcaster_round_seconds", "Seconds from a round's start to its end", p.round_seconds)
+        out.histogram("april_broadcaster_round_seconds", "Seconds from a round's start to its end",
+                      p.round_seconds)
         last = p.last_round
         for phase, key in (("join", "join_s"), ("broadcast", "bcast_s"), ("round", "s")):
             out.gauge("april_broadcaster_last_round_seconds", "The last round's time: joining the group, the "

@@ -448,8 +448,8 @@ class BrokerService:
         if snap is not None:
             out.gauge("april_broker_policy_version", "The policy version the broker holds", snap.version)
             for place, n in snap.places.items():
-                out.gauge("april_broker_samples", "Samples in each place of the ledger (ended groups' samples "
-                          "counted in delivered and retired)", n, place=place)
+                out.gauge("april_broker_samples", "Samples in each place of the ledger (ended groups' "
+                          "samples counted in delivered and retired)", n, place=place)
             out.gauge("april_broker_group_size", "Samples per group", snap.group_size)
             for role in ("generator", "scorer", "learner", "broadcaster"):
                 out.gauge("april_broker_sessions", "Peers with a session, by role", snap.peers.get(role, 0),
@@ -458,7 +458,8 @@ class BrokerService:
                 if isinstance(value, dict):
                     label = "lag" if name.startswith("staleness_") else "reason"
                     for key, n in sorted(value.items()):
-                        out.counter(f"april_broker_{name}_total", COUNTER_HELP.get(name, name), n, **{label: key})
+                        out.counter(f"april_broker_{name}_total", COUNTER_HELP.get(name, name), n,
+                                    **{label: key})
                 else:
                     out.counter(f"april_broker_{name}_total", COUNTER_HELP.get(name, name), value)
         for kind, hist in list(self.message_seconds.items()):
@@ -466,8 +467,8 @@ class BrokerService:
                           type=getattr(kind, "msg_type", kind.__name__))
         out.histogram("april_broker_tick_seconds", "Time of one turn of the loop's periodic work (expiry, "
                       "admission, leases, score requests, batches, journal)", self.tick_seconds)
-        out.histogram("april_broker_sample_seconds", "Seconds from a group's admission to each of its samples' "
-                      "reward", self.sample_clock.histogram)
+        out.histogram("april_broker_sample_seconds", "Seconds from a group's admission to each of its "
+                      "samples' reward", self.sample_clock.histogram)
 
     def _admit(self, now: float) -> None:
         """Keep two steps' worth of samples queued, from the prompt source."""

@@ -275,13 +275,14 @@ class GeneratorActor:
         busy = self.busy
         if busy is not None:
             up = busy.at - busy.since
-            out.gauge("april_generator_active_sequences", "Sequences active at the loop's last turn", busy.active)
+            out.gauge("april_generator_active_sequences", "Sequences active at the loop's last turn",
+                      busy.active)
             out.counter("april_generator_busy_seconds_total", "Seconds with at least one sequence active",
                         busy.busy_s)
             out.counter("april_generator_slot_seconds_total", "Active sequences x seconds", busy.slot_s)
             out.counter("april_generator_up_seconds_total", "Seconds the loop has run", up)
-            out.gauge("april_generator_busy_ratio", "Share of the loop's time with a sequence active, since it "
-                      "started", busy.busy_s / up if up > 0 else None)
+            out.gauge("april_generator_busy_ratio", "Share of the loop's time with a sequence active, "
+                      "since it started", busy.busy_s / up if up > 0 else None)
 
     def _log_busy(self, busy: BusyClock) -> None:
         self.log.info("busy", busy_s=round(busy.busy_s, 3), slot_s=round(busy.slot_s, 3), slots=self.engine.slots,

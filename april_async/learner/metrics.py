@@ -80,7 +80,8 @@ STEP_GAUGES = (
      "version"),
     ("lag_mean", "april_learner_staleness_mean", "Mean staleness (versions) of the last step's tokens"),
     ("lag_max", "april_learner_staleness_max", "Largest staleness (versions) of the last step's tokens"),
-    ("mixed_frac", "april_learner_mixed_ratio", "Share of the last step's tokens made across a weight update"),
+    ("mixed_frac", "april_learner_mixed_ratio", "Share of the last step's tokens made across a weight "
+     "update"),
     ("response_len_mean", "april_learner_response_length_mean", "Mean response length (tokens), last step"),
     ("tokens_per_s", "april_learner_tokens_per_second", "Tokens trained per second of the last step "
      "(its wait for the batch included)"),
@@ -112,7 +113,8 @@ class Scrape:
         if lags is not None and len(lags):
             lags = np.asarray(lags)
             edges = np.searchsorted(np.asarray(STALENESS_BUCKETS), lags, side="left")
-            self.staleness.add_counts(np.bincount(edges, minlength=len(STALENESS_BUCKETS) + 1), float(lags.sum()))
+            per_bucket = np.bincount(edges, minlength=len(STALENESS_BUCKETS) + 1)
+            self.staleness.add_counts(per_bucket, float(lags.sum()))
         self.row = row
 
     def scrape(self, out: Families) -> None:
@@ -124,12 +126,13 @@ class Scrape:
         for phase in ("wait", "train", "publish"):
             key = f"{phase}_s" if phase != "publish" else None
             last = row.get(key) if key else (row["step_s"] - row["train_s"] if "step_s" in row else None)
-            out.gauge("april_learner_last_step_seconds", "The last step's time by phase: wait (for its batch), "
-                      "train, publish (weights, report, checkpoint)", last, phase=phase)
+            out.gauge("april_learner_last_step_seconds", "The last step's time by phase: wait (for its "
+                      "batch), train, publish (weights, report, checkpoint)", last, phase=phase)
             out.counter("april_learner_step_seconds_total", "Seconds in each phase of a step, since this "
                         "process started", self.seconds[phase], phase=phase)
         out.counter("april_learner_steps_total", "Steps taken by this process", self.steps)
-        out.counter("april_learner_tokens_trained_total", "Response tokens trained on by this process", self.tokens)
+        out.counter("april_learner_tokens_trained_total", "Response tokens trained on by this process",
+                    self.tokens)
         out.histogram("april_learner_token_staleness", "Staleness (versions) of each trained policy token",
                       self.staleness)
 

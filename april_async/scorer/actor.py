@@ -81,8 +81,8 @@ class ScorerActor:
     def scrape(self, out) -> None:
         """``/metrics`` (``april_async.telemetry``): calls by outcome, the queue, the workers."""
         for kind, n in list(self.counts.items()):
-            out.counter("april_scorer_calls_total", "Reward and environment calls, by outcome (scored, unparsed, "
-                        "continued, or an error kind)", n, outcome=kind)
+            out.counter("april_scorer_calls_total", "Reward and environment calls, by outcome (scored, "
+                        "unparsed, continued, or an error kind)", n, outcome=kind)
         out.gauge("april_scorer_queued", "Score requests waiting for a worker", len(self.queue))
         out.gauge("april_scorer_running", "Score requests being run", len(self.running))
         out.gauge("april_scorer_workers", "Worker processes", len(self.workers))

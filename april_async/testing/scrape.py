@@ -39,8 +39,11 @@ class Scraped:
                 self.samples.append((s.name, dict(s.labels), s.value))
 
     def all(self, name: str, **labels) -> list[tuple[dict, float]]:
-        return [(ls, v) for n, ls, v in self.samples
-                if n == name and all(ls.get(k) == str(want) for k, want in labels.items())]
+        return [
+            (ls, v)
+            for n, ls, v in self.samples
+            if n == name and all(ls.get(k) == str(want) for k, want in labels.items())
+        ]
 
     def value(self, name: str, **labels) -> float:
         """The one sample of ``name`` with ``labels`` (an ``AssertionError`` naming it if not exactly one)."""

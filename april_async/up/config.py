@@ -39,7 +39,8 @@ METRICS_PORT_OFFSETS = {"broker": 0, "broadcaster": 1, "scorer": 2, "learner": 3
 COUNTED_KINDS = ("generator", "learner")
 """Actors that take a count: ``generator:N`` (N generators), ``learner:N`` (the learner's N ranks)."""
 SECTIONS = ("run", "warmstart", *ACTOR_KINDS)
-ENVIRONMENT = (("APRIL_HEAD", "host"), ("APRIL_BIND", "bind"), ("APRIL_NODE", "node"), ("APRIL_ADDR", "address"))
+ENVIRONMENT = (("APRIL_HEAD", "host"), ("APRIL_BIND", "bind"), ("APRIL_NODE", "node"),
+               ("APRIL_ADDR", "address"))
 """Environment variables that replace a ``[run]`` setting (``launch/cluster.sh`` sets them per host)."""
 ENVIRONMENT_DEFAULTS = (("APRIL_RESTART", "restart"),)
 """Environment variables that give a ``[run]`` setting when the run file and ``--set`` do not

@@ -14,16 +14,38 @@ from april_async.testing.procs import ROOT
 from april_async.testing.runs import free_port, logs_of, tiny_policy, tiny_run, up, wait_for
 from april_async.testing.scrape import scrape, targets
 
-INSTANCES = {"broker": "broker", "broadcaster": "broadcaster", "scorer-0": "scorer", "learner-0": "learner",
-             "gen-0": "generator", "gen-1": "generator"}
-BROKER_COUNTERS = ("groups_admitted", "leases_issued", "tokens_generated", "samples_delivered", "tokens_delivered",
-                   "scores_ok", "aborts_sent", "partials_recycled")
+INSTANCES = {
+    "broker": "broker",
+    "broadcaster": "broadcaster",
+    "scorer-0": "scorer",
+    "learner-0": "learner",
+    "gen-0": "generator",
+    "gen-1": "generator",
+}
+BROKER_COUNTERS = (
+    "groups_admitted",
+    "leases_issued",
+    "tokens_generated",
+    "samples_delivered",
+    "tokens_delivered",
+    "scores_ok",
+    "aborts_sent",
+    "partials_recycled",
+)
 
 
 def test_scrape_a_running_job(tmp_path):
     run = tmp_path / "run"
-    config = tiny_run(dir=run, broker_port=free_port(), broadcaster_port=free_port(), store_port=free_port(),
-                      learner_port=free_port(), steps=100000, eta=1, checkpoint=tiny_policy(tmp_path / "policy"))
+    config = tiny_run(
+        dir=run,
+        broker_port=free_port(),
+        broadcaster_port=free_port(),
+        store_port=free_port(),
+        learner_port=free_port(),
+        steps=100000,
+        eta=1,
+        checkpoint=tiny_policy(tmp_path / "policy"),
+    )
     (tmp_path / "run.toml").write_text(config.replace("[run]\n", "[run]\nmetrics_port = 0\n", 1))
     log = tmp_path / "up.log"
     proc = up(tmp_path / "run.toml", log=log)
@@ -32,14 +54,25 @@ def test_scrape_a_running_job(tmp_path):
         found = targets(run)
         assert {i: t["labels"]["role"] for i, t in found.items()} == INSTANCES
         learner = found["learner-0"]["url"]
-        wait_for("4 learner steps on /metrics and weights on both generators",
-                 lambda: scrape(learner).all("april_learner_step") and scrape(learner).value("april_learner_step") >= 4
-                 and scrape(found["broadcaster"]["url"]).value("april_broadcaster_members") == 2, 120, proc, log)
+        wait_for(
+            "4 learner steps on /metrics and weights on both generators",
+            lambda: (
+                scrape(learner).all("april_learner_step")
+                and scrape(learner).value("april_learner_step") >= 4
+                and scrape(found["broadcaster"]["url"]).value("april_broadcaster_members") == 2
+            ),
+            120,
+            proc,
+            log,
+        )
         got = {i: scrape(t["url"]) for i, t in found.items()}
         rows = read_metrics(run)  # after the scrape: the scraped step's row is written before it shows
         for instance, s in got.items():
-            assert all(ls["instance"] == instance and ls["role"] == INSTANCES[instance]
-                       for name, ls, _v in s.samples if name.startswith("april_")), instance
+            assert all(
+                ls["instance"] == instance and ls["role"] == INSTANCES[instance]
+                for name, ls, _v in s.samples
+                if name.startswith("april_")
+            ), instance
 
         # The learner: its step's row, and every token trained since the start.
         lr = got["learner-0"]
@@ -52,7 +85,10 @@ def test_scrape_a_running_job(tmp_path):
         assert lr.value("april_learner_tokens_trained_total") == trained
         assert lr.value("april_learner_token_staleness_count") == trained
         assert lr.value("april_learner_steps_total") == step
-        assert sum(lr.value("april_learner_step_seconds_total", phase=p) for p in ("wait", "train", "publish")) > 0
+        assert (
+            sum(lr.value("april_learner_step_seconds_total", phase=p) for p in ("wait", "train", "publish"))
+            > 0
+        )
 
         # The broker: one instant's ledger (places add up), at least what it told the learner before
         # that instant (the steps up to the version it held then: their batches left it earlier).
@@ -74,15 +110,22 @@ def test_scrape_a_running_job(tmp_path):
             assert g.value("april_generator_policy_version") >= 1
             assert 0 < g.value("april_generator_busy_ratio") <= 1
         bc = got["broadcaster"]
-        assert bc.value("april_broadcaster_rounds_total") >= 1 and bc.value("april_broadcaster_bytes_total") > 0
+        assert (
+            bc.value("april_broadcaster_rounds_total") >= 1 and bc.value("april_broadcaster_bytes_total") > 0
+        )
         assert bc.value("april_broadcaster_member_version", member="gen-0") >= 1
         assert got["scorer-0"].value("april_scorer_calls_total", outcome="scored") > 0
 
         documented = (ROOT / "docs" / "metrics.md").read_text()
         names = {family for s in got.values() for family in s.types if family.startswith("april_")}
         assert not {n for n in names if n not in documented and not n.startswith("april_broker_")}
-        assert not {n for n in names if n.startswith("april_broker_") and n not in documented
-                    and n.removeprefix("april_broker_").removesuffix("_total") not in documented}
+        assert not {
+            n
+            for n in names
+            if n.startswith("april_broker_")
+            and n not in documented
+            and n.removeprefix("april_broker_").removesuffix("_total") not in documented
+        }
 
         proc.send_signal(signal.SIGINT)
         code = proc.wait(120)

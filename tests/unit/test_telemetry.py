@@ -62,7 +62,10 @@ def test_families_follow_prometheus_conventions():
     s = exposition(fill)
     assert s.types["april_learner_reward_mean"] == "gauge"
     assert s.types["april_learner_step_seconds"] == "counter"  # exposed with _total
-    assert s.value("april_learner_step_seconds_total", phase="train", role="learner", instance="n1-learner-0") == 1.5
+    assert (
+        s.value("april_learner_step_seconds_total", phase="train", role="learner", instance="n1-learner-0")
+        == 1.5
+    )
     assert s.total("april_learner_step_seconds_total") == 2.0
     assert not s.all("april_learner_loss") and not s.all("april_learner_grad_norm")
     assert s.value("april_broker_message_seconds_bucket", le="0.1", type="finished") == 1
@@ -99,10 +102,14 @@ class Actor:
 def test_endpoint_serves_writes_its_target_and_cleans_up(tmp_path):
     target = tmp_path / "prometheus" / "gen-0.json"
     actor = Actor()
-    server = serve(MetricsConfig(port=0, targets_file=target), actor, role="generator", instance="gen-0", log=LOG)
+    server = serve(
+        MetricsConfig(port=0, targets_file=target), actor, role="generator", instance="gen-0", log=LOG
+    )
     try:
         entry = json.loads(target.read_text())
-        assert entry == [{"targets": [f"127.0.0.1:{server.port}"], "labels": {"role": "generator", "instance": "gen-0"}}]
+        assert entry == [
+            {"targets": [f"127.0.0.1:{server.port}"], "labels": {"role": "generator", "instance": "gen-0"}}
+        ]
         actor.steps = 7
         s = scrape(f"http://127.0.0.1:{server.port}/metrics")
         assert s.value("april_generator_tokens_total", role="generator", instance="gen-0") == 7
@@ -113,7 +120,9 @@ def test_endpoint_serves_writes_its_target_and_cleans_up(tmp_path):
     finally:
         server.close()
     assert not target.exists()
-    assert serve(MetricsConfig(), actor, role="generator", instance="gen-0", log=LOG) is None  # off by default
+    assert (
+        serve(MetricsConfig(), actor, role="generator", instance="gen-0", log=LOG) is None
+    )  # off by default
 
 
 def test_a_taken_port_is_named(tmp_path):
@@ -127,8 +136,13 @@ def test_a_taken_port_is_named(tmp_path):
 
 
 def test_the_target_names_a_host_prometheus_reaches():
-    server = MetricsServer(MetricsConfig(port=0, bind="0.0.0.0", address="10.77.0.2"), Actor(), role="generator",
-                           instance="n1-gen-0", log=LOG)
+    server = MetricsServer(
+        MetricsConfig(port=0, bind="0.0.0.0", address="10.77.0.2"),
+        Actor(),
+        role="generator",
+        instance="n1-gen-0",
+        log=LOG,
+    )
     server.port = 9404
     assert server.target == "10.77.0.2:9404"
     server.cfg = MetricsConfig(port=0, bind="0.0.0.0")
@@ -138,21 +152,40 @@ def test_the_target_names_a_host_prometheus_reaches():
 
 
 def test_april_up_gives_each_actor_its_port(tmp_path):
-    doc = load_document(None, [f"run.dir={json.dumps(str(tmp_path / 'run'))}", "run.metrics_port=9400",
-                               'run.actors=["broker","broadcaster","scorer","learner","generator:3"]'])
+    doc = load_document(
+        None,
+        [
+            f"run.dir={json.dumps(str(tmp_path / 'run'))}",
+            "run.metrics_port=9400",
+            'run.actors=["broker","broadcaster","scorer","learner","generator:3"]',
+        ],
+    )
     files = RunFile.load(doc, environ={"APRIL_NODE": "n1", "APRIL_ADDR": "node1", "APRIL_BIND": "0.0.0.0"})
-    ports = {"broker": files.broker.metrics.port, "broadcaster": files.broadcaster.metrics.port,
-             "scorer": files.scorer.metrics.port, "learner": files.learner.metrics.port,
-             **{f"gen-{i}": files.generator_of(i, 3).metrics.port for i in range(3)}}
-    assert ports == {"broker": 9400, "broadcaster": 9401, "scorer": 9402, "learner": 9403,
-                     "gen-0": 9404, "gen-1": 9405, "gen-2": 9406}
+    ports = {
+        "broker": files.broker.metrics.port,
+        "broadcaster": files.broadcaster.metrics.port,
+        "scorer": files.scorer.metrics.port,
+        "learner": files.learner.metrics.port,
+        **{f"gen-{i}": files.generator_of(i, 3).metrics.port for i in range(3)},
+    }
+    assert ports == {
+        "broker": 9400,
+        "broadcaster": 9401,
+        "scorer": 9402,
+        "learner": 9403,
+        "gen-0": 9404,
+        "gen-1": 9405,
+        "gen-2": 9406,
+    }
     gen = files.generator_of(2, 3).metrics
     assert (gen.bind, gen.address) == ("0.0.0.0", "node1")
     assert gen.targets_file == tmp_path / "run" / "prometheus" / "n1-gen-2.json"
     assert files.learner.metrics.targets_file.name == "n1-learner-0.json"
     off = RunFile.load(load_document(None, [f"run.dir={json.dumps(str(tmp_path / 'run'))}"]))
     assert off.broker.metrics.port is None and off.generator_of(0, 2).metrics.port is None
-    free = RunFile.load(load_document(None, [f"run.dir={json.dumps(str(tmp_path / 'run'))}", "run.metrics_port=0"]))
+    free = RunFile.load(
+        load_document(None, [f"run.dir={json.dumps(str(tmp_path / 'run'))}", "run.metrics_port=0"])
+    )
     assert free.broker.metrics.port == 0 and free.generator_of(1, 2).metrics.port == 0
 
 
@@ -163,7 +196,14 @@ def test_preflight_names_a_taken_metrics_port(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        doc = load_document(None, [f"run.dir={json.dumps(str(tmp_path / 'run'))}", f"run.metrics_port={port - 4}",
-                                   'run.actors=["generator:1"]', f"learner.checkpoint={json.dumps(str(tmp_path))}"])
+        doc = load_document(
+            None,
+            [
+                f"run.dir={json.dumps(str(tmp_path / 'run'))}",
+                f"run.metrics_port={port - 4}",
+                'run.actors=["generator:1"]',
+                f"learner.checkpoint={json.dumps(str(tmp_path))}",
+            ],
+        )
         found = problems(RunFile.load(doc))
     assert any(f"run.metrics_port (the generator 0's) {port} at 127.0.0.1" in p for p in found), found
