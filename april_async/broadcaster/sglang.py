@@ -87,6 +87,7 @@ import torch.distributed as dist
 from april_async.broadcaster.config import SGLangFanoutConfig
 from april_async.broadcaster.rounds import SGLANG_NO_ADAPTER
 from april_async.logs import get_logger
+from april_async.model.peft_format import adapter_config, peft_file_name
 from april_async.sglang.api import TORN_PREFIX, LoraRefused, SGLangError, adapter_name
 from april_async.sglang.client import ServerClient
 from april_async.weights.custom_group import join_custom_group, leave_custom_group
@@ -96,8 +97,6 @@ from april_async.wire.messages import AdapterSpec, TensorSpec
 KEEP_ADAPTERS = 2
 """Adapter versions each server keeps loaded (the newest): requests under the one before the newest
 finish on it rather than reload it."""
-PEFT_PREFIX = "base_model.model."
-"""How peft names an adapter's tensors in ``adapter_model.safetensors`` (``learner.lora.peft_file_name``)."""
 RESUME_BACKOFF_S = (0.5, 1.0, 2.0)
 """Waits before each retry of a ``/continue_generation`` that failed."""
 SUPPORTED_SGLANG = {"0.5.15.post1": "2.11.0", "0.5.23": "2.14.1"}
@@ -398,14 +397,11 @@ class SGLangFanout:
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank,
-                  "lora_alpha": adapter.alpha, "target_modules": list(adapter.target_modules),
-                  "bias": "none", "use_dora": False, "use_rslora": False, "fan_in_fan_out": False,
-                  "inference_mode": True,
-                  "base_model_name_or_path": adapter.base_digest}
+        config = adapter_config(r=adapter.rank, alpha=adapter.alpha, target_modules=adapter.target_modules,
+                                base=adapter.base_digest)
         (work / "adapter_config.json").write_text(json.dumps(config, indent=2))
         views = unflatten(tensors, buffer)
-        save_file({PEFT_PREFIX + n: t.detach().to("cpu").contiguous().clone() for n, t in views.items()},
+        save_file({peft_file_name(n): t.detach().to("cpu").contiguous().clone() for n, t in views.items()},
                   str(work / "adapter_model.safetensors"), metadata={"format": "pt"})
         os.replace(work, final)
         return final

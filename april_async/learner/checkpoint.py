@@ -36,6 +36,7 @@ import torch
 
 from april_async.learner import hf
 from april_async.model.errors import CheckpointError
+from april_async.model.peft_format import peft_file_name
 
 MODEL_FILES = frozenset({"config.json", "model.safetensors"})
 STATE_FILE = "trainer_state.json"
@@ -140,9 +141,9 @@ def export_adapter(directory: Path, policy, *, base: Path) -> None:
         config = lora.adapter_config(policy.lora, base)
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
     items = policy.version_shapes()
-    weights = ((lora.peft_file_name(n), t) for n, t in policy.version_weights([n for n, _, _ in items]))
+    weights = ((peft_file_name(n), t) for n, t in policy.version_weights([n for n, _, _ in items]))
     _stream_safetensors(directory / "adapter_model.safetensors",
-                        [(lora.peft_file_name(n), d, s) for n, d, s in items], weights, rank0)
+                        [(peft_file_name(n), d, s) for n, d, s in items], weights, rank0)
 
 
 def _stream_safetensors(path: Path, items, weights, rank0: bool) -> None:

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from april_async.learner.config import LoraSettings
-
-PEFT_PREFIX = "base_model.model."
+from april_async.model import peft_format
+from april_async.model.peft_format import PEFT_PREFIX
 ADAPTER = "default"
 _LORA_KEY = re.compile(r"^(?P<path>.+)\.lora_(?P<ab>[AB])\.default\.weight$")
 
@@ -94,18 +94,11 @@ def base_name(key: str) -> str:
     return key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
-def peft_file_name(wire: str) -> str:
-    """An adapter tensor's name in ``adapter_model.safetensors`` as ``peft`` saves it."""
-    return PEFT_PREFIX + wire
-
-
 def adapter_config(settings: LoraSettings, base: str) -> dict:
-    """``adapter_config.json`` as ``peft`` reads it (and SGLang: ``r``, ``lora_alpha``,
-    ``target_modules``, ``peft_type``); ``base``: the base checkpoint's path."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.r, "lora_alpha": settings.alpha,
-            "lora_dropout": settings.dropout, "target_modules": list(settings.target_modules), "bias": "none",
-            "base_model_name_or_path": str(base), "fan_in_fan_out": False, "use_rslora": False,
-            "use_dora": False, "inference_mode": True}
+    """The learner's adapter's ``adapter_config.json`` (``model.peft_format``); ``base``: the base
+    checkpoint's path."""
+    return peft_format.adapter_config(r=settings.r, alpha=settings.alpha, target_modules=settings.target_modules,
+                                      base=base, dropout=settings.dropout)
 
 
 def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
