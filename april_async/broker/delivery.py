@@ -22,12 +22,12 @@ import msgspec
 import numpy as np
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.ledger import (NO_RUNS, NO_TOKENS, Counters, Place, Runs, Sample, Spans, _bump,
-                                       _logprob_view, _token_view, pairs)
+from april_async.broker.ledger import (NO_RUNS, NO_TOKENS, Counters, PackedRuns, Place, Runs, Sample,
+                                       _bump, _logprob_view, _token_view, pairs)
 from april_async.broker.policy import Policy
 
 
-class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
+class BatchSampleOut(PackedRuns, msgspec.Struct, frozen=True, gc=False):
     """One delivered sample. The batch types are frozen msgspec Structs rather than frozen
     dataclasses: built 8× faster (0.06 µs against 0.5 µs; 64,000 a batch at 1,000 generators), and
     never tracked by the garbage collector (``gc=False``: they hold no reference cycles)."""
@@ -40,16 +40,6 @@ class BatchSampleOut(msgspec.Struct, frozen=True, gc=False):
     span_runs: Runs  # the sample's, packed (``Sample.span_runs``)
     resumed_at: tuple[int, ...] = ()  # where a lease resumed it: the KV cache was written again from there
     context_runs: Runs = NO_RUNS  # the sample's context (observations), packed
-
-    @property
-    def spans(self) -> Spans:
-        """Run-length versions of its tokens, ``((version, count), ...)``."""
-        return pairs(self.span_runs)
-
-    @property
-    def context(self) -> Spans:
-        """Its context (observations, demoted turns): ``((offset, count), ...)``."""
-        return pairs(self.context_runs)
 
     @property
     def tokens(self) -> np.ndarray:

@@ -174,7 +174,26 @@ def runs_of(items: Iterable[Sequence[int]]) -> Runs:
 # ``__dict__``) plus its span lists, and full collections grew with the ledger.
 
 
-class Sample(msgspec.Struct, gc=False):
+class PackedRuns:
+    """``spans`` and ``context`` read from a struct's packed ``span_runs`` and ``context_runs``
+    (``Sample``, and the delivered ``BatchSampleOut``). No state of its own."""
+
+    __slots__ = ()
+    span_runs: Runs
+    context_runs: Runs
+
+    @property
+    def spans(self) -> Spans:
+        """Run-length versions of its tokens, ``((version, count), ...)``."""
+        return pairs(self.span_runs)
+
+    @property
+    def context(self) -> Spans:
+        """The response's context (observations, demoted turns): ``((offset, count), ...)``."""
+        return pairs(self.context_runs)
+
+
+class Sample(PackedRuns, msgspec.Struct, gc=False):
     sample_id: int
     group_id: int
     index: int  # 0 .. n-1 within its group
@@ -191,16 +210,6 @@ class Sample(msgspec.Struct, gc=False):
     context_runs: Runs = NO_RUNS  # the ``context``, packed: (offset, count) of the response's context: observations
     turn: int = 0  # a trajectory's policy turns before the one in progress (observations received)
     step_failures: int = 0  # failed runs of its current step sent again (``on_env_failure = "retry"``)
-
-    @property
-    def spans(self) -> Spans:
-        """Run-length versions of its tokens, ``((version, count), ...)``."""
-        return pairs(self.span_runs)
-
-    @property
-    def context(self) -> Spans:
-        """The response's context (observations, demoted turns): ``((offset, count), ...)``."""
-        return pairs(self.context_runs)
 
     @property
     def oldest_version(self) -> int | None:
