@@ -14,13 +14,16 @@
 # every host is this machine. So beside other hosts, name the head by an address or name they
 # reach (not localhost or 127.0.0.1: refused). Each host line gets APRIL_NODE=n<index> so actor
 # names and its files (summary-n<index>.json, children-n<index>.json, logs/up-n<index>.log) are
-# its own; generators on other hosts wait for the head's initial checkpoint, so run.dir must be on
+# its own, and APRIL_ADDR=<host> (where its actors' /metrics are found, under run.metrics_port);
+# generators on other hosts wait for the head's initial checkpoint, so run.dir must be on
 # a shared filesystem (or learner.checkpoint / generator.torch.checkpoint must exist on every host).
 # One console: the head prints the steps, the other hosts their own actors' starts, restarts and stops.
 #
 # Launchers: ssh (default; `$APRIL_SSH -tt -o BatchMode=yes HOST COMMAND`, so closing the session
-# stops the remote side) or srun (inside a SLURM allocation: `srun --nodes=1 --ntasks=1
-# --nodelist=HOST`). Hosts named localhost, 127.0.0.1 or this machine's name run here directly.
+# stops the remote side) or srun (inside a SLURM allocation: `srun --nodes=1 --ntasks=1 --overlap
+# --nodelist=HOST`, one step per host with all of the job's CPUs and GPUs there; launch/slurm.sbatch
+# writes the host file and keys from the allocation). Hosts named localhost, 127.0.0.1 or this
+# machine's name run here directly.
 # Environment: APRIL_DIR, the checkout on every host (default: this one); APRIL, the april
 # command there (default: $APRIL_DIR/.venv/bin/april); APRIL_SSH, the ssh command (default ssh;
 # split into words); APRIL_KEYS, a keys directory: required when the hosts are not all this
@@ -34,7 +37,9 @@
 # on-failure): each host's april up restarts a crashed actor, within run.max_restarts, unless the
 # run file sets run.restart (or --set run.restart=never after --, or APRIL_RESTART=never here).
 # Ctrl-C (or TERM, HUP), or the head's run ending, stops every host: each gets a Ctrl-C on its
-# terminal (local and srun hosts SIGTERM) and stops its actors in order; this waits for all of
+# terminal (local hosts SIGTERM; srun hosts SIGUSR2, which srun passes on to every process of the
+# step, where a shell around april up turns it into SIGTERM to april up alone: a SIGTERM to srun
+# would SIGKILL the step) and stops its actors in order; this waits for all of
 # them, hangs up whatever still runs after APRIL_STOP_WAIT_S or at a second Ctrl-C, and exits
 # with the head's status (130 after a Ctrl-C).
 set -euo pipefail
@@ -104,6 +109,8 @@ commands=()
 for i in "${!hosts[@]}"; do
   q_extra=""; for a in "${extra[@]+"${extra[@]}"}"; do q_extra+=" $(printf '%q' "$a")"; done
   cmd="cd $(printf '%q' "$dir") && APRIL_HEAD=$head_addr APRIL_BIND=$bind APRIL_NODE=n$i$(keys_env "${hosts[$i]}")"
+  # How a Prometheus reaches this host's /metrics (run.metrics_port): its name in the host file.
+  if [[ $all_local == 0 ]]; then cmd+=" APRIL_ADDR=$(printf '%q' "${hosts[$i]}")"; fi
   cmd+=" APRIL_RESTART=$(printf '%q' "${APRIL_RESTART:-on-failure}")"
   cmd+=" exec $(printf '%q' "$april") up --config $(printf '%q' "$config") --actors ${actors[$i]}$q_extra"
   commands+=("$cmd")
@@ -111,7 +118,7 @@ done
 
 for i in "${!hosts[@]}"; do
   if is_local "${hosts[$i]}"; then how="local"; elif [[ $launcher == ssh ]]; then how="${ssh_cmd[*]} -tt ${hosts[$i]}";
-  else how="srun --nodes=1 --ntasks=1 --nodelist=${hosts[$i]}"; fi
+  else how="srun --nodes=1 --ntasks=1 --overlap --nodelist=${hosts[$i]}"; fi
   echo "[${hosts[$i]}] ($how) ${commands[$i]}"
 done
 [[ $dry_run == 1 ]] && exit 0
@@ -120,7 +127,13 @@ done
 # terminal, which interrupts that host's april up (an ordered stop), and ssh ends when it has.
 ctl="$(mktemp -d)"
 trap 'rm -rf "$ctl"' EXIT
-pids=(); ctl_fd=(); head_pid=""
+pids=(); ctl_fd=(); stop_sig=(); head_pid=""
+# The command of an srun step: april up (and the actors it starts) ignore SIGUSR2, the shell around it
+# turns one into SIGTERM for april up alone (an ordered stop), and ends with april up's status.
+srun_wrap() {
+  printf '%s' "trap 'kill -TERM \$p 2>/dev/null' USR2 TERM HUP; (trap '' USR2; $1) & p=\$!;"
+  printf '%s' " while kill -0 \$p 2>/dev/null; do wait \$p; done; wait \$p"
+}
 launch() {  # start host line $1 in the background
   local i=$1 host="${hosts[$1]}" fd
   if is_local "$host"; then
@@ -131,7 +144,8 @@ launch() {  # start host line $1 in the background
     "${ssh_cmd[@]}" -tt -o BatchMode=yes "$host" "${commands[$i]}" <"$ctl/$i" &
     ctl_fd[$i]=$fd
   else
-    srun --nodes=1 --ntasks=1 --nodelist="$host" bash -c "${commands[$i]}" &
+    srun --nodes=1 --ntasks=1 --overlap --nodelist="$host" bash -c "$(srun_wrap "${commands[$i]}")" &
+    stop_sig[$i]=USR2
   fi
   pids[$i]=$!
 }
@@ -147,7 +161,7 @@ stop_all() {  # ask every host still running to stop, then wait for every one of
     if [[ -n "${ctl_fd[$i]:-}" ]]; then
       printf '\003' >&"${ctl_fd[$i]}" || kill -TERM "${pids[$i]}" 2>/dev/null || true
     else
-      kill -TERM "${pids[$i]}" 2>/dev/null || true
+      kill -"${stop_sig[$i]:-TERM}" "${pids[$i]}" 2>/dev/null || true
     fi
   done
   while running; do
