@@ -122,6 +122,11 @@ def run_actor(command: str, cfg, build, stop: StopFlag) -> int:
         print(f"april {command}: {e}", file=sys.stderr)
         return 2
     finally:
+        # Stopped: a second stop request (SLURM's scancel signals every process of a job step, then
+        # the actor's april up signals it again) must not kill the process while its interpreter
+        # shuts down, where CPython has put SIGTERM back to its default: that exit would read -15.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if endpoint is not None:
             endpoint.close()
     return 0

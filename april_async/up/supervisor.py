@@ -25,6 +25,11 @@ STOP_ORDER = ("learner", "generator", "scorer", "broadcaster", "broker")
 REWARD_WINDOW = 20
 """Steps averaged for the console's running reward and the summary's first/last reward."""
 CRASH_LOOP_S = 10.0
+SIGNAL_GRACE_S = 1.0
+"""How long an actor that exited 0 on its own (not the learner finishing) waits to be taken for a
+stop signal to this april up too: a signal to the whole process tree (SLURM's plain ``scancel``, a
+``kill`` of the process group) reaches the actors first, and an actor stopped by it would
+otherwise read as one that stopped unexpectedly."""
 """A child that dies younger than this is crash-looping: its restart back-off doubles."""
 CHILD_SETUP = functools.partial(die_with_parent, signal.SIGTERM, own_group=True)
 """Runs in each child between fork and exec: it dies with the supervisor, and Ctrl-C reaches the
@@ -47,6 +52,7 @@ class Supervisor:
         self.weights_failing: dict[str, int] = {}  # what the console last said of failing generators
         self.weights_reached, self.weights_since = -1, time.monotonic()  # newest version a generator holds, since
         self.lone_exits: dict[str, float] = {}  # group -> when a rank > 0 was seen exiting 0 with rank 0 alive
+        self.clean_exits: dict[str, float] = {}  # unit -> when it was seen exiting 0 (SIGNAL_GRACE_S)
         self.head = any(c.kind == "broker" for c in children)
         """The host that runs the broker: of a cluster's hosts, the one whose console shows the steps."""
         self.name = f"april up [{run.node}]" if run.node else "april up"
@@ -198,6 +204,11 @@ class Supervisor:
             if lead.kind == "learner" and lead.proc.returncode == 0:
                 self.stop_reason = "learner finished"
                 return
+            # Exited 0 on its own: maybe the stop signal of the whole tree, whose part for this april up
+            # arrives in a moment (the loop then stops the run for it); else it is handled below.
+            if (all(code == 0 for _, code in dead)
+                    and now - self.clean_exits.setdefault(lead.name, now) < SIGNAL_GRACE_S):
+                continue
             # Ranks > 0 stop when rank 0 tells them to, and rank 0 then stops too: give it time.
             if (lead.proc.returncode is None and all(code == 0 for _, code in dead)
                     and now - self.lone_exits.setdefault(lead.name, now) < self.run.stop_timeout_s):
@@ -237,6 +248,7 @@ class Supervisor:
             c.restarts.append(now)
             c.delay_s, c.due_at = delay, now + delay
         self.lone_exits.pop(lead.name, None)
+        self.clean_exits.pop(lead.name, None)
         self._write_children()
         if len(unit) == 1:
             self.say(f"{why} after {lived:.0f} s; restarting it in {delay:g} s")
