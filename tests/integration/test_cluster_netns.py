@@ -3,7 +3,9 @@ a stand-in ``ssh`` that runs each host's command in its namespace behind a pseud
 it up when the client goes away (``april_async.testing.fake_ssh``), one keys directory per host
 (``april keys DIR --hosts ...``), the run directory shared (namespaces share the filesystem).
 
-One run, checked on the way: steps are taken with weights loaded on both remote hosts; the store
+One run, checked on the way: steps are taken with weights loaded on both remote hosts; a remote
+host's actors serve Prometheus' /metrics at the host file's name of their host (``APRIL_ADDR``),
+scraped from the head; the store
 listens on the head's address alone; a peer without keys and a stranger on the store are refused
 while the run goes on; a remote generator killed with SIGKILL is restarted and gets weights again;
 Ctrl-C stops every host (each writes its summary, every actor stopped cleanly), no process is
@@ -27,6 +29,7 @@ from april_async.runfiles import read_metrics
 from april_async.testing.netns import Hosts, unavailable
 from april_async.testing.procs import ROOT
 from april_async.testing.runs import logs_of, tiny_policy, tiny_run
+from april_async.testing.scrape import targets
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +95,7 @@ def test_a_run_across_three_namespaces(tmp_path):
     config = tiny_run(dir=run, steps=100000, eta=1, checkpoint=ckpt, **PORTS)
     config = config.replace('actors = ["broker", "broadcaster", "scorer", "learner", "generator:2"]\n', "")
     config = config.replace("duration_s = 240\n", "duration_s = 600\n")  # restarts: cluster.sh's default
+    config = config.replace("[run]\n", "[run]\nmetrics_port = 0\n", 1)
     (tmp_path / "run.toml").write_text(config)
     with Hosts(3) as hosts:
         head, n1, n2 = hosts.addresses
@@ -114,6 +118,13 @@ def test_a_run_across_three_namespaces(tmp_path):
                  lambda: all(status(run).get("members", {}).get(g, 0) >= 3 for g in ("n1-gen-0", "n2-gen-0")),
                  180, proc, log)
             assert len(read_metrics(run)) >= 3
+
+            # 1b. Each host's actors serve /metrics at the host file's name of their host, reached from the head.
+            found = targets(run)
+            assert found["n2-gen-0"]["url"].startswith(f"http://{n2}:"), found
+            r = in_ns(hosts, 0, f"import urllib.request as u; print(u.urlopen({found['n2-gen-0']['url']!r}, "
+                                f"timeout=10).read().decode())")
+            assert 'instance="n2-gen-0"' in r.stdout and "april_generator_tokens_total" in r.stdout, r.stderr[-2000:]
 
             # 2. The store listens on the head's address only.
             listening = hosts.run(0, "ss", "-ltn", capture_output=True, text=True).stdout
