@@ -38,7 +38,7 @@ class BatchSampleOut(PackedRuns, msgspec.Struct, frozen=True, gc=False):
     token_bytes: bytearray | bytes  # packed TOKEN_DTYPE: the sample's own buffer, handed over (it keeps none)
     logprob_bytes: bytearray | bytes  # packed LOGPROB_DTYPE, likewise
     span_runs: Runs  # the sample's, packed (``Sample.span_runs``)
-    resumed_at: tuple[int, ...] = ()  # where a lease resumed it: the KV cache was written again from there
+    resumed_offsets: bytes = b""  # ``resumed_at`` packed: where a lease resumed it (the KV cache written again)
     context_runs: Runs = NO_RUNS  # the sample's context (observations), packed
 
     @property
@@ -190,7 +190,7 @@ class Delivery(Policy):
                     # The token arrays leave with the batch (the sample gets empty ones below); the
                     # spans are shared: a delivered sample's never change again.
                     [BatchSampleOut(s.sample_id, s.reward, s.finish_reason, s.token_bytes, s.logprob_bytes,
-                                    s.span_runs, s.resumed_at, s.context_runs)
+                                    s.span_runs, s.resumed_offsets, s.context_runs)
                      for s in samples],
                 )
             )

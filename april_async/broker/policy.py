@@ -40,9 +40,9 @@ import numpy as np
 from april_async.broker.config import RolloutConfig
 from april_async.broker.ledger import (_TOKEN_SIZE, HELD_PLACES, NO_TOKENS, BrokerError, Group, Lease, Ledger, Place,
                                        Sample, _bump, _logprob_bytes, _oldest_of, _token_bytes, _token_view,
-                                       NO_RUNS, add_run, grow_last, last_run, new_runs, runs_of,
+                                       NO_OFFSETS, NO_RUNS, _INT, add_run, grow_last, last_run, new_runs, runs_of,
                                        seconds)
-from april_async.broker.paged import FifoSet
+from april_async.broker.paged import FifoSet, PagedMap
 
 RETRIED_STEP_FAILURES = frozenset({"env_error", "env_timeout"})
 """The failures of an environment's step that may pass when it runs again (a tool that raised,
@@ -237,7 +237,7 @@ class Policy(Ledger):
         if held:
             self.counters.partials_recycled += 1
             self.counters.tokens_resumed += held
-            s.resumed_at += (held,)
+            s.resumed_offsets += _INT.pack(held)
         s.attempts += 1
         s.lease_id = lid
         self._move(s, Place.LEASED)
@@ -582,7 +582,7 @@ class Policy(Ledger):
             return []
         self.counters.restarts += 1
         self.counters.tokens_discarded += s.n_tokens
-        s.token_bytes, s.logprob_bytes, s.span_runs, s.resumed_at = NO_TOKENS, NO_TOKENS, NO_RUNS, ()
+        s.token_bytes, s.logprob_bytes, s.span_runs, s.resumed_offsets = NO_TOKENS, NO_TOKENS, NO_RUNS, NO_OFFSETS
         s.finish_reason, s.reward, s.finished_by, s.context_runs, s.turn = None, None, None, NO_RUNS, 0
         self._move(s, Place.PARTIAL)
         if s.attempts >= self.config.max_attempts:  # restarted, but out of leases
@@ -651,7 +651,7 @@ class Policy(Ledger):
         # One effect per lease, but no per-lease bookkeeping: every lease issued so far is now
         # aborting (60,000 leases at 1,000 generators: a flag each made this call 50–63 ms).
         effects = [AbortLease(generator, lid) for lid, generator in unaborted.items()]
-        self._unaborted = {}
+        self._unaborted = PagedMap()
         self._aborted_below = self._next["lease"]
         self.counters.early_terminations += 1
         self.counters.aborts_sent += len(effects)

@@ -23,7 +23,7 @@ import msgspec
 from april_async.broker.config import RolloutConfig
 from april_async.broker.delivery import BatchGroupOut, BatchOut, BatchSampleOut, _Assembly
 from april_async.broker.ledger import (NO_TOKENS, BrokerError, Counters, Group, Lease, Place, Sample,
-                                       _logprob_bytes, _logprob_view, _token_bytes, _token_view, runs_of)
+                                       _logprob_bytes, _logprob_view, _token_bytes, _token_view, offsets_of, runs_of)
 from april_async.broker.paged import PagedMap
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def _restore_ledger(core: BrokerCore, snap: Snapshot) -> None:
             raise BrokerError(f"snapshot is inconsistent: sample {s.sample_id} holds {e}") from None
         core.samples[s.sample_id] = Sample(s.sample_id, s.group_id, s.index, s.place, tokens, logprobs,
                                            runs_of(s.spans), s.attempts, s.lease_id, s.finish_reason, s.reward,
-                                           s.finished_by, tuple(s.resumed_at), runs_of(s.context), s.turn,
+                                           s.finished_by, offsets_of(s.resumed_at), runs_of(s.context), s.turn,
                                            s.step_failures)
     for place, n in snap.ended.items():
         core.ended[Place(place)] += n
@@ -421,7 +421,7 @@ def _group_records(groups: Sequence[BatchGroupOut]) -> list[BatchGroupRecord]:
 def _batch_groups(records: Sequence[BatchGroupRecord]) -> list[BatchGroupOut]:
     return [BatchGroupOut(g.group_id, g.prompt_id, tuple(g.prompt), g.task, g.meta, [
                 BatchSampleOut(x.sample_id, x.reward, x.finish_reason, bytes(_token_bytes(x.tokens)),
-                               bytes(_logprob_bytes(x.logprobs)), runs_of(x.spans), tuple(x.resumed_at),
+                               bytes(_logprob_bytes(x.logprobs)), runs_of(x.spans), offsets_of(x.resumed_at),
                                runs_of(x.context))
                 for x in g.samples])
             for g in records]
