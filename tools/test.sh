@@ -9,8 +9,9 @@
 # Bytecode is cached (__pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE is set: the
 # suite starts ~600 Python processes, and each would otherwise compile the project's modules
 # again, and each worker rewrite every test module's asserts again.
+# The 25 slowest tests are listed at the end (--durations): where the suite's time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh
 unset PYTHONDONTWRITEBYTECODE
-exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist worksteal "$@"
+exec .venv/bin/python -m pytest -n "${APRIL_TEST_WORKERS:-3}" --dist worksteal --durations=25 "$@"
