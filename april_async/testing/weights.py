@@ -103,7 +103,13 @@ def member_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     stop = StopFlag()
     configure(level="debug")
+    from april_async.logs import get_logger
+
+    log = get_logger(actor="member", instance=args.name)
+    # Imports done, then the session opened: a test that times out waiting on a member sees how far it got.
+    log.info("member_starting", endpoint=args.endpoint)
     sub = WeightSubscriber(args.name, args.endpoint, LINK, RecordingEngine(args.out))
+    log.info("member_started")
     while not stop:
         sub.poll(0.05)
     sub.close()
