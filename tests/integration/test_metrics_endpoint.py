@@ -55,11 +55,14 @@ def test_scrape_a_running_job(tmp_path):
         assert {i: t["labels"]["role"] for i, t in found.items()} == INSTANCES
         learner = found["learner-0"]["url"]
         wait_for(
-            "4 learner steps on /metrics and weights on both generators",
+            "4 learner steps on /metrics, weights on both generators, a broker snapshot past version 1",
             lambda: (
                 scrape(learner).all("april_learner_step")
                 and scrape(learner).value("april_learner_step") >= 4
                 and scrape(found["broadcaster"]["url"]).value("april_broadcaster_members") == 2
+                # the broker's scrape is its loop's snapshot, up to 0.5 s old: steps may outrun it
+                and scrape(found["broker"]["url"]).all("april_broker_policy_version")
+                and scrape(found["broker"]["url"]).value("april_broker_policy_version") >= 2
             ),
             120,
             proc,
