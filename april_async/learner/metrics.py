@@ -87,6 +87,14 @@ STEP_GAUGES = (
      "(its wait for the batch included)"),
 )
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+PHASES = ("wait", "train", "publish")
+
+
+def _phase_seconds(row: dict) -> dict[str, float]:
+    """A step row's time by phase: its wait for the batch, training, and the rest of the step
+    (publishing the weights, the report, a checkpoint)."""
+    step_s, train_s = float(row.get("step_s", 0.0)), float(row.get("train_s", 0.0))
+    return {"wait": float(row.get("wait_s", 0.0)), "train": train_s, "publish": max(0.0, step_s - train_s)}
 
 
 class Scrape:
@@ -98,7 +106,8 @@ class Scrape:
         self.row: dict = {}
         self.steps = 0
         self.tokens = 0
-        self.seconds = {"wait": 0.0, "train": 0.0, "publish": 0.0}
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.last_seconds: dict[str, float] = {}
         self.staleness = Histogram(STALENESS_BUCKETS)
 
     def record(self, row: dict, lags) -> None:
@@ -106,28 +115,25 @@ class Scrape:
 
         self.steps += 1
         self.tokens += int(row.get("tokens", 0))
-        step_s, train_s = float(row.get("step_s", 0.0)), float(row.get("train_s", 0.0))
-        self.seconds["wait"] += float(row.get("wait_s", 0.0))
-        self.seconds["train"] += train_s
-        self.seconds["publish"] += max(0.0, step_s - train_s)
+        last = _phase_seconds(row)
+        for phase, seconds in last.items():
+            self.seconds[phase] += seconds
         if lags is not None and len(lags):
             lags = np.asarray(lags)
             edges = np.searchsorted(np.asarray(STALENESS_BUCKETS), lags, side="left")
             per_bucket = np.bincount(edges, minlength=len(STALENESS_BUCKETS) + 1)
             self.staleness.add_counts(per_bucket, float(lags.sum()))
-        self.row = row
+        self.row, self.last_seconds = row, last
 
     def scrape(self, out: Families) -> None:
-        row = self.row
+        row, last = self.row, self.last_seconds
         for key, name, help in STEP_GAUGES:
             value = row.get(key)
             if _scalar(value):
                 out.gauge(name, help, value)
-        for phase in ("wait", "train", "publish"):
-            key = f"{phase}_s" if phase != "publish" else None
-            last = row.get(key) if key else (row["step_s"] - row["train_s"] if "step_s" in row else None)
+        for phase in PHASES:
             out.gauge("april_learner_last_step_seconds", "The last step's time by phase: wait (for its "
-                      "batch), train, publish (weights, report, checkpoint)", last, phase=phase)
+                      "batch), train, publish (weights, report, checkpoint)", last.get(phase), phase=phase)
             out.counter("april_learner_step_seconds_total", "Seconds in each phase of a step, since this "
                         "process started", self.seconds[phase], phase=phase)
         out.counter("april_learner_steps_total", "Steps taken by this process", self.steps)
