@@ -62,7 +62,7 @@ import time
 from array import array
 from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
@@ -106,9 +106,10 @@ class SimResult:
     latency_us: dict[str, array]  # core call -> its durations, µs (the whole run)
     gc_pauses_ms: array  # every full (generation 2) garbage collection in the run, ms
     gc_cpu_ms: array  # ... the CPU time of each (a collection the OS descheduled took longer than it worked)
-    # core call -> (wall, CPU) µs of each call over SLOW_CALL_US: whether a slow call worked that long,
-    # or the OS ran something else meanwhile (a 2-core machine's other processes, a VM's steal)
-    slow_calls: dict[str, list[tuple[float, float]]] = field(repr=False)
+    # core call -> (index, wall, CPU) of each call over SLOW_CALL_US (µs; index: its place in
+    # ``latency_us[call]``): whether a slow call worked that long, or the OS ran something else meanwhile
+    # (a 2-core machine's other processes, a VM's steal)
+    slow_calls: dict[str, list[tuple[int, float, float]]] = field(repr=False)
     counters: dict = field(repr=False)  # the core's counters at the end of the run
     ledger_ok: bool = True
     turns: int = 0  # K: policy turns of a trajectory (0: single-turn samples)
@@ -119,6 +120,7 @@ class SimResult:
     samples_delivered: int = 0  # in the window
     turns_delivered: int = 0  # the policy turns of the samples delivered in the window
     turn_counts: dict[int, int] = field(default_factory=dict, repr=False)  # turns -> delivered samples (run)
+    repeats: int = 1  # runs of the same calls whose least time per call this holds (``least_of``)
 
     @property
     def turns_per_sample(self) -> float:
@@ -155,7 +157,7 @@ class SimResult:
     def max_cpu_us(self, call: str) -> float:
         """The most CPU time one call of a kind took, among those over ``SLOW_CALL_US`` of wall time
         (µs; 0 when none was): the core's own cost of its slowest calls."""
-        return max((cpu for _, cpu in self.slow_calls.get(call, ())), default=0.0)
+        return max((cpu for _, _, cpu in self.slow_calls.get(call, ())), default=0.0)
 
     def row(self) -> dict:
         """The numbers as a flat dict (JSON, CSV)."""
@@ -169,12 +171,58 @@ class SimResult:
                "turns": self.turns, "observations": self.observations,
                "observation_tokens": self.observation_tokens,
                "turns_finished": self.turns_finished, "turns_demoted": self.turns_demoted,
-               "turns_per_sample": self.turns_per_sample}
+               "turns_per_sample": self.turns_per_sample, "repeats": self.repeats}
         for call in CORE_CALLS:
             p50, p99, n = self.latency(call)
             out[f"{call}_p50_us"], out[f"{call}_p99_us"], out[f"{call}_calls"] = p50, p99, n
             out[f"{call}_max_us"] = self.max_us(call)
         return out
+
+
+def least_of(runs: list[SimResult]) -> SimResult:
+    """Runs of one mode with the same settings, as one result whose every call took the least time
+    it took in any of them.
+
+    The simulation is deterministic (simulated time, seeded draws): every run makes the same core
+    calls in the same order, so the i-th call of a kind is the same work in each. What differs is
+    the machine: a shared one stalls a thread for milliseconds now and then, and the stall is
+    counted as the thread's CPU time (on the development VM a fixed 1 ms of Python took over 10 ms
+    of CPU once in about a thousand runs; ``report.machine_noise``). Noise only ever adds time, so
+    the least of a few runs is the call's own cost, and a call over the bound in every run is over
+    it for real. A slow call's CPU time is kept only for a call over ``SLOW_CALL_US`` of wall time
+    in every run; full collections are taken pairwise likewise.
+
+    Raises ``SimError`` when the runs made different calls (counters or call counts differ): then
+    the least of them would not compare the same work.
+    """
+    first = runs[0]
+    for other in runs[1:]:
+        if other.counters != first.counters or any(
+                len(other.latency_us[c]) != len(xs) for c, xs in first.latency_us.items()):
+            raise SimError(f"mode {first.mode}: repeated runs made different core calls (the simulation "
+                           "is not deterministic), so their times cannot be compared call by call")
+    latency = {}
+    for call, xs in first.latency_us.items():
+        least = array("d", xs)
+        for other in runs[1:]:
+            least = array("d", map(min, least, other.latency_us[call]))
+        latency[call] = least
+    slow: dict[str, list[tuple[int, float, float]]] = {}
+    for call, found in first.slow_calls.items():
+        kept = {i: (wall, cpu) for i, wall, cpu in found}
+        for other in runs[1:]:
+            theirs = {i: (wall, cpu) for i, wall, cpu in other.slow_calls.get(call, ())}
+            kept = {i: (min(w, theirs[i][0]), min(c, theirs[i][1])) for i, (w, c) in kept.items() if i in theirs}
+        slow[call] = [(i, w, c) for i, (w, c) in sorted(kept.items())]
+    pauses, cpu = first.gc_pauses_ms, first.gc_cpu_ms
+    for other in runs[1:]:
+        if len(other.gc_pauses_ms) == len(pauses):  # the same collections: each its least
+            pauses = array("d", map(min, pauses, other.gc_pauses_ms))
+            cpu = array("d", map(min, cpu, other.gc_cpu_ms))
+        elif max(other.gc_cpu_ms, default=0.0) < max(cpu, default=0.0):  # else the run with the lesser worst
+            pauses, cpu = other.gc_pauses_ms, other.gc_cpu_ms
+    return replace(first, latency_us=latency, slow_calls=slow, gc_pauses_ms=pauses, gc_cpu_ms=cpu,
+                               wall_s=sum(r.wall_s for r in runs), repeats=sum(r.repeats for r in runs))
 
 
 class _Grant(msgspec.Struct, gc=False):
@@ -279,7 +327,7 @@ class Simulation:
         self.gc_pauses = array("d")  # ms of each full garbage collection during the run
         self.gc_cpu_ms = array("d")  # ... and the CPU time this thread spent in it
         self._gc_c0 = 0
-        self.slow: dict[str, list[tuple[float, float]]] = {c: [] for c in CORE_CALLS}  # (wall, CPU) µs
+        self.slow: dict[str, list[tuple[int, float, float]]] = {c: [] for c in CORE_CALLS}  # (index, wall, CPU)
         self._gc_t0 = 0.0
 
     # ------------------------------------------------------------------ calls into the core
@@ -292,7 +340,7 @@ class Simulation:
         cpu = (time.thread_time_ns() - c0) / 1e3
         self.latency[kind].append(wall)
         if wall > SLOW_CALL_US:
-            self.slow[kind].append((wall, cpu))
+            self.slow[kind].append((len(self.latency[kind]) - 1, wall, cpu))
         return out
 
     def _length(self, sample_id: int) -> int:

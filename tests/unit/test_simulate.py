@@ -59,13 +59,55 @@ def test_the_bounds_line_names_each_call_over_its_bound():
     assert bound_violations(res) == [] and bounds_line([res]).endswith(": PASS")
     res.latency_us["finish"] = array("d", [1.0] * 90 + [2_000.0] * 10)  # p99 2 ms, max 2 ms
     res.latency_us["pull_batch"] = array("d", [1.0] * 90 + [20_000.0] * 10)  # whole batches: max only
-    res.slow_calls["pull_batch"] = [(20_000.0, 19_000.0)]  # it worked 19 ms of its 20
+    res.slow_calls["pull_batch"] = [(90, 20_000.0, 19_000.0)]  # it worked 19 ms of its 20
     res.latency_us["lease"] = array("d", [1.0] * 999 + [25_000.0])  # p99 1 µs
-    res.slow_calls["lease"] = [(25_000.0, 300.0)]  # 25 ms of wall, 0.3 ms of CPU: the OS ran another
+    res.slow_calls["lease"] = [(999, 25_000.0, 300.0)]  # 25 ms of wall, 0.3 ms of CPU: the OS ran another
     res.gc_pauses_ms, res.gc_cpu_ms = array("d", [30.0]), array("d", [30.0])
     broken = ["full GC 30 ms of CPU", "pull_batch max 19.0 ms of CPU", "finish p99 2.0 ms"]
     assert bound_violations(res) == broken
     assert f"FAIL — async r=2: {', '.join(broken)}" in bounds_line([res])
+
+
+def test_repeated_runs_make_the_same_calls_and_each_call_keeps_its_least_time():
+    """``--repeats``: the simulation is deterministic, so the i-th call of a kind is the same work in
+    every run, and the least time over the runs is the call's own (a stall of the machine in one run
+    is not in the others). A call over the bound in one run only is not over it in the combined
+    result; one over it in every run is, with its lesser time."""
+    from array import array
+
+    from april_async.sim.report import bound_violations
+    from april_async.sim.simulation import least_of
+
+    a, b = (Simulation(cfg("april", 2.0, 1), SPEC).run() for _ in range(2))
+    assert a.counters == b.counters
+    assert {c: len(xs) for c, xs in a.latency_us.items()} == {c: len(xs) for c, xs in b.latency_us.items()}
+    for r in (a, b):
+        r.slow_calls = {call: [] for call in r.latency_us}
+        r.gc_pauses_ms, r.gc_cpu_ms = array("d", [2.0]), array("d", [2.0])
+    n = len(a.latency_us["lease"])
+    a.latency_us["lease"][3] = 30_000.0  # a stall in run a only: 30 ms of wall and of CPU
+    a.slow_calls["lease"] = [(3, 30_000.0, 30_000.0)]
+    for r, ms in ((a, 14), (b, 12)):  # the same slice over the bound in both runs
+        r.latency_us["pull_batch"][0] = ms * 1e3
+        r.slow_calls["pull_batch"] = [(0, ms * 1e3, ms * 1e3)]
+    assert bound_violations(a) == ["lease max 30.0 ms of CPU", "pull_batch max 14.0 ms of CPU"]
+    both = least_of([a, b])
+    assert both.repeats == 2 and both.counters == a.counters and len(both.latency_us["lease"]) == n
+    assert both.latency_us["lease"][3] == b.latency_us["lease"][3] < 30_000.0
+    assert all(x == min(p, q) for x, p, q in zip(both.latency_us["finish"], a.latency_us["finish"],
+                                                  b.latency_us["finish"]))
+    assert both.slow_calls["lease"] == [] and both.slow_calls["pull_batch"] == [(0, 12e3, 12e3)]
+    assert bound_violations(both) == ["pull_batch max 12.0 ms of CPU"]
+    assert both.row()["repeats"] == 2
+
+
+def test_runs_that_made_different_calls_are_not_compared_call_by_call():
+    a = Simulation(cfg("april", 2.0, 1), SPEC).run()
+    b = Simulation(cfg("april", 2.0, 1), SPEC.model_copy(update={"seed": SPEC.seed + 1})).run()
+    from april_async.sim.simulation import least_of
+
+    with pytest.raises(SimError, match="different core calls"):
+        least_of([a, b])
 
 
 def test_april_recycles_partials_and_sync_never_does():
@@ -130,13 +172,16 @@ def test_cli_prints_one_row_per_mode(capsys):
 
 def test_tools_simulate_runs_from_a_checkout_and_writes_json(tmp_path):
     out = subprocess.run([sys.executable, "tools/simulate.py", "--smoke", "--modes", "sync,april:2",
-                          "--json", str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          "--repeats", "2", "--json", str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    assert "each call the least of 2 runs" in out.stdout and out.stdout.count("  april r=2: ") == 2
+    assert "machine: the same " in out.stdout
     import json
 
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert [(r["mode"], r["r"]) for r in rows] == [("sync", 1.0), ("april", 2.0)]
     assert rows[0]["vs_base"] == 1.0 and all(r["ledger_ok"] and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["repeats"] == 2 for r in rows)
 
 
 @pytest.mark.parametrize("argv,named", [
@@ -144,6 +189,7 @@ def test_tools_simulate_runs_from_a_checkout_and_writes_json(tmp_path):
     (["--modes", "april,turbo"], "unknown mode 'turbo'"),
     (["--modes", "sync:2"], "over_provision = 1"),
     (["--eta", "-1"], "--eta"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
     (["--generators", "0"], "generators"),
     (["--step-a", "-0.1"], "step_a_s"),
     (["--workload", "zipf:a=2"], "unknown kind 'zipf'"),
