@@ -16,13 +16,12 @@ import gc
 import math
 from collections import deque
 from collections.abc import Sequence
-from itertools import islice
 
 import msgspec
 import numpy as np
 
 from april_async.broker.config import RolloutConfig
-from april_async.broker.ledger import (NO_RUNS, NO_TOKENS, Counters, PackedRuns, Place, Runs, Sample,
+from april_async.broker.ledger import (NO_RUNS, NO_TOKENS, Counters, PackedRuns, Runs, Sample,
                                        _bump, _logprob_view, _token_view, pairs)
 from april_async.broker.policy import Policy
 
@@ -162,11 +161,11 @@ class Delivery(Policy):
             B = self.config.batch_groups
             if len(self._ready) < B:
                 return None
-            chosen = list(islice(self._ready, B))
+            chosen = self._ready.take(B)
+            done, groups = self._done, self.groups
             for gid in chosen:
-                self._ready.pop(gid)
-                self._done.pop(gid, None)
-                self.groups[gid].state = "delivering"
+                done.pop(gid, None)
+                groups[gid].state = "delivering"
             a = self._assembly = _Assembly(self._take("batch"), self.version, chosen)
             if self.config.mode != "async":
                 self.awaiting_version = a.version
@@ -179,7 +178,7 @@ class Delivery(Policy):
             a.packed += 1
             budget -= n
             g = self.groups[gid]
-            samples = [self.samples[sid] for sid in g.sample_ids]
+            samples = self.samples.values_of(g.sample_ids)
             out_groups.append(
                 BatchGroupOut(
                     gid,
@@ -196,8 +195,8 @@ class Delivery(Policy):
             )
             for s in samples:
                 tally.add(s)
-                self._move(s, Place.DELIVERED)
                 s.token_bytes, s.logprob_bytes = NO_TOKENS, NO_TOKENS
+            self._deliver(g, samples)
             g.state = "delivered"
             self._forget(g)
         tally.count_into(self.counters, V)  # per slice: the audit balances between slices too

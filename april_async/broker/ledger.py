@@ -401,8 +401,9 @@ class Ledger:
         self._aborted_below = 0
         self._place_counts: dict[Place, int] = dict.fromkeys(Place, 0)
         self._place_counts.update(self.ended)
-        # group -> its samples leased / finished or scored / scored (no entry: none)
+        # group -> its samples leased / at their environment / finished or scored / scored (no entry: none)
         self._n_leased: dict[int, int] = {}
+        self._n_stepping: dict[int, int] = {}
         self._n_done: dict[int, int] = {}
         self._n_scored: dict[int, int] = {}
         self._gen_leases: dict[str, dict[int, None]] = {}  # generator -> its leases
@@ -455,6 +456,7 @@ class Ledger:
         elif place is _LEASED:
             self._n_leased[gid] = self._n_leased.get(gid, 0) + 1
         elif place is _STEPPING:  # out for a step like a finished sample for its reward; its group not done
+            self._n_stepping[gid] = self._n_stepping.get(gid, 0) + 1
             if sid not in self.scoring:
                 self._unscored[sid] = None
         else:  # finished or scored
@@ -482,6 +484,7 @@ class Ledger:
         elif place is _LEASED:
             _count_down(self._n_leased, gid)
         elif place is _STEPPING:
+            _count_down(self._n_stepping, gid)
             self._unscored.pop(sid, None)
         else:  # finished or scored
             if place is _FINISHED:
@@ -568,11 +571,39 @@ class Ledger:
         """Whether ``lease`` was told to abort: flagged alone, or by an early termination."""
         return lease.aborting or lease.lease_id < self._aborted_below
 
+    def _deliver(self, g: Group, samples: list[Sample]) -> None:
+        """Ready group ``g``'s ``samples`` (every one scored) are delivered: what ``_move`` to
+        ``DELIVERED`` does to each, done once for the group where it can be (its counts, its place
+        in the queues) and in one call per index for the rest. A batch holds 64,000 samples at
+        1,000 generators; one ``_move`` each made its slices 3–4 ms of 512 samples."""
+        gid, n = g.group_id, len(samples)
+        for s in samples:
+            if s.place is not _SCORED:
+                raise BrokerError(f"group {gid} delivered with sample {s.sample_id} {s.place.value}, not scored")
+            s.place = _DELIVERED
+        counts = self._place_counts
+        counts[_SCORED] -= n
+        counts[_DELIVERED] += n
+        for index in (self._n_done, self._n_scored, self._done):
+            index.pop(gid, None)
+        self._ready.pop(gid, None)
+        ids = g.sample_ids
+        self._moved_at.pop_each(ids, None)
+        by_version: dict[int, list[int]] = {}
+        for sid, version in zip(ids, self._oldest.pop_each(ids, None)):
+            if version is not None:
+                by_version.setdefault(version, []).append(sid)
+        for version, sids in by_version.items():
+            bucket = self._by_oldest[version]
+            bucket.pop_each(sids)
+            if not bucket:
+                del self._by_oldest[version]
+
     def _forget(self, g: Group) -> None:
         """Group ``g`` ended: it and its samples leave the ledger; ``ended`` counts them."""
-        for sid in g.sample_ids:
-            s = self.samples.pop(sid)
-            self.ended[s.place] += 1
+        ended = self.ended
+        for s in self.samples.pop_each(g.sample_ids):
+            ended[s.place] += 1
         del self.groups[g.group_id]
         self.prompt_ids.pop(g.prompt_id, None)
 

@@ -269,7 +269,6 @@ class Policy(Ledger):
         if not per_turn or self.config.turn_tokens is None:
             return room
         return min(room, self.config.turn_tokens) if self._trajectory(g or self.groups[s.group_id]) else room
-        return min(room, self.config.turn_tokens)
 
 
     # ------------------------------------------------------------------ generator reports
@@ -693,26 +692,15 @@ class Policy(Ledger):
 
     def _open_next_step(self) -> None:
         """sync/april (and async with ``per_step`` admission, at every version): the next rollout
-        step starts with the groups still leased. Updated in place:
-        a new set of thousands of groups took 0.5–9 ms to allocate in the simulator (fresh memory
-        from the OS), the in-place update tens of µs."""
-        groups, leased = self.step_groups, self._n_leased
-        stepping = self._stepping_groups()
-        groups.difference_update([gid for gid in groups if gid not in leased and gid not in stepping])
+        step starts with the groups still leased, and those of trajectories with a turn at their
+        environment (a finished turn that may be answered with an observation): they stay in the
+        step as leased groups do. Updated in place, by set operations on the index dicts (C loops:
+        a Python loop over the step's 8,000 groups at 1,000 generators, with a scan of the samples
+        out for scoring, made ``publish_version`` 1.1 ms at the median)."""
+        groups, leased, stepping = self.step_groups, self._n_leased, self._n_stepping
+        groups.difference_update(groups.difference(leased, stepping))
         groups.update(leased)
         groups.update(stepping)
-
-    def _stepping_groups(self) -> set[int]:
-        """The groups of trajectories with a turn at their environment (a finished turn that may be
-        answered with an observation): they stay in the rollout step as leased groups do."""
-        if not self.config.environments:
-            return set()
-        out = set()
-        for sid in (*self.scoring, *self._unscored):
-            s = self.samples[sid]
-            if s.place is Place.STEPPING:
-                out.add(s.group_id)
-        return out
 
     def _stale_candidates(self) -> list[int]:
         """The live samples whose oldest token is over η at the current version, in the order

@@ -96,3 +96,39 @@ def test_the_collector_tracks_only_the_dict_of_pages():
         m[k] = _Record(k) if k % 2 else k
     assert not gc.is_tracked(m)
     assert not any(gc.is_tracked(page) for page in m.pages.values())
+
+
+def test_pop_each_and_values_of_are_pop_and_getitem_over_keys_across_pages():
+    """The bulk calls of a delivered group: the values in the order of the keys, emptied pages
+    dropped, a missing key a ``KeyError`` naming it (or ``default`` for ``pop_each``)."""
+    m = PagedMap.of((k, k * 10) for k in range(PAGE_SIZE - 3, PAGE_SIZE + 5))
+    d = {k: k * 10 for k in m}
+    keys = list(range(PAGE_SIZE - 3, PAGE_SIZE + 2))  # across the page boundary
+    assert m.values_of(keys) == [d[k] for k in keys]
+    with pytest.raises(KeyError) as e:
+        m.values_of([PAGE_SIZE, 5])
+    assert e.value.args == (5,)
+    assert m.pop_each(keys) == [d.pop(k) for k in keys]
+    assert m == d and set(m.pages) == {1}  # page 0 emptied, so dropped
+    a, b = PAGE_SIZE + 2, PAGE_SIZE + 3
+    assert m.pop_each([a, 99, b], None) == [d.pop(a), None, d.pop(b)]
+    assert m == d
+    with pytest.raises(KeyError) as e:
+        m.pop_each([PAGE_SIZE + 4, 7])
+    assert e.value.args == (7,) and PAGE_SIZE + 4 not in m  # the keys before the missing one are gone
+    assert m.pop_each([]) == [] and not m and m.pages == {}
+
+
+def test_a_fifo_set_takes_its_oldest_members_in_one_walk():
+    from april_async.broker.paged import FifoSet, PagedFifoSet
+
+    for kind in (FifoSet, PagedFifoSet):
+        q = kind(range(10))
+        q.pop(2)
+        q.pop(0)
+        q[0] = None  # re-added: now the newest
+        assert q.take(3) == [1, 3, 4] and list(q) == [5, 6, 7, 8, 9, 0]
+        assert 1 not in q and len(q) == 6 and q.first() == 5
+        assert q.take(100) == [5, 6, 7, 8, 9, 0] and not q and q.take(1) == []
+        q[11] = None
+        assert q.first() == 11 and list(q) == [11]
