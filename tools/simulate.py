@@ -5,6 +5,7 @@
     .venv/bin/python tools/simulate.py --smoke          # seconds (CI)
     .venv/bin/python tools/simulate.py --costs cpu --modes sync,april:2 --eta 1 --json out.json
     .venv/bin/python tools/simulate.py --turns 8 --modes april:2  # 8-turn trajectories (agents)
+    .venv/bin/python tools/simulate.py --turns 8 --modes april:2 --repeats 2  # the bounds, noise taken out
 
 (``april simulate`` takes the same flags.) Every mode — ``sync``, ``april`` at r = 1.5 and 2,
 ``async`` at r = 2 — runs the same cluster around the real ``BrokerCore``: every lease, early
@@ -40,6 +41,12 @@ the off-policy share of the delivered tokens; tokens dropped by staleness restar
 resumed. Then the broker core's wall-clock cost per call (p50 / p99 µs, measured with
 ``time.perf_counter`` around each real call; ``pull_batch`` counts each slice of a batch, packed
 as the service packs it, ``BrokerServiceConfig.batch_slice_samples`` at a time), the full garbage collections of the run, the slowest call of each kind, and the bounds.
+
+The times are the machine's as much as the core's: the ``machine:`` line times the same 1 ms of
+Python over and over, and on a shared VM it takes 3–18× as long now and then (stalls of the host
+count as the thread's CPU time). ``--repeats N`` runs each mode N times; the runs make the same
+calls (the simulation is deterministic, and the report refuses runs that differ), and every
+call's time is its least over them, so a call over a bound in every run is over it for real.
 
 What it finds, in useful tokens/s against sync. The default at 1,000 generators (4 min 28 s and
 4.5 GB before issue 18's fixes, 2 min 36 s after): sync 578k tokens/s with 77 % of slot time

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, prog: str = "simulate", out: TextIO | None = N
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
-    from april_async.sim.simulation import SimResult, Simulation, least_of
+    from april_async.sim.simulation import CORE_CALLS, SimResult, Simulation, least_of
     from april_async.sim.workload import parse_workload
 
     if args.eta < 0:
@@ -214,8 +214,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     for cfg in plans:
         runs = []
         for _ in range(args.repeats):
-            runs.append(Simulation(cfg, spec).run())
-            p(f"  {runs[-1].mode} r={runs[-1].r:g}: {runs[-1].wall_s:.1f} s wall")
+            run = Simulation(cfg, spec).run()
+            runs.append(run)
+            cpu, call = max((run.max_cpu_us(c), c) for c in CORE_CALLS)
+            slowest = f"; its slowest call {call}, {cpu / 1e3:.1f} ms of CPU" if cpu else ""
+            p(f"  {run.mode} r={run.r:g}: {run.wall_s:.1f} s wall{slowest}")
         results.append(least_of(runs))
         r = results[-1]
         if not r.ledger_ok:
