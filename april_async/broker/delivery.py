@@ -179,6 +179,7 @@ class Delivery(Policy):
             budget -= n
             g = self.groups[gid]
             samples = self.samples.values_of(g.sample_ids)
+            self._deliver(g, samples)  # first: it refuses a group not all scored before anything changes
             out_groups.append(
                 BatchGroupOut(
                     gid,
@@ -196,7 +197,6 @@ class Delivery(Policy):
             for s in samples:
                 tally.add(s)
                 s.token_bytes, s.logprob_bytes = NO_TOKENS, NO_TOKENS
-            self._deliver(g, samples)
             g.state = "delivered"
             self._forget(g)
         tally.count_into(self.counters, V)  # per slice: the audit balances between slices too

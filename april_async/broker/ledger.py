@@ -573,20 +573,22 @@ class Ledger:
 
     def _deliver(self, g: Group, samples: list[Sample]) -> None:
         """Ready group ``g``'s ``samples`` (every one scored) are delivered: what ``_move`` to
-        ``DELIVERED`` does to each, done once for the group where it can be (its counts, its place
-        in the queues) and in one call per index for the rest. A batch holds 64,000 samples at
-        1,000 generators; one ``_move`` each made its slices 3–4 ms of 512 samples."""
+        ``DELIVERED`` does to each, done once for the group where it can be (its counts) and in one
+        call per index for the rest. The group was chosen for a batch, so it is out of the done
+        and ready queues already (``Delivery.pull_batch``). A batch holds 64,000 samples at 1,000
+        generators; one ``_move`` each made its slices 3–4 ms of 512 samples. Checked before
+        anything changes: a sample not scored is a ``BrokerError``."""
         gid, n = g.group_id, len(samples)
         for s in samples:
             if s.place is not _SCORED:
                 raise BrokerError(f"group {gid} delivered with sample {s.sample_id} {s.place.value}, not scored")
+        for s in samples:
             s.place = _DELIVERED
         counts = self._place_counts
         counts[_SCORED] -= n
         counts[_DELIVERED] += n
-        for index in (self._n_done, self._n_scored, self._done):
-            index.pop(gid, None)
-        self._ready.pop(gid, None)
+        self._n_done.pop(gid, None)
+        self._n_scored.pop(gid, None)
         ids = g.sample_ids
         self._moved_at.pop_each(ids, None)
         by_version: dict[int, list[int]] = {}
