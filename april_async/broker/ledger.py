@@ -436,6 +436,18 @@ class Ledger:
             if not bucket:
                 del self._by_oldest[old]
 
+    def _unindex_oldest_each(self, sids: list[int]) -> None:
+        """``_unindex_oldest`` of every sample of ``sids`` (a group's), one call per index and bucket."""
+        by_version: dict[int, list[int]] = {}
+        for sid, version in zip(sids, self._oldest.pop_each(sids, None)):
+            if version is not None:
+                by_version.setdefault(version, []).append(sid)
+        for version, of_version in by_version.items():
+            bucket = self._by_oldest[version]
+            bucket.pop_each(of_version)
+            if not bucket:
+                del self._by_oldest[version]
+
     def _index_add(self, s: Sample) -> None:
         place, sid, gid = s.place, s.sample_id, s.group_id
         self._place_counts[place] += 1
@@ -591,15 +603,7 @@ class Ledger:
         self._n_scored.pop(gid, None)
         ids = g.sample_ids
         self._moved_at.pop_each(ids, None)
-        by_version: dict[int, list[int]] = {}
-        for sid, version in zip(ids, self._oldest.pop_each(ids, None)):
-            if version is not None:
-                by_version.setdefault(version, []).append(sid)
-        for version, sids in by_version.items():
-            bucket = self._by_oldest[version]
-            bucket.pop_each(sids)
-            if not bucket:
-                del self._by_oldest[version]
+        self._unindex_oldest_each(ids)
 
     def _forget(self, g: Group) -> None:
         """Group ``g`` ended: it and its samples leave the ledger; ``ended`` counts them."""

@@ -80,9 +80,9 @@ def machine_noise(seconds: float = 1.0, unit_ms: float = 1.0) -> MachineNoise:
         t0 = time.thread_time_ns()
         unit(n)
         times.append((time.thread_time_ns() - t0) / 1e6)
-    times.sort()
-    return MachineNoise(len(times), times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))],
-                        times[-1])
+    from april_async.sim.simulation import median_p99
+
+    return MachineNoise(len(times), *median_p99(times), max(times))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,11 +214,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     for cfg in plans:
         runs = []
         for _ in range(args.repeats):
-            run = Simulation(cfg, spec).run()
-            runs.append(run)
-            cpu, call = max((run.max_cpu_us(c), c) for c in CORE_CALLS)
+            one = Simulation(cfg, spec).run()
+            runs.append(one)
+            cpu, call = max((one.max_cpu_us(c), c) for c in CORE_CALLS)
             slowest = f"; its slowest call {call}, {cpu / 1e3:.1f} ms of CPU" if cpu else ""
-            p(f"  {run.mode} r={run.r:g}: {run.wall_s:.1f} s wall{slowest}")
+            p(f"  {one.mode} r={one.r:g}: {one.wall_s:.1f} s wall{slowest}")
         results.append(least_of(runs))
         r = results[-1]
         if not r.ledger_ok:

@@ -145,10 +145,10 @@ class SimResult:
 
     def latency(self, call: str) -> tuple[float, float, int]:
         """p50 and p99 of one kind of core call (µs), and how many there were."""
-        xs = sorted(self.latency_us.get(call, ()))
+        xs = self.latency_us.get(call, ())
         if not xs:
             return math.nan, math.nan, 0
-        return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))], len(xs)
+        return *median_p99(xs), len(xs)
 
     def max_us(self, call: str) -> float:
         """The slowest call of one kind (µs; 0 when there was none)."""
@@ -177,6 +177,12 @@ class SimResult:
             out[f"{call}_p50_us"], out[f"{call}_p99_us"], out[f"{call}_calls"] = p50, p99, n
             out[f"{call}_max_us"] = self.max_us(call)
         return out
+
+
+def median_p99(xs) -> tuple[float, float]:
+    """The median and the 99th percentile (nearest rank, the higher) of ``xs``, which is not empty."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
 def least_of(runs: list[SimResult]) -> SimResult:
